@@ -1,0 +1,5 @@
+"""``python -m jaxserve`` is the ``jaxserve`` command."""
+
+from jaxserve.cli.main import cli
+
+cli()

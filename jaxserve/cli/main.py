@@ -1,0 +1,43 @@
+"""The ``jaxserve`` command line.
+
+Each sub-command lives in its own module; this file only assembles the group.
+Heavy imports (JAX, the model) happen inside the commands so ``--help`` stays
+instant.
+"""
+
+from __future__ import annotations
+
+import click
+
+from jaxserve import __version__
+from jaxserve.cli.bench import bench
+from jaxserve.cli.generate import generate
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="jaxserve")
+def cli() -> None:
+    """jaxserve: queue-fed LLM serving on JAX.
+
+    Models are Hugging Face checkpoint folders (config.json, safetensors,
+    tokenizer.json) or the name of a preset under models/ (for example
+    ``tiny``), which is materialized offline with random weights.
+    """
+
+
+cli.add_command(generate)
+cli.add_command(bench)
+
+try:  # the queue side registers itself once it exists
+    from jaxserve.cli import queue_commands as _queue
+except ImportError:  # pragma: no cover - only while the queue side is absent
+    _queue = None
+if _queue is not None:
+    for _name in ("worker", "submit", "chat", "batch", "status"):
+        _command = getattr(_queue, _name, None)
+        if isinstance(_command, click.Command):
+            cli.add_command(_command, _name)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    cli()

@@ -1,0 +1,60 @@
+"""The fixed set of step shapes the runner compiles ahead of time.
+
+A step's flat token count is padded up to a *token bucket*; the number of
+sequences that sample a token is padded up to a *sequence bucket*. Both are
+powers of two (plus the configured maxima), so the whole serving life of a
+worker touches a handful of compiled programs, all built before the first
+job is consumed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out = []
+    value = lo
+    while value < hi:
+        out.append(value)
+        value *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Token buckets (forward pass) and sequence buckets (logits + sampling)."""
+
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+
+    @classmethod
+    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8) -> "Buckets":
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(
+                f"need max_num_batched_tokens >= 1 and max_num_seqs >= 1, got "
+                f"{max_num_batched_tokens} and {max_num_seqs}"
+            )
+        lo = min(min_tokens, max_num_batched_tokens)
+        tokens = tuple(_powers_of_two(lo, max_num_batched_tokens))
+        seqs = tuple(_powers_of_two(1, max_num_seqs))
+        return cls(tokens=tokens, seqs=seqs)
+
+    def token_bucket(self, num_tokens: int) -> int:
+        return self._pick(self.tokens, num_tokens, "tokens")
+
+    def seq_bucket(self, num_seqs: int) -> int:
+        return self._pick(self.seqs, num_seqs, "sequences")
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, sequence bucket) a step can produce."""
+        return [(t, s) for t in self.tokens for s in self.seqs if s <= t]
+
+    @staticmethod
+    def _pick(options: tuple[int, ...], value: int, what: str) -> int:
+        i = bisect.bisect_left(options, value)
+        if i == len(options):
+            raise ValueError(f"a step of {value} {what} exceeds the largest bucket {options[-1]}")
+        return options[i]

@@ -1,0 +1,257 @@
+"""The model runner: executes a step plan on the device.
+
+The runner owns the physical KV cache and the compiled programs; it knows
+nothing about requests, queues or scheduling policy. The engine hands it a
+list of :class:`SeqWork` (which tokens of which sequence to compute this
+step, where their blocks are) and gets back the sampled tokens.
+
+Two compiled programs per step:
+
+- ``forward`` for each token bucket ``T``: embeds the flat batch, runs every
+  layer over the paged cache (donated, so updated in place) and returns the
+  hidden states ``[T, hidden]``.
+- ``sample`` for each (token bucket, sequence bucket) pair: gathers the
+  hidden state of each sampling sequence's last token, computes its logits
+  and samples on the device. Logits never travel to the host.
+
+Everything is compiled in :meth:`ModelRunner.warmup`; calling the compiled
+executables directly (rather than a ``jax.jit`` wrapper) makes an unplanned
+shape an error instead of a silent compilation in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import structlog
+from flax import nnx
+
+from jaxserve.engine.buckets import Buckets
+from jaxserve.engine.sampler import SamplingTensors, host_sampling_tensors, sample
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.kv_cache import KVCache
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass
+class SeqWork:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the tokens computed this step, starting at absolute
+    position ``start_pos``; ``block_ids`` is the sequence's whole block table
+    (it must already cover ``start_pos + len(token_ids)`` slots). When
+    ``sampling`` is set the step samples the token after the last one, with
+    those per-request parameters (see ``host_sampling_tensors``).
+    """
+
+    token_ids: Sequence[int]
+    start_pos: int
+    block_ids: Sequence[int]
+    sampling: dict | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Device results of a step; ``fetch`` blocks until they are on the host."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    num_sampled: int
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+        tokens = np.asarray(self.tokens)[: self.num_sampled]
+        logprobs = np.asarray(self.logprobs)[: self.num_sampled]
+        return tokens, logprobs
+
+
+class ModelRunner:
+    """Compiled forward and sampling over a paged KV cache."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        cache_dtype: Any = jnp.float32,
+        buckets: Buckets | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs)
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_cache = KVCache.create(
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=cache_dtype,
+        )
+        self._forward: dict[int, Any] = {}
+        self._sample: dict[tuple[int, int], Any] = {}
+        self._no_history = None
+        self.compile_seconds = 0.0
+
+    # ------------------------------------------------------------------ jit
+
+    def _forward_fn(self, state, input_ids, positions, kv_cache, meta):
+        model = nnx.merge(self.graphdef, state)
+        return model(input_ids, positions, kv_cache, meta)
+
+    def _sample_fn(self, state, hidden, logits_indices, tensors):
+        model = nnx.merge(self.graphdef, state)
+        logits = model.compute_logits(hidden[logits_indices])
+        return sample(logits, tensors)
+
+    def _abstract_meta(self, num_tokens: int) -> AttentionMetadata:
+        i32 = jnp.int32
+        return AttentionMetadata(
+            slot_mapping=jax.ShapeDtypeStruct((num_tokens,), i32),
+            token_seq=jax.ShapeDtypeStruct((num_tokens,), i32),
+            block_tables=jax.ShapeDtypeStruct((self.max_num_seqs, self.max_blocks_per_seq), i32),
+            context_lens=jax.ShapeDtypeStruct((self.max_num_seqs,), i32),
+            logits_indices=jax.ShapeDtypeStruct((self.max_num_seqs,), i32),
+        )
+
+    def _abstract_tensors(self, num_seqs: int) -> SamplingTensors:
+        f32, i32 = jnp.float32, jnp.int32
+        vec = lambda dt: jax.ShapeDtypeStruct((num_seqs,), dt)  # noqa: E731
+        return SamplingTensors(
+            temperature=vec(f32), top_k=vec(i32), top_p=vec(f32), min_p=vec(f32),
+            seed=vec(jnp.uint32), output_index=vec(i32), repetition_penalty=vec(f32),
+            frequency_penalty=vec(f32), presence_penalty=vec(f32),
+            history=jax.ShapeDtypeStruct((num_seqs, self.max_model_len), i32),
+            num_prompt=vec(i32),
+        )
+
+    def warmup(self) -> None:
+        """Compile every bucket ahead of time (hits the persistent cache on restart)."""
+        started = time.perf_counter()
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        state_spec = abstract(self.state)
+        cache_spec = abstract(self.kv_cache)
+        forward = jax.jit(self._forward_fn, donate_argnums=(3,))
+        for t in self.buckets.tokens:
+            if t in self._forward:
+                continue
+            ids = jax.ShapeDtypeStruct((t,), jnp.int32)
+            self._forward[t] = forward.lower(state_spec, ids, ids, cache_spec, self._abstract_meta(t)).compile()
+        hidden_size = None
+        sampler = jax.jit(self._sample_fn)
+        for t, s in self.buckets.pairs():
+            if (t, s) in self._sample:
+                continue
+            if hidden_size is None:
+                hidden_size = self._hidden_size()
+            hidden = jax.ShapeDtypeStruct((t, hidden_size), self._hidden_dtype())
+            idx = jax.ShapeDtypeStruct((s,), jnp.int32)
+            self._sample[(t, s)] = sampler.lower(state_spec, hidden, idx, self._abstract_tensors(s)).compile()
+        self.compile_seconds += time.perf_counter() - started
+        log.info(
+            "runner.compiled",
+            token_buckets=list(self.buckets.tokens),
+            seq_buckets=list(self.buckets.seqs),
+            programs=len(self._forward) + len(self._sample),
+            seconds=round(self.compile_seconds, 2),
+        )
+
+    def _hidden_size(self) -> int:
+        spec = jax.eval_shape(
+            self._forward_fn,
+            self.state,
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            self.kv_cache,
+            self._abstract_meta(1),
+        )
+        self._hidden_spec = spec[0]
+        return spec[0].shape[-1]
+
+    def _hidden_dtype(self):
+        return self._hidden_spec.dtype
+
+    # ----------------------------------------------------------------- step
+
+    def execute(self, work: Sequence[SeqWork]) -> StepResult:
+        """Run one step; returns device handles for the sampled tokens."""
+        num_tokens = sum(len(w.token_ids) for w in work)
+        if num_tokens == 0:
+            raise ValueError("a step needs at least one token")
+        if len(work) > self.max_num_seqs:
+            raise ValueError(f"a step of {len(work)} sequences exceeds max_num_seqs={self.max_num_seqs}")
+        t_bucket = self.buckets.token_bucket(num_tokens)
+        bs = self.block_size
+        input_ids = np.zeros(t_bucket, np.int32)
+        positions = np.zeros(t_bucket, np.int32)
+        slot_mapping = np.zeros(t_bucket, np.int32)  # padding writes into block 0
+        token_seq = np.zeros(t_bucket, np.int32)
+        block_tables = np.zeros((self.max_num_seqs, self.max_blocks_per_seq), np.int32)
+        context_lens = np.zeros(self.max_num_seqs, np.int32)
+        logits_rows: list[int] = []
+        sampling_rows: list[dict] = []
+        cursor = 0
+        for row, w in enumerate(work):
+            n = len(w.token_ids)
+            end = cursor + n
+            pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
+            blocks = np.asarray(w.block_ids, np.int32)
+            if len(blocks) * bs < w.start_pos + n:
+                raise ValueError(
+                    f"sequence {row} has {len(blocks)} blocks for {w.start_pos + n} tokens (block size {bs})"
+                )
+            input_ids[cursor:end] = w.token_ids
+            positions[cursor:end] = pos
+            slot_mapping[cursor:end] = blocks[pos // bs] * bs + pos % bs
+            token_seq[cursor:end] = row
+            block_tables[row, : len(blocks)] = blocks
+            context_lens[row] = w.start_pos + n
+            if w.sampling is not None:
+                logits_rows.append(end - 1)
+                sampling_rows.append(w.sampling)
+            cursor = end
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            token_seq=token_seq,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            logits_indices=np.zeros(self.max_num_seqs, np.int32),
+        )
+        hidden, self.kv_cache = self._forward[t_bucket](self.state, input_ids, positions, self.kv_cache, meta)
+        if not sampling_rows:
+            return StepResult(tokens=jnp.zeros((0,), jnp.int32), logprobs=jnp.zeros((0,)), num_sampled=0)
+        s_bucket = self.buckets.seq_bucket(len(sampling_rows))
+        idx = np.zeros(s_bucket, np.int32)
+        idx[: len(logits_rows)] = logits_rows
+        tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
+        tokens, logprobs = self._sample[(t_bucket, s_bucket)](self.state, hidden, idx, tensors)
+        return StepResult(tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows))
+
+    def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
+        needs_history = any(r.get("history") is not None for r in rows)
+        if needs_history:
+            return host_sampling_tensors(rows, s_bucket, self.max_model_len)
+        arrays = host_sampling_tensors(rows, s_bucket, 0)
+        # Without penalties the history is never read: reuse one device array
+        # of -1 per bucket instead of shipping [S, max_model_len] every step.
+        if self._no_history is None:
+            self._no_history = {}
+        if s_bucket not in self._no_history:
+            self._no_history[s_bucket] = jax.device_put(np.full((s_bucket, self.max_model_len), -1, np.int32))
+        arrays["history"] = self._no_history[s_bucket]
+        return arrays

@@ -1,0 +1,161 @@
+"""Token sampling on the device, one compiled function per sequence bucket.
+
+Every per-request knob (temperature, top-k, top-p, min-p, penalties, seed)
+arrives as an array with one row per sequence, so a batch mixing greedy and
+sampled requests, or different seeds, runs the same compiled program.
+
+Reproducibility: each row draws its randomness from
+``fold_in(PRNGKey(seed), output_index)``, a function of the request's own
+seed and of how many tokens it has produced so far. What else shares the
+batch, or at which row the request sits, cannot change its tokens.
+
+The expensive parts (a full-vocabulary sort for top-k/top-p, the penalty
+scatter) sit under ``lax.cond`` and run only when some row needs them: a
+greedy batch costs one argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG_INF = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters for one step (``S`` rows, ``H`` history).
+
+    ``history`` holds, per row, the token ids the penalties look at, padded
+    with -1: prompt ids first, then output ids. ``num_prompt`` says how many
+    leading entries are prompt (repetition penalty covers both, frequency
+    and presence penalties only the output, as in OpenAI and vLLM).
+    """
+
+    temperature: jax.Array  # f32 [S]; 0 means greedy
+    top_k: jax.Array  # i32 [S]; <= 0 disables
+    top_p: jax.Array  # f32 [S]
+    min_p: jax.Array  # f32 [S]
+    seed: jax.Array  # u32 [S]
+    output_index: jax.Array  # i32 [S]: tokens generated so far
+    repetition_penalty: jax.Array  # f32 [S]
+    frequency_penalty: jax.Array  # f32 [S]
+    presence_penalty: jax.Array  # f32 [S]
+    history: jax.Array  # i32 [S, H]
+    num_prompt: jax.Array  # i32 [S]
+
+
+def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    num_rows, vocab = logits.shape
+    hist = t.history
+    valid = hist >= 0
+    ids = jnp.where(valid, hist, 0)
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= t.num_prompt[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], hist.shape)
+    seen = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].max(valid)
+    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    rep = t.repetition_penalty[:, None]
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalized, logits)
+    logits = logits - t.frequency_penalty[:, None] * out_counts
+    logits = logits - t.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32)
+    return logits
+
+
+def _filter_and_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    vocab = logits.shape[-1]
+    temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    # top-k: keep values >= the k-th largest.
+    k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    keep = scaled >= kth
+    # top-p over the top-k survivors: keep the smallest prefix whose mass
+    # reaches top_p (the token that crosses the line is kept).
+    masked_sorted = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, _NEG_INF)
+    probs_sorted = jax.nn.softmax(masked_sorted, axis=-1)
+    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    cutoff_count = jnp.sum(mass_before < t.top_p[:, None], axis=-1)
+    cutoff_value = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_count - 1, 0)[:, None], axis=-1)
+    keep = keep & (scaled >= cutoff_value)
+    # min-p: drop tokens whose probability is below min_p * max probability.
+    probs = jax.nn.softmax(jnp.where(keep, scaled, _NEG_INF), axis=-1)
+    keep = keep & (probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
+    filtered = jnp.where(keep, scaled, _NEG_INF)
+
+    def draw(seed, index, row):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
+        return jax.random.categorical(key, row)
+
+    sampled = jax.vmap(draw)(t.seed, t.output_index, filtered)
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """Pick one token per row; returns ``(token_ids i32[S], logprobs f32[S])``.
+
+    The log-probability is that of the chosen token under the model's raw
+    distribution (before penalties and temperature), as vLLM reports it.
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    needs_penalty = jnp.any(
+        (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
+    )
+    logits = jax.lax.cond(needs_penalty, _apply_penalties, lambda x, _: x, logits, t)
+    needs_sampling = jnp.any(t.temperature > 0)
+    tokens = jax.lax.cond(
+        needs_sampling,
+        _filter_and_sample,
+        lambda x, _: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        logits,
+        t,
+    )
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen
+
+
+def host_sampling_tensors(
+    rows: list[dict],
+    num_rows: int,
+    history_len: int,
+) -> dict[str, np.ndarray]:
+    """Build the numpy arrays of a :class:`SamplingTensors` for ``num_rows``.
+
+    ``rows`` has one dict per real sequence with keys ``temperature``,
+    ``top_k``, ``top_p``, ``min_p``, ``seed``, ``output_index``,
+    ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` and,
+    when a penalty is active, ``history`` (list of ids) and ``num_prompt``.
+    Padding rows are greedy with neutral penalties.
+    """
+    out = {
+        "temperature": np.zeros(num_rows, np.float32),
+        "top_k": np.zeros(num_rows, np.int32),
+        "top_p": np.ones(num_rows, np.float32),
+        "min_p": np.zeros(num_rows, np.float32),
+        "seed": np.zeros(num_rows, np.uint32),
+        "output_index": np.zeros(num_rows, np.int32),
+        "repetition_penalty": np.ones(num_rows, np.float32),
+        "frequency_penalty": np.zeros(num_rows, np.float32),
+        "presence_penalty": np.zeros(num_rows, np.float32),
+        "history": np.full((num_rows, history_len), -1, np.int32),
+        "num_prompt": np.zeros(num_rows, np.int32),
+    }
+    for i, row in enumerate(rows):
+        for name in (
+            "temperature", "top_k", "top_p", "min_p", "seed", "output_index",
+            "repetition_penalty", "frequency_penalty", "presence_penalty",
+        ):
+            out[name][i] = row[name]
+        history = row.get("history")
+        if history is not None:
+            history = history[-history_len:]
+            out["history"][i, : len(history)] = history
+            out["num_prompt"][i] = row.get("num_prompt", 0)
+    return out
