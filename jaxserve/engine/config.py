@@ -1,0 +1,139 @@
+"""Engine and scheduler settings (plain dataclasses, validated on creation).
+
+Both validate in ``__post_init__``, so ``dataclasses.replace(cfg, ...)``
+re-checks the new values. Errors are ``ValueError`` naming the field, the bad
+value and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+_POLICIES = ("fcfs", "priority")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """What the scheduler may put in one step and how it orders requests.
+
+    - ``max_num_seqs``: sequences running at once (each has blocks and gets
+      up to one sampled token per step).
+    - ``max_num_batched_tokens``: tokens computed in one step, all sequences
+      together. Must be >= ``max_num_seqs`` so every running sequence can
+      always take its decode token.
+    - ``max_model_len``: prompt + generated tokens of one request.
+    - ``block_size``: tokens per KV block; ``num_blocks`` counts block 0, the
+      null block, so ``num_blocks - 1`` are usable.
+    - ``policy``: ``'fcfs'`` (arrival order) or ``'priority'`` (lower
+      ``priority`` value first, then arrival), applied within each class;
+      interactive requests always come before batch ones.
+    - ``interactive_reserved_seqs`` / ``interactive_reserved_blocks``: sequence
+      slots and KV blocks batch requests may never take, kept for interactive
+      traffic.
+    - ``long_prefill_token_threshold``: most prompt tokens one request may
+      compute in one step (0: no cap beyond the step budget).
+    - ``max_num_waiting``: waiting requests beyond which ``add_request``
+      refuses with ``overloaded`` (retryable); 0: unbounded.
+    """
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024
+    policy: SchedulingPolicy = "fcfs"
+    interactive_reserved_seqs: int = 0
+    interactive_reserved_blocks: int = 0
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return _cdiv(self.max_model_len, self.block_size)
+
+    def validate(self) -> None:
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _require_int("max_model_len", self.max_model_len, 2)
+        _require_int("block_size", self.block_size, 1)
+        _require_int("num_blocks", self.num_blocks, 2)
+        _require_int("interactive_reserved_seqs", self.interactive_reserved_seqs, 0)
+        _require_int("interactive_reserved_blocks", self.interactive_reserved_blocks, 0)
+        _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _require_int("max_num_waiting", self.max_num_waiting, 0)
+        if self.policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}), so every running sequence can take its token each step"
+            )
+        if self.interactive_reserved_seqs >= self.max_num_seqs:
+            raise ValueError(
+                f"interactive_reserved_seqs ({self.interactive_reserved_seqs}) must be < max_num_seqs "
+                f"({self.max_num_seqs}), or batch requests could never run"
+            )
+        usable = self.num_blocks - 1
+        if self.max_blocks_per_seq > usable:
+            raise ValueError(
+                f"a request of max_model_len={self.max_model_len} tokens needs {self.max_blocks_per_seq} blocks of "
+                f"{self.block_size} tokens but only {usable} are usable (num_blocks={self.num_blocks}, block 0 "
+                f"reserved); raise num_blocks or lower max_model_len"
+            )
+        if self.max_blocks_per_seq > usable - self.interactive_reserved_blocks:
+            raise ValueError(
+                f"interactive_reserved_blocks={self.interactive_reserved_blocks} leaves batch requests "
+                f"{usable - self.interactive_reserved_blocks} of {usable} usable blocks, fewer than the "
+                f"{self.max_blocks_per_seq} one request of max_model_len={self.max_model_len} needs"
+            )
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Top-level engine settings: the model to load and the scheduler's.
+
+    ``model`` is a local checkpoint directory (or name the loader resolves);
+    ``tokenizer`` defaults to it. ``dtype`` is the weight/activation dtype,
+    ``kv_cache_dtype`` that of the KV cache (``None``: same as ``dtype``).
+    """
+
+    model: str = ""
+    tokenizer: str | None = None
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str | None = None
+    seed: int = 0
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        _require_int("seed", self.seed, 0)
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value is None and name == "kv_cache_dtype":
+                continue
+            if value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be 'float32', 'bfloat16' or 'float16', got {value!r}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model

@@ -1,0 +1,527 @@
+"""Continuous-batching scheduler: host bookkeeping only, no device work.
+
+Each step, :meth:`Scheduler.schedule` turns the queues into a plan (which
+tokens of which request to compute, in which blocks); the engine runs the
+plan and feeds the sampled tokens back through
+:meth:`Scheduler.update_from_output`. The two calls strictly alternate.
+
+There is no prefill or decode phase (vLLM v1 style). A request has
+``num_tokens`` and ``num_computed_tokens``; a step gives it some of the gap.
+A step whose chunk reaches ``num_tokens`` samples the next token; a partial
+prompt chunk does not.
+
+One step, in order:
+
+1. Running requests, best first (interactive before batch; then arrival, or
+   priority then arrival). Those needing one token (decodes) are served
+   before those with a longer gap (continuing chunked prefills), so a long
+   prompt never delays a decode. A chunk is capped by what is left of the
+   token budget and by ``long_prefill_token_threshold``.
+2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
+   chunk. When they run out, the worst running request (lowest class; then
+   newest, or largest priority value then newest) is preempted: it loses all
+   its blocks, its computed tokens are reset to 0 (its generated tokens are
+   kept and recomputed with the prompt) and it goes back to the front of its
+   waiting queue. A request only ever preempts one that ranks at or below
+   it; when it ranks lowest it preempts itself.
+3. If nothing was preempted, waiting requests are admitted while the budget,
+   the sequence cap and the blocks allow: interactive first, then batch. A
+   batch request must leave ``interactive_reserved_seqs`` sequence slots and
+   ``interactive_reserved_blocks`` blocks free (running batch requests also
+   never grow into the reserved blocks). Admission stops at the first
+   request that does not fit (no overtaking within the order). A new request
+   first looks up its longest cached prefix and skips those tokens, always
+   leaving at least its last token to compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Iterator, Mapping
+
+from jaxserve.engine.block_allocator import BlockAllocator
+from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.types import RequestClass, RequestError
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Compute ``token_ids`` (``num_scheduled_tokens`` of them) at absolute
+    positions ``start_position ..``; ``block_ids`` is the request's whole
+    block table and covers every position up to the end of the chunk. When
+    ``sample`` is set, the chunk reaches the end of the request's known
+    tokens and the step must sample one token for it from the last row.
+    ``is_new`` marks the first step after admission (fresh, or resumed after
+    a preemption); then ``start_position > 0`` means a prefix-cache hit.
+    """
+
+    request_id: str
+    num_scheduled_tokens: int
+    start_position: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool
+    is_new: bool = False
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """The plan for one step.
+
+    ``scheduled``: the requests to compute, in scheduling order.
+    ``total_num_scheduled_tokens``: sum of their ``num_scheduled_tokens``.
+    ``preempted_req_ids``: requests that lost their blocks this step (the
+    runner should drop any per-request state; they come back later with
+    ``is_new`` set).
+    ``finished_req_ids``: requests that finished, including aborted ones,
+    since the previous plan; ``aborted_req_ids`` is the aborted subset.
+    """
+
+    scheduled: list[ScheduledRequest]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    finished_req_ids: list[str]
+    aborted_req_ids: list[str]
+    step: int
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def get(self, request_id: str) -> ScheduledRequest | None:
+        for s in self.scheduled:
+            if s.request_id == request_id:
+                return s
+        return None
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """A snapshot for metrics. Counters are cumulative since start; prefix
+    cache queries/hits count tokens (as vLLM's metrics do)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_interactive: int
+    num_waiting_batch: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+
+
+class _WaitingQueue:
+    """One class's waiting requests: arrival order (``fcfs``) or a heap by
+    (priority, arrival) (``priority``). Under fcfs a preempted request goes
+    to the front; under priority it regains its place by its own key, which
+    ranks it ahead of every later arrival of the same priority."""
+
+    def __init__(self, policy: str) -> None:
+        self._policy = policy
+        self._fifo: collections.deque[Request] = collections.deque()
+        self._heap: list[tuple[tuple, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self._policy == "fcfs" else len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        if self._policy == "fcfs":
+            return iter(list(self._fifo))
+        return iter([r for _, r in sorted(self._heap, key=lambda e: e[0])])
+
+    def push(self, req: Request) -> None:
+        if self._policy == "fcfs":
+            self._fifo.append(req)
+        else:
+            heapq.heappush(self._heap, (req.sort_key("priority"), req))
+
+    def push_front(self, req: Request) -> None:
+        if self._policy == "fcfs":
+            self._fifo.appendleft(req)
+        else:
+            self.push(req)
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self._policy == "fcfs" else self._heap[0][1]
+
+    def pop(self) -> Request:
+        if self._policy == "fcfs":
+            return self._fifo.popleft()
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, req: Request) -> None:
+        if self._policy == "fcfs":
+            self._fifo.remove(req)
+            return
+        for i, (_, r) in enumerate(self._heap):
+            if r is req:
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
+                heapq.heapify(self._heap)
+                return
+        raise ValueError(f"{req.request_id!r} is not waiting")
+
+
+class Scheduler:
+    """Plans each step over the running and waiting requests."""
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator | None = None) -> None:
+        config.validate()
+        if allocator is None:
+            allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        elif (allocator.num_blocks, allocator.block_size) != (config.num_blocks, config.block_size):
+            raise ValueError(
+                f"allocator has {allocator.num_blocks} blocks of {allocator.block_size} tokens but the config says "
+                f"{config.num_blocks} of {config.block_size}"
+            )
+        self.config = config
+        self.allocator = allocator
+        self.block_size = config.block_size
+        self._prefix_caching = config.enable_prefix_caching and allocator.enable_prefix_caching
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []
+        self._waiting = {cls: _WaitingQueue(config.policy) for cls in RequestClass}
+        self._finished_ids: list[str] = []
+        self._aborted_ids: list[str] = []
+        self._seq = itertools.count()
+        self._step = 0
+
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ------------------------------------------------------------ admission
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises ``RequestError``: ``invalid_request`` (duplicate id, bad
+        sampling parameters), ``context_length_exceeded`` (prompt plus
+        ``max_tokens`` over ``max_model_len``) or ``overloaded`` (retryable:
+        the waiting queue is at ``max_num_waiting``).
+        """
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestError("invalid_request", f"duplicate request id {rid!r}: a request with that id is still in progress")
+        request.sampling_params.validate()
+        limit = self.config.max_model_len
+        n_prompt = request.num_prompt_tokens
+        if n_prompt >= limit:
+            raise RequestError(
+                "context_length_exceeded",
+                f"the prompt has {n_prompt} tokens but the model's maximum context length is {limit} tokens, "
+                f"which leaves no room to generate",
+            )
+        if n_prompt + request.max_tokens > limit:
+            raise RequestError(
+                "context_length_exceeded",
+                f"the model's maximum context length is {limit} tokens, but {n_prompt + request.max_tokens} were "
+                f"requested ({n_prompt} in the prompt + {request.max_tokens} max_tokens); lower max_tokens to at "
+                f"most {limit - n_prompt}",
+            )
+        cap = self.config.max_num_waiting
+        if cap and self.num_waiting >= cap:
+            raise RequestError(
+                "overloaded", f"{self.num_waiting} requests are already waiting (limit {cap}); retry later", retryable=True
+            )
+        request.seq_no = next(self._seq)
+        if self._prefix_caching:
+            request.enable_block_hashing(self.block_size)
+        self.requests[rid] = request
+        self._waiting[request.request_class].push(request)
+
+    # ------------------------------------------------------------ planning
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the module docstring for the rules)."""
+        self._step += 1
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        cap = cfg.long_prefill_token_threshold
+        # request id -> (request, tokens, is_new); insertion order = plan order
+        planned: dict[str, tuple[Request, int, bool]] = {}
+        preempted: list[Request] = []
+
+        key = self._key
+        self.running.sort(key=key)
+        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        chunks = [r for r in self.running if r.num_tokens_to_compute > 1]
+        for req in itertools.chain(decodes, chunks):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens_to_compute, budget)
+            if cap:
+                n = min(n, cap)
+            while True:
+                need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+                if need <= self._free_blocks_for(req):
+                    if need > 0:
+                        blocks = self.allocator.allocate(need)
+                        assert blocks is not None
+                        req.block_ids.extend(blocks)
+                    break
+                victim = max(self.running, key=key)
+                budget += self._preempt(victim, planned)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            planned[req.request_id] = (req, n, False)
+            budget -= n
+
+        if not preempted:
+            budget = self._admit_waiting(budget, planned)
+
+        scheduled = []
+        total = 0
+        for req, n, is_new in planned.values():
+            start = req.num_computed_tokens
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    num_scheduled_tokens=n,
+                    start_position=start,
+                    token_ids=req.all_token_ids[start : start + n],
+                    block_ids=list(req.block_ids),
+                    sample=start + n == req.num_tokens,
+                    is_new=is_new,
+                )
+            )
+            total += n
+        assert total <= cfg.max_num_batched_tokens and len(scheduled) <= cfg.max_num_seqs
+        out = SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=total,
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=self._finished_ids,
+            aborted_req_ids=self._aborted_ids,
+            step=self._step,
+        )
+        self._finished_ids = []
+        self._aborted_ids = []
+        return out
+
+    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Request, int, bool]]) -> int:
+        cfg = self.config
+        bs = self.block_size
+        cap = cfg.long_prefill_token_threshold
+        batch_seq_limit = cfg.max_num_seqs - cfg.interactive_reserved_seqs
+        now = time.monotonic()
+        while budget > 0 and len(self.running) < cfg.max_num_seqs:
+            queue = self._waiting[RequestClass.INTERACTIVE]
+            if not len(queue):
+                queue = self._waiting[RequestClass.BATCH]
+                if not len(queue):
+                    break
+            req = queue.peek()
+            if req.request_class == RequestClass.BATCH and len(self.running) >= batch_seq_limit:
+                break
+            hits: list[int] = []
+            if self._prefix_caching:
+                # Keep at least the last token to compute: it yields the sample.
+                max_hit_blocks = (req.num_tokens - 1) // bs
+                hits = self.allocator.find_cached_prefix(req.block_hashes[:max_hit_blocks])
+            num_cached = len(hits) * bs
+            n = min(req.num_tokens - num_cached, budget)
+            if cap:
+                n = min(n, cap)
+            num_new = _cdiv(num_cached + n, bs) - len(hits)
+            if num_new + self.allocator.num_blocks_to_touch(hits) > self._free_blocks_for(req):
+                break
+            queue.pop()
+            self.allocator.touch(hits)  # before allocate, so the hits cannot be evicted
+            new_blocks = self.allocator.allocate(num_new)
+            assert new_blocks is not None
+            req.block_ids = hits + new_blocks
+            req.num_registered_blocks = len(hits)
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = num_cached
+            if self._prefix_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
+            self.running.append(req)
+            planned[req.request_id] = (req, n, True)
+            budget -= n
+        return budget
+
+    def _key(self, req: Request) -> tuple:
+        return req.sort_key(self.config.policy)
+
+    def _free_blocks_for(self, req: Request) -> int:
+        free = self.allocator.num_free_blocks
+        if req.request_class == RequestClass.BATCH:
+            free -= self.config.interactive_reserved_blocks
+        return free
+
+    def _preempt(self, req: Request, planned: dict[str, tuple[Request, int, bool]]) -> int:
+        """Send a running request back to waiting; returns the tokens it had
+        been given earlier in this step (back to the budget)."""
+        entry = planned.pop(req.request_id, None)
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting[req.request_class].push_front(req)
+        return entry[1] if entry else 0
+
+    # ------------------------------------------------------------ results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int | None]
+    ) -> list[str]:
+        """Apply a finished step: advance computed tokens, append sampled
+        tokens, cache newly full blocks, finish requests at ``max_tokens``.
+
+        ``sampled_token_ids`` must hold a token for every scheduled request
+        with ``sample`` set; entries for the others are ignored. Requests
+        aborted or finished since the plan are skipped. Returns the ids that
+        finished by length (their blocks are already freed). Stop tokens and
+        strings are the engine's call (:meth:`finish_request`).
+        """
+        live = []
+        for s in scheduler_output.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            if req.num_computed_tokens != s.start_position:
+                raise ValueError(
+                    f"stale plan for {s.request_id!r}: it has {req.num_computed_tokens} computed tokens, the plan "
+                    f"started at {s.start_position} (was this output applied twice?)"
+                )
+            if s.sample and sampled_token_ids.get(s.request_id) is None:
+                raise ValueError(f"no sampled token for {s.request_id!r}, whose step was to sample one")
+            live.append((req, s))
+
+        finished: list[str] = []
+        limit = self.config.max_model_len
+        for req, s in live:
+            req.num_computed_tokens += s.num_scheduled_tokens
+            if s.sample:
+                req.append_output_token(sampled_token_ids[s.request_id])  # type: ignore[arg-type]
+            self._register_full_blocks(req)
+            if req.num_output_tokens >= req.max_tokens or req.num_tokens >= limit:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                finished.append(req.request_id)
+        return finished
+
+    def _register_full_blocks(self, req: Request) -> None:
+        if not self._prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        start = req.num_registered_blocks
+        if full > start:
+            self.allocator.cache_full_blocks(req.block_ids[start:full], req.block_hashes[start:full])
+            req.num_registered_blocks = full
+
+    # ------------------------------------------------------------ finishing
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> bool:
+        """End a request (running or waiting) now, freeing its blocks.
+        Returns False if no unfinished request has that id."""
+        status = RequestStatus(status)
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, status)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running or waiting request, freeing its blocks at once.
+        Returns whether it existed (and was unfinished)."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self._waiting[req.request_class].remove(req)
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        req.status = status
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        if status == RequestStatus.FINISHED_ABORTED:
+            self._aborted_ids.append(req.request_id)
+
+    # ------------------------------------------------------------ queries
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet reported in a plan."""
+        return bool(self._finished_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    def waiting_requests(self, request_class: RequestClass) -> list[Request]:
+        """A class's waiting queue in admission order."""
+        return list(self._waiting[RequestClass.parse(request_class)])
+
+    def expired_request_ids(self, now: float | None = None) -> list[str]:
+        """Unfinished requests past their deadline (the engine decides what to do)."""
+        now = time.monotonic() if now is None else now
+        return [rid for rid, r in self.requests.items() if r.is_expired(now)]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.allocator.reset_prefix_cache()
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self.num_waiting,
+            num_waiting_interactive=len(self._waiting[RequestClass.INTERACTIVE]),
+            num_waiting_batch=len(self._waiting[RequestClass.BATCH]),
+            kv_cache_usage=self.allocator.usage,
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_steps=self._step,
+        )
