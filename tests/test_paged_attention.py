@@ -1,0 +1,219 @@
+"""Paged attention against dense attention: shuffled block tables, mixed batches, GQA,
+padding writes to the null block, multi-chunk online softmax, sliding windows."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.kv_cache import KVCache, bytes_per_block
+from jaxserve.kernels.paged_attention import dense_causal_attention, paged_attention, write_kv
+
+BS = 4  # block size
+NUM_BLOCKS = 48
+KVH, H, D = 2, 4, 8  # GQA: 2 query heads per kv head
+M = 12  # block-table width (max blocks per sequence)
+SCALE = 1.0 / np.sqrt(D)
+
+# (cached tokens before this step, new tokens in this step)
+SEQS = [
+    (36, 1),  # long decode
+    (4, 1),  # short decode at a block boundary
+    (10, 7),  # prefill chunk continuing a cached prefix
+    (0, 6),  # fresh prefill
+    (44, 1),  # decode filling its last block completely (45 -> 12 blocks)
+]
+NUM_PAD = 3  # padding tokens at the end of the step
+
+
+def _build(seed: int = 0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    # shuffled physical blocks: a random permutation of 1..NUM_BLOCKS-1
+    perm = rng.permutation(np.arange(1, NUM_BLOCKS))
+    S = len(SEQS) + 1  # one padding sequence row
+    block_tables = np.zeros((S, M), np.int32)
+    nxt = 0
+    full_k, full_v = [], []
+    for s, (cached, new) in enumerate(SEQS):
+        total = cached + new
+        nb = -(-total // BS)
+        block_tables[s, :nb] = perm[nxt : nxt + nb]
+        nxt += nb
+        full_k.append(rng.standard_normal((total, KVH, D)).astype(np.float32))
+        full_v.append(rng.standard_normal((total, KVH, D)).astype(np.float32))
+
+    def slot(s, p):
+        return block_tables[s, p // BS] * BS + p % BS
+
+    # garbage everywhere (block 0 and unused blocks included) so masking errors show
+    kc = rng.standard_normal((NUM_BLOCKS * BS, KVH, D)).astype(np.float32) * 100
+    vc = rng.standard_normal((NUM_BLOCKS * BS, KVH, D)).astype(np.float32) * 100
+    for s, (cached, _) in enumerate(SEQS):
+        for p in range(cached):
+            kc[slot(s, p)] = full_k[s][p]
+            vc[slot(s, p)] = full_v[s][p]
+
+    tok_seq, pos, slots, k_new, v_new = [], [], [], [], []
+    for s, (cached, new) in enumerate(SEQS):
+        for p in range(cached, cached + new):
+            tok_seq.append(s)
+            pos.append(p)
+            slots.append(slot(s, p))
+            k_new.append(full_k[s][p])
+            v_new.append(full_v[s][p])
+    for i in range(NUM_PAD):  # padding: point at the padding row, write into block 0
+        tok_seq.append(S - 1)
+        pos.append(0)
+        slots.append(i % BS)
+        k_new.append(rng.standard_normal((KVH, D)).astype(np.float32) * 1e3)
+        v_new.append(rng.standard_normal((KVH, D)).astype(np.float32) * 1e3)
+    T = len(tok_seq)
+    context_lens = np.array([c + n for c, n in SEQS] + [0], np.int32)
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray(np.array(slots, np.int32)),
+        token_seq=jnp.asarray(np.array(tok_seq, np.int32)),
+        block_tables=jnp.asarray(block_tables),
+        context_lens=jnp.asarray(context_lens),
+        logits_indices=jnp.zeros((S,), jnp.int32),
+    )
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    return dict(
+        q=jnp.asarray(q, dtype),
+        kc=jnp.asarray(kc, dtype),
+        vc=jnp.asarray(vc, dtype),
+        k_new=jnp.asarray(np.stack(k_new), dtype),
+        v_new=jnp.asarray(np.stack(v_new), dtype),
+        meta=meta,
+        positions=jnp.asarray(np.array(pos, np.int32)),
+        full_k=full_k,
+        full_v=full_v,
+        q_np=q,
+    )
+
+
+def _reference(case, sliding_window=None):
+    """Dense attention per sequence; padding rows get zeros."""
+    outs = []
+    t = 0
+    for s, (cached, new) in enumerate(SEQS):
+        qs = jnp.asarray(case["q_np"][t : t + new])
+        outs.append(
+            dense_causal_attention(
+                qs,
+                jnp.asarray(case["full_k"][s]),
+                jnp.asarray(case["full_v"][s]),
+                scale=SCALE,
+                sliding_window=sliding_window,
+            )
+        )
+        t += new
+    return np.asarray(jnp.concatenate(outs)), t
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window"))
+def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None):
+    kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
+    out = paged_attention(
+        q,
+        kc,
+        vc,
+        meta,
+        positions,
+        block_size=BS,
+        scale=SCALE,
+        chunk_tokens=chunk_tokens,
+        sliding_window=sliding_window,
+    )
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("chunk_tokens", [BS, 2 * BS, 5 * BS, None])
+def test_paged_matches_dense_mixed_batch(chunk_tokens):
+    case = _build(seed=1)
+    out, kc, _ = _step(
+        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        chunk_tokens=chunk_tokens,
+    )
+    ref, n_real = _reference(case)
+    out = np.asarray(out)
+    np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+    # padding tokens see no valid key: finite zeros, never NaN
+    assert np.all(np.isfinite(out[n_real:]))
+    np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+def test_padding_writes_do_not_disturb_results():
+    case = _build(seed=2)
+    args = (case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    out1, kc1, _ = _step(*args, chunk_tokens=2 * BS)
+    # different garbage written by the padding tokens into block 0
+    k_new2 = case["k_new"].at[-NUM_PAD:].set(-7e3)
+    v_new2 = case["v_new"].at[-NUM_PAD:].set(9e3)
+    out2, kc2, _ = _step(case["q"], case["kc"], case["vc"], k_new2, v_new2, case["meta"], case["positions"],
+                         chunk_tokens=2 * BS)
+    n_real = sum(n for _, n in SEQS)
+    np.testing.assert_array_equal(np.asarray(out1)[:n_real], np.asarray(out2)[:n_real])
+    # the padding really wrote into block 0 and nowhere else
+    assert np.all(np.asarray(kc2)[: NUM_PAD] == -7e3)
+    np.testing.assert_array_equal(np.asarray(kc1)[BS:], np.asarray(kc2)[BS:])
+
+
+def test_sliding_window_matches_dense():
+    case = _build(seed=3)
+    window = 9
+    out, _, _ = _step(
+        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        chunk_tokens=2 * BS, sliding_window=window,
+    )
+    ref, n_real = _reference(case, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
+
+
+def test_stacked_cache_with_layer_index():
+    """The model's form: whole [L, slots, ...] cache and a traced layer index."""
+    case = _build(seed=4)
+    L = 3
+    # only layer 1 holds the real cached prefix; the others hold scaled garbage
+    kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)])
+    vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)])
+    cache = KVCache(k=kc, v=vc, block_size=BS)
+
+    @jax.jit
+    def step(cache, layer, q, k_new, v_new, meta, positions):
+        k, v = write_kv(cache.k, cache.v, k_new, v_new, meta.slot_mapping, layer=layer)
+        out = paged_attention(q, k, v, meta, positions, block_size=BS, scale=SCALE, layer=layer, chunk_tokens=3 * BS)
+        return out, KVCache(k=k, v=v, block_size=cache.block_size)
+
+    out, new_cache = step(cache, jnp.int32(1), case["q"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    ref, n_real = _reference(case)
+    np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
+    # other layers untouched
+    np.testing.assert_array_equal(np.asarray(new_cache.k[0]), np.asarray(kc[0]))
+    np.testing.assert_array_equal(np.asarray(new_cache.k[2]), np.asarray(kc[2]))
+
+
+def test_bfloat16_cache_close_to_dense():
+    case = _build(seed=5, dtype=jnp.bfloat16)
+    out, _, _ = _step(
+        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        chunk_tokens=2 * BS,
+    )
+    ref, n_real = _reference(case)
+    out = np.asarray(out.astype(jnp.float32))[:n_real]
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < 2e-2, rel
+
+
+def test_kv_cache_create_and_sizing():
+    c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16)
+    assert c.k.shape == (2, 20, 2, 8) and c.v.dtype == jnp.bfloat16
+    assert c.num_blocks == 5 and c.block_size == 4
+    assert bytes_per_block(2, 4, 2, 8, jnp.bfloat16) * 5 == c.nbytes
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    assert len(leaves) == 2
+    assert jax.tree_util.tree_unflatten(treedef, leaves).block_size == 4
