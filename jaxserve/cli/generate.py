@@ -1,0 +1,51 @@
+"""``jaxserve generate``: one prompt through the engine, offline."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import orjson
+
+
+@click.command()
+@click.option("--model", default="tiny", show_default=True, help="Preset name or checkpoint folder.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
+@click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
+@click.argument("prompt")
+def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, chat, as_json, prompt) -> None:
+    """Generate a completion for PROMPT and print it."""
+    from jaxserve.engine.llm import LLM
+    from jaxserve.engine.types import SamplingParams
+
+    llm = LLM(model, dtype=None if dtype == "auto" else dtype, max_num_seqs=1, log_level="warning")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
+    )
+    if chat:
+        prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    (out,) = llm.generate([prompt], params)
+    if out.error is not None:
+        raise click.ClickException(f"{out.error.code}: {out.error.message}")
+    if as_json:
+        sys.stdout.write(
+            orjson.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "finish_reason": out.finish_reason,
+                    "usage": {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens},
+                }
+            ).decode()
+            + "\n"
+        )
+    else:
+        click.echo(out.text)

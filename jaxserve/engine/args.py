@@ -1,0 +1,107 @@
+"""Everything needed to build an :class:`~jaxserve.engine.engine.Engine`.
+
+``EngineArgs`` is what users and the CLI set; the engine derives the
+scheduler's configuration and the KV cache size from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+import jax
+
+from jaxserve.kernels.kv_cache import bytes_per_block
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Engine settings. ``None`` means "derive a sensible value".
+
+    - ``model``: checkpoint folder or preset name (``tiny``).
+    - ``dtype``: ``float32``/``bfloat16``; ``None`` keeps the checkpoint's.
+    - ``max_model_len``: prompt + output tokens per request; default the
+      model's ``max_position_embeddings`` capped at 4096.
+    - ``kv_cache_memory``: bytes for the KV cache, or
+      ``memory_fraction`` of device memory (host RAM on CPU) after the
+      weights: the ``gpu_memory_utilization`` of other servers. Neither: just
+      enough for ``max_num_seqs`` requests of ``max_model_len`` tokens, within
+      a quarter of device memory.
+    - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
+      restarted worker skips compiling (``""`` disables it).
+    """
+
+    model: str = "tiny"
+    dtype: Literal["float32", "bfloat16"] | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    memory_fraction: float | None = None
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    interactive_reserved_seqs: int = 0
+    interactive_reserved_blocks: int = 0
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_waiting: int = 0
+    seed: int = 0
+    compilation_cache_dir: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+    def resolve_max_model_len(self, max_position_embeddings: int) -> int:
+        limit = self.max_model_len or min(max_position_embeddings, 4096)
+        if limit > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={limit} exceeds the model's max_position_embeddings={max_position_embeddings}"
+            )
+        return limit
+
+    def resolve_max_num_batched_tokens(self) -> int:
+        value = self.max_num_batched_tokens or max(512, self.max_num_seqs)
+        return max(value, self.max_num_seqs)
+
+    def resolve_num_blocks(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cache_dtype,
+        max_model_len: int,
+        weight_bytes: int,
+    ) -> int:
+        per_block = bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, cache_dtype)
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.kv_cache_memory is not None:
+            budget = int(self.kv_cache_memory)
+        elif self.memory_fraction is not None:
+            if not 0.0 < self.memory_fraction <= 1.0:
+                raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+            budget = int(device_memory_bytes() * self.memory_fraction) - weight_bytes
+        else:
+            wanted = (self.max_num_seqs * blocks_per_seq + 1) * per_block
+            budget = min(wanted, device_memory_bytes() // 4)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq + 1:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; one "
+                f"request of max_model_len={max_model_len} needs {blocks_per_seq} blocks plus the null block. "
+                f"Raise kv_cache_memory/memory_fraction or lower max_model_len"
+            )
+        return int(num_blocks)
+
+
+def device_memory_bytes() -> int:
+    """Memory of the first device: HBM on accelerators, physical RAM on CPU."""
+    device = jax.devices()[0]
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

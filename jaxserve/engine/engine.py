@@ -1,0 +1,348 @@
+"""The continuous-batching engine: scheduler + runner + output processing.
+
+One call to :meth:`Engine.step` is one iteration: the scheduler plans which
+tokens of which requests to compute (host bookkeeping only), the runner
+executes that plan on the device, and the sampled tokens are turned into
+text deltas and stop decisions.
+
+The engine is single-threaded by design. The queue worker runs it on its own
+thread and talks to it through commands, so nothing here needs locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import structlog
+
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.block_allocator import BlockAllocator
+from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.output_processor import OutputState
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.runner import ModelRunner, SeqWork
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Point JAX's persistent compilation cache at ``path`` (default under
+    ``$JAXSERVE_CACHE_DIR`` or ``~/.cache/jaxserve``); ``""`` disables it."""
+    if path == "":
+        return
+    if path is None:
+        base = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
+        path = os.path.join(base, "xla")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    Build with :meth:`from_args`, call :meth:`warmup` once (it compiles every
+    shape bucket), then feed it with :meth:`add_request` and drive it with
+    :meth:`step`.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        from jaxserve.models.loader import load_model
+        from jaxserve.presets import resolve_model
+        from jaxserve.tokenizer.tokenizer import Tokenizer
+
+        logging.getLogger("jax").setLevel(logging.WARNING)
+        self.args = args
+        enable_compilation_cache(args.compilation_cache_dir)
+        folder = Path(resolve_model(args.model))
+        self.model_path = folder
+        self.model_name = args.served_model_name or args.model
+        loaded = load_model(folder, dtype=args.dtype)
+        cfg = loaded.config
+        self.model_config = cfg
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
+        self.max_model_len = args.resolve_max_model_len(cfg.max_position_embeddings)
+        self.max_num_seqs = args.max_num_seqs
+        self.interactive_reserved_seqs = args.interactive_reserved_seqs
+        params = jax.tree.leaves(loaded.model)
+        weight_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in params if hasattr(p, "dtype"))
+        cache_dtype = params[0].dtype if params else jnp.float32
+        self.num_blocks = args.resolve_num_blocks(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            cache_dtype=cache_dtype,
+            max_model_len=self.max_model_len,
+            weight_bytes=weight_bytes,
+        )
+        max_batched = args.resolve_max_num_batched_tokens()
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len,
+            block_size=args.block_size,
+            num_blocks=self.num_blocks,
+            policy=args.policy,
+            interactive_reserved_seqs=args.interactive_reserved_seqs,
+            interactive_reserved_blocks=args.interactive_reserved_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_waiting=args.max_num_waiting,
+        )
+        self.allocator = BlockAllocator(
+            self.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.allocator)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=self.num_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=self.max_model_len,
+            cache_dtype=cache_dtype,
+        )
+        self._states: dict[str, OutputState] = {}
+        self._metrics: dict[str, dict[str, float]] = {}
+        self._seed_rng = random.Random(args.seed)
+        self.special_token_ids = sorted(
+            set(getattr(self.tokenizer, "special_token_ids", ())) | set(self.eos_token_ids)
+        )
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+        concurrency = (self.num_blocks - 1) // self.scheduler_config.max_blocks_per_seq
+        log.info(
+            "engine.kv_cache",
+            num_blocks=self.num_blocks,
+            block_size=args.block_size,
+            bytes=self.runner.kv_cache.nbytes,
+            max_model_len=self.max_model_len,
+            concurrency_at_max_model_len=concurrency,
+        )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs | None = None, **overrides) -> "Engine":
+        import dataclasses
+
+        args = dataclasses.replace(args or EngineArgs(), **overrides)
+        return cls(args)
+
+    # -------------------------------------------------------------- set-up
+
+    def warmup(self) -> None:
+        """Compile every shape bucket before the first request."""
+        self.runner.warmup()
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.runner.compile_seconds
+
+    # ---------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_class: RequestClass | str = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        """Queue a request. Raises :class:`RequestError` (with a public error
+        code) when it can never run: bad parameters, an over-long prompt, a
+        duplicate id, an expired deadline."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._states:
+            raise RequestError("invalid_request", f"request id {request_id!r} is already in flight")
+        if deadline is not None and deadline <= time.monotonic():
+            raise RequestError("expired", f"request {request_id!r} expired before admission")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("invalid_request", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if not prompt_ids:
+            raise RequestError("invalid_request", "the prompt is empty")
+        if params.seed is None:
+            params = _with_seed(params, self._seed_rng.getrandbits(31))
+        request = Request(
+            request_id,
+            prompt_ids,
+            params,
+            request_class=request_class,
+            priority=priority,
+            deadline=deadline,
+            cache_salt=self.model_name,
+        )
+        self.scheduler.add_request(request)  # may raise context_length_exceeded / overloaded
+        self._states[request_id] = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
+        self._metrics[request_id] = {"arrival": time.monotonic()}
+        self.num_prompt_tokens += len(prompt_ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. Returns whether it existed."""
+        existed = self.scheduler.abort(request_id)
+        self._states.pop(request_id, None)
+        self._metrics.pop(request_id, None)
+        return existed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the progress of every request it touched."""
+        outputs = self._expire_waiting()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        now = time.monotonic()
+        work = []
+        for s in plan.scheduled:
+            req = self.scheduler.get_request(s.request_id)
+            self._metrics[s.request_id].setdefault("first_scheduled", now)
+            work.append(
+                SeqWork(
+                    token_ids=s.token_ids,
+                    start_pos=s.start_position,
+                    block_ids=s.block_ids,
+                    sampling=self._sampling_row(req) if s.sample else None,
+                )
+            )
+        result = self.runner.execute(work)
+        tokens, logprobs = result.fetch()
+        self.num_steps += 1
+        sampled: dict[str, int] = {}
+        sampled_logprobs: dict[str, float] = {}
+        i = 0
+        for s in plan.scheduled:
+            if s.sample:
+                sampled[s.request_id] = int(tokens[i])
+                sampled_logprobs[s.request_id] = float(logprobs[i])
+                i += 1
+        finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+        now = time.monotonic()
+        for request_id, token in sampled.items():
+            state = self._states.get(request_id)
+            if state is None:  # aborted while the step ran
+                continue
+            metrics = self._metrics[request_id]
+            metrics.setdefault("first_token", now)
+            verdict = state.add_token(token, sampled_logprobs[request_id] if state.params.logprobs else None)
+            self.num_generated_tokens += 1 if verdict.accepted else 0
+            finish = verdict.finish_reason
+            if finish is None and request_id in finished_by_length:
+                finish = "length"  # max_model_len reached before max_tokens
+                delta_tail = state.force_finish("length")
+                verdict.delta += delta_tail
+            elif finish is not None and request_id not in finished_by_length:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            outputs.append(self._output(request_id, state, verdict.delta,
+                                        [token] if verdict.accepted else [], finish, now))
+        return outputs
+
+    def _output(self, request_id, state, delta, new_ids, finish, now) -> RequestOutput:
+        metrics = self._metrics[request_id]
+        out = RequestOutput(
+            request_id=request_id,
+            new_token_ids=new_ids,
+            new_text=delta,
+            finished=finish is not None,
+            finish_reason=finish,
+            prompt_tokens=state.num_prompt_tokens,
+            completion_tokens=len(state.token_ids),
+            metrics=metrics,
+        )
+        if finish is not None:
+            metrics["finished"] = now
+            out.text = state.text
+            out.token_ids = list(state.token_ids)
+            out.logprobs = list(state.logprobs) if state.params.logprobs else None
+            del self._states[request_id]
+            del self._metrics[request_id]
+        return out
+
+    def _expire_waiting(self) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for request_id in self.scheduler.expired_request_ids(now):
+            req = self.scheduler.get_request(request_id)
+            if req is None or req.status == RequestStatus.RUNNING:
+                continue  # deadlines gate admission and waiting, not running work
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            state = self._states.pop(request_id, None)
+            metrics = self._metrics.pop(request_id, {})
+            metrics["finished"] = now
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="error",
+                    prompt_tokens=state.num_prompt_tokens if state else 0,
+                    error=RequestError("expired", f"request {request_id!r} passed its deadline while waiting"),
+                    metrics=metrics,
+                )
+            )
+        return outputs
+
+    def _sampling_row(self, req: Request) -> dict:
+        p = req.sampling_params
+        row = {
+            "temperature": p.temperature,
+            "top_k": p.top_k,
+            "top_p": p.top_p,
+            "min_p": p.min_p,
+            "seed": p.seed,
+            "output_index": req.num_output_tokens,
+            "repetition_penalty": p.repetition_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "presence_penalty": p.presence_penalty,
+        }
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            row["history"] = req.all_token_ids
+            row["num_prompt"] = req.num_prompt_tokens
+        return row
+
+    # ------------------------------------------------------------ metrics
+
+    def stats(self) -> dict:
+        s = self.scheduler.stats()
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage_perc": self.allocator.usage,
+            "num_steps": self.num_steps,
+            "scheduler": s,
+        }
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed)
