@@ -280,7 +280,7 @@ class Scheduler:
                 n = min(n, cap)
             while True:
                 need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-                if need <= self._free_blocks_for(req):
+                if need <= 0 or need <= self._free_blocks_for(req):
                     if need > 0:
                         blocks = self.allocator.allocate(need)
                         assert blocks is not None
@@ -344,10 +344,11 @@ class Scheduler:
             if req.request_class == RequestClass.BATCH and len(self.running) >= batch_seq_limit:
                 break
             hits: list[int] = []
+            candidates = []
             if self._prefix_caching:
                 # Keep at least the last token to compute: it yields the sample.
-                max_hit_blocks = (req.num_tokens - 1) // bs
-                hits = self.allocator.find_cached_prefix(req.block_hashes[:max_hit_blocks])
+                candidates = req.block_hashes[: (req.num_tokens - 1) // bs]
+                hits = self.allocator.find_cached_prefix(candidates)
             num_cached = len(hits) * bs
             n = min(req.num_tokens - num_cached, budget)
             if cap:
@@ -356,7 +357,11 @@ class Scheduler:
             if num_new + self.allocator.num_blocks_to_touch(hits) > self._free_blocks_for(req):
                 break
             queue.pop()
-            self.allocator.touch(hits)  # before allocate, so the hits cannot be evicted
+            if self._prefix_caching:
+                # Reference the hits (and count the query) before allocating,
+                # so that allocate cannot evict them.
+                taken = self.allocator.get_computed_blocks(candidates)
+                assert taken == hits
             new_blocks = self.allocator.allocate(num_new)
             assert new_blocks is not None
             req.block_ids = hits + new_blocks

@@ -1,0 +1,418 @@
+"""Scheduler: budgets, chunked prefill, classes, policies, reserve, preemption,
+abort and prefix caching, with a fake model feeding sampled tokens back."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.types import RequestClass, RequestError, SamplingParams
+
+BS = 4
+
+
+def make(**overrides) -> Scheduler:
+    cfg = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=BS,
+        num_blocks=64,
+        enable_prefix_caching=False,
+    )
+    cfg.update(overrides)
+    return Scheduler(SchedulerConfig(**cfg))
+
+
+def req(rid: str, prompt_len: int, max_tokens: int = 4, *, start: int = 0, cls: str = "interactive",
+        priority: int = 0, arrival: float = 0.0, salt: object = None) -> Request:
+    return Request(
+        rid,
+        list(range(start, start + prompt_len)),
+        SamplingParams(max_tokens=max_tokens),
+        request_class=cls,
+        priority=priority,
+        arrival_time=arrival,
+        cache_salt=salt,
+    )
+
+
+def fake_token(r: Request) -> int:
+    """Deterministic 'model': the k-th generated token of any request is 1000 + k."""
+    return 1000 + r.num_output_tokens
+
+
+def step(s: Scheduler) -> tuple[SchedulerOutput, list[str]]:
+    out = s.schedule()
+    sampled = {x.request_id: fake_token(s.get_request(x.request_id)) for x in out.scheduled if x.sample}
+    return out, s.update_from_output(out, sampled)
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    return [(x.request_id, x.start_position, x.num_scheduled_tokens, x.sample) for x in out.scheduled]
+
+
+def test_token_budget_and_seq_cap():
+    s = make(max_num_seqs=2, max_num_batched_tokens=16)
+    for i, rid in enumerate("abc"):
+        s.add_request(req(rid, 10, max_tokens=2, arrival=i))
+    out, _ = step(s)
+    assert plan(out) == [("a", 0, 10, True), ("b", 0, 6, False)]
+    assert out.total_num_scheduled_tokens == 16
+    assert s.num_running == 2 and s.num_waiting == 1
+    out, fin = step(s)
+    # a decodes first; b finishes its prompt; c waits for a free sequence slot.
+    assert plan(out) == [("a", 10, 1, True), ("b", 6, 4, True)]
+    assert fin == ["a"]
+    out, fin = step(s)
+    assert plan(out) == [("b", 10, 1, True), ("c", 0, 10, True)]
+    assert out.finished_req_ids == ["a"]
+    assert fin == ["b"]
+    # Block tables cover exactly the computed-plus-scheduled tokens.
+    c = out.get("c")
+    assert c.block_ids == [1, 2, 3] and c.token_ids == list(range(10)) and c.is_new
+
+
+def test_chunked_prefill_never_stalls_a_decode():
+    s = make(max_num_batched_tokens=8)
+    s.add_request(req("d", 3, max_tokens=10))
+    out, _ = step(s)
+    assert plan(out) == [("d", 0, 3, True)]
+    s.add_request(req("long", 40, max_tokens=1, arrival=1))
+    chunks = []
+    while True:
+        out, fin = step(s)
+        d = out.get("d")
+        assert d is not None and d.num_scheduled_tokens == 1 and d.sample, "the decode got no token this step"
+        assert out.total_num_scheduled_tokens <= 8
+        long = out.get("long")
+        chunks.append((long.num_scheduled_tokens, long.sample))
+        if "long" in fin:
+            break
+    assert chunks == [(7, False)] * 5 + [(5, True)]
+    assert s.get_request("d").num_output_tokens == 7
+
+
+def test_long_prefill_threshold_caps_a_chunk():
+    s = make(max_num_batched_tokens=32, long_prefill_token_threshold=6)
+    s.add_request(req("p", 20, max_tokens=1))
+    s.add_request(req("q", 5, max_tokens=1, arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("p", 0, 6, False), ("q", 0, 5, True)]
+    out, _ = step(s)
+    assert plan(out) == [("p", 6, 6, False)]
+
+
+def test_max_model_len_is_enforced_at_admission_with_numbers():
+    s = make(max_model_len=32)
+    with pytest.raises(RequestError) as e:
+        s.add_request(req("x", 30, max_tokens=5))
+    assert e.value.code == "context_length_exceeded" and not e.value.retryable
+    assert "32" in e.value.message and "35" in e.value.message and "30" in e.value.message and "5" in e.value.message
+    with pytest.raises(RequestError) as e:
+        s.add_request(req("y", 32, max_tokens=1))
+    assert e.value.code == "context_length_exceeded"
+    assert "32 tokens" in e.value.message
+    s.add_request(req("ok", 30, max_tokens=2))  # exactly max_model_len is fine
+    assert not s.get_request("x") and s.num_waiting == 1
+
+
+def test_duplicate_id_and_overload_are_refused():
+    s = make(max_num_waiting=2)
+    s.add_request(req("a", 4))
+    with pytest.raises(RequestError) as e:
+        s.add_request(req("a", 4))
+    assert e.value.code == "invalid_request" and "'a'" in e.value.message
+    s.add_request(req("b", 4))
+    with pytest.raises(RequestError) as e:
+        s.add_request(req("c", 4))
+    assert e.value.code == "overloaded" and e.value.retryable
+
+
+def test_interactive_ahead_of_batch():
+    s = make(max_num_seqs=1, max_num_batched_tokens=8)
+    s.add_request(req("batch", 4, max_tokens=1, cls="batch", arrival=0))
+    s.add_request(req("inter", 4, max_tokens=1, cls="interactive", arrival=5))
+    order = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        order += [x.request_id for x in out.scheduled]
+    assert order == ["inter", "batch"]
+
+
+def test_interactive_reserve_of_sequences():
+    s = make(max_num_seqs=3, max_num_batched_tokens=64, interactive_reserved_seqs=1)
+    for i in range(3):
+        s.add_request(req(f"b{i}", 4, max_tokens=8, cls="batch", arrival=i))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["b0", "b1"]
+    s.add_request(req("i", 4, max_tokens=8, arrival=10))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["b0", "b1", "i"]
+    assert s.num_running == 3 and [r.request_id for r in s.waiting_requests(RequestClass.BATCH)] == ["b2"]
+
+
+def test_interactive_reserve_of_blocks():
+    # 10 usable blocks of 4 tokens, 4 kept for interactive traffic.
+    s = make(num_blocks=11, max_model_len=24, interactive_reserved_blocks=4)
+    s.add_request(req("b1", 16, max_tokens=8, cls="batch"))
+    s.add_request(req("b2", 12, max_tokens=8, cls="batch", arrival=1))
+    out, _ = step(s)
+    # b1 takes 4 blocks (6 left); b2 would need 3 and leave 3 < 4: it waits.
+    assert plan(out) == [("b1", 0, 16, True)]
+    assert s.allocator.num_free_blocks == 6
+    s.add_request(req("i", 12, max_tokens=8, arrival=2))
+    out, _ = step(s)
+    assert plan(out) == [("b1", 16, 1, True), ("i", 0, 12, True)]
+    assert s.allocator.num_free_blocks == 2  # b1 took a 5th block, i took 3
+    # b1 fills its 5th block; then it may not grow into the reserve: it
+    # preempts itself while interactive i keeps going.
+    events = []
+    for _ in range(4):
+        out, _ = step(s)
+        events.append((tuple(x.request_id for x in out.scheduled), tuple(out.preempted_req_ids)))
+    # (Plans list interactive requests first.) i takes its 4th block in the
+    # first of these steps, leaving 1 free; b1 needs its 6th block in the
+    # last one and, with 1 block free but 4 reserved, preempts itself.
+    assert events == [
+        (("i", "b1"), ()),
+        (("i", "b1"), ()),
+        (("i", "b1"), ()),
+        (("i",), ("b1",)),
+    ]
+    assert s.allocator.num_free_blocks == 1 + 5
+    assert s.get_request("b1").status == RequestStatus.PREEMPTED
+    assert s.get_request("b1").block_ids == []
+    assert [r.request_id for r in s.waiting_requests("batch")] == ["b1", "b2"]
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [("fcfs", ["p5", "p1", "p3"]), ("priority", ["p1", "p3", "p5"])],
+)
+def test_fcfs_vs_priority_admission_order(policy, expected):
+    s = make(policy=policy, max_num_seqs=1, max_num_batched_tokens=8)
+    s.add_request(req("p5", 4, max_tokens=1, priority=5, arrival=0))
+    s.add_request(req("p1", 4, max_tokens=1, priority=1, arrival=1))
+    s.add_request(req("p3", 4, max_tokens=1, priority=3, arrival=2))
+    order = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        order += [x.request_id for x in out.scheduled]
+    assert order == expected
+
+
+def run_two_until_preemption(s: Scheduler) -> SchedulerOutput:
+    """Steps until a plan preempts something; 6 usable blocks, two 8-token prompts."""
+    for _ in range(10):
+        out, _ = step(s)
+        if out.preempted_req_ids:
+            return out
+    raise AssertionError("no preemption happened")
+
+
+def test_preemption_takes_the_newest_frees_its_blocks_and_it_is_recomputed():
+    s = make(num_blocks=7, max_model_len=24)
+    s.add_request(req("old", 8, max_tokens=8, arrival=0))
+    s.add_request(req("new", 8, max_tokens=8, arrival=1))
+    out = run_two_until_preemption(s)
+    # Steps 1-5 fill all 6 blocks; at step 6 'old' needs a 4th block.
+    assert out.step == 6
+    assert out.preempted_req_ids == ["new"]
+    assert plan(out) == [("old", 12, 1, True)]
+    new = s.get_request("new")
+    assert new.status == RequestStatus.PREEMPTED and new.num_preemptions == 1
+    assert new.num_computed_tokens == 0 and new.block_ids == []
+    assert new.output_token_ids == [1000, 1001, 1002, 1003, 1004]  # generated tokens are kept
+    assert s.allocator.num_free_blocks == 2  # its 3 blocks came back, 'old' took one
+    assert s.stats().num_preemptions == 1
+
+    recomputed = None
+    while s.has_unfinished():
+        out, _ = step(s)
+        x = out.get("new")
+        if x is not None and x.is_new:
+            recomputed = x
+    # Once 'old' finished, 'new' came back from scratch: prompt + 5 outputs in one go.
+    assert recomputed is not None
+    assert (recomputed.start_position, recomputed.num_scheduled_tokens, recomputed.sample) == (0, 13, True)
+    assert recomputed.token_ids == list(range(8)) + [1000, 1001, 1002, 1003, 1004]
+    assert new.status == RequestStatus.FINISHED_LENGTH
+    assert new.num_tokens == 16 and new.output_token_ids == [1000 + k for k in range(8)]
+    assert s.allocator.num_free_blocks == 6
+
+
+def test_preemption_takes_batch_before_an_older_interactive_and_undoes_its_plan():
+    s = make(num_blocks=7, max_model_len=24)
+    s.add_request(req("b", 8, max_tokens=8, cls="batch", arrival=0))
+    s.add_request(req("i", 8, max_tokens=8, cls="interactive", arrival=1))
+    out = run_two_until_preemption(s)
+    assert out.preempted_req_ids == ["b"]
+    assert plan(out) == [("i", 12, 1, True)]
+    assert out.total_num_scheduled_tokens == 1
+
+
+def test_preemption_of_a_request_already_planned_this_step_returns_its_tokens():
+    # 'b' (batch) decodes and is planned first; interactive 'i' then needs
+    # blocks for its next prompt chunk and preempts it.
+    s = make(num_blocks=7, max_model_len=24, max_num_batched_tokens=8)
+    s.add_request(req("b", 7, max_tokens=8, cls="batch", arrival=0))
+    out, _ = step(s)
+    assert plan(out) == [("b", 0, 7, True)]
+    s.add_request(req("i", 20, max_tokens=2, arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("b", 7, 1, True), ("i", 0, 7, False)]
+    assert s.allocator.num_free_blocks == 2
+    # b's decode takes a 3rd block (1 left); i's next chunk needs 2 more, so
+    # b, planned earlier in this very step, is preempted and unplanned.
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["b"]
+    assert plan(out) == [("i", 7, 7, False)]
+    assert out.total_num_scheduled_tokens == 7
+    assert s.get_request("b").block_ids == [] and s.allocator.num_free_blocks == 2
+    # Next step i finishes its prompt and b comes back from scratch in what
+    # is left of the budget (its prompt plus the 2 tokens it had generated).
+    out, _ = step(s)
+    assert plan(out) == [("i", 14, 6, True), ("b", 0, 2, False)]
+    assert out.get("b").is_new
+
+
+def test_priority_policy_preempts_the_largest_priority_value():
+    s = make(policy="priority", num_blocks=7, max_model_len=24)
+    s.add_request(req("low", 8, max_tokens=8, priority=9, arrival=0))
+    s.add_request(req("high", 8, max_tokens=8, priority=1, arrival=1))
+    out = run_two_until_preemption(s)
+    assert out.preempted_req_ids == ["low"]
+    assert [x.request_id for x in out.scheduled] == ["high"]
+
+
+def test_lowest_ranked_request_preempts_itself_not_a_higher_class():
+    # Interactive 'i' holds 3 blocks; batch 'b' needs a 4th while none is free.
+    s = make(num_blocks=7, max_model_len=24)
+    s.add_request(req("i", 10, max_tokens=8, arrival=1))
+    s.add_request(req("b", 11, max_tokens=8, cls="batch", arrival=0))
+    out, _ = step(s)
+    assert plan(out) == [("i", 0, 10, True), ("b", 0, 11, True)]
+    out, _ = step(s)
+    assert out.preempted_req_ids == []
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["b"]
+    assert plan(out) == [("i", 11, 1, True)]
+    assert s.get_request("i").status == RequestStatus.RUNNING
+
+
+def test_abort_frees_blocks_at_once():
+    s = make()
+    s.add_request(req("run", 10, max_tokens=8))
+    s.add_request(req("wait", 10, max_tokens=8, cls="batch", arrival=1))
+    assert s.abort("nope") is False
+    out, _ = step(s)
+    assert s.allocator.num_free_blocks == 63 - 6
+    assert s.abort("run") is True
+    assert s.allocator.num_free_blocks == 63 - 3
+    assert s.abort("run") is False
+    assert s.num_running == 1
+    # A waiting request can be aborted too.
+    s.add_request(req("queued", 4, max_tokens=1, cls="batch", arrival=2))
+    assert s.abort("queued") is True
+    assert s.num_waiting == 0
+    out, _ = step(s)
+    assert plan(out) == [("wait", 10, 1, True)]
+    assert out.finished_req_ids == ["run", "queued"] and out.aborted_req_ids == ["run", "queued"]
+
+
+def test_abort_between_plan_and_results_is_skipped():
+    s = make()
+    s.add_request(req("a", 4, max_tokens=3))
+    out = s.schedule()
+    s.abort("a")
+    assert s.update_from_output(out, {"a": 1}) == []
+    assert not s.has_unfinished() and s.allocator.num_free_blocks == 63
+
+
+def test_engine_decided_stop_frees_and_reports():
+    s = make()
+    s.add_request(req("a", 4, max_tokens=10))
+    step(s)
+    assert s.finish_request("a", RequestStatus.FINISHED_STOPPED) is True
+    assert s.allocator.num_free_blocks == 63
+    out = s.schedule()
+    assert out.is_empty and out.finished_req_ids == ["a"] and out.aborted_req_ids == []
+    with pytest.raises(ValueError):
+        s.finish_request("a", RequestStatus.RUNNING)
+
+
+def test_update_checks_the_plan():
+    s = make()
+    s.add_request(req("a", 4, max_tokens=3))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="no sampled token"):
+        s.update_from_output(out, {})
+    s.update_from_output(out, {"a": 5})
+    with pytest.raises(ValueError, match="stale plan"):
+        s.update_from_output(out, {"a": 5})
+
+
+def test_prefix_cache_hit_skips_cached_tokens():
+    s = make(enable_prefix_caching=True)
+    s.add_request(req("a", 18, max_tokens=2))
+    while s.has_unfinished():
+        step(s)
+    # Same first 16 tokens, then different ones: 4 blocks hit, 3 tokens left.
+    b = Request("b", list(range(16)) + [99, 98, 97], SamplingParams(max_tokens=1))
+    s.add_request(b)
+    out, _ = step(s)
+    assert plan(out) == [("b", 16, 3, True)]
+    assert out.scheduled[0].block_ids[:4] == [1, 2, 3, 4] and out.scheduled[0].is_new
+    assert b.num_cached_tokens == 16
+    stats = s.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18 + 19, 16)
+    assert s.allocator.prefix_cache_hit_blocks == 4
+    # A prompt wholly cached still computes its last block's tokens, to sample.
+    s.add_request(Request("c", list(range(16)), SamplingParams(max_tokens=1)))
+    out, _ = step(s)
+    assert plan(out) == [("c", 12, 4, True)]
+    # Another salt (adapter/model): no hit.
+    s.add_request(req("d", 18, max_tokens=1, salt="adapter-2"))
+    out, _ = step(s)
+    assert plan(out) == [("d", 0, 18, True)]
+
+
+def test_shared_prefix_blocks_are_refcounted_while_both_run():
+    s = make(enable_prefix_caching=True)
+    s.add_request(req("a", 9, max_tokens=8))
+    step(s)
+    s.add_request(req("b", 9, max_tokens=8, arrival=1))
+    out, _ = step(s)
+    a_blocks = out.get("a").block_ids
+    b_blocks = out.get("b").block_ids
+    assert a_blocks[:2] == b_blocks[:2]
+    assert [s.allocator.ref_count(x) for x in a_blocks[:2]] == [2, 2]
+    assert plan(out) == [("a", 9, 1, True), ("b", 8, 1, True)]
+    s.abort("a")
+    assert [s.allocator.ref_count(x) for x in b_blocks[:2]] == [1, 1]
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="policy"):
+        SchedulerConfig(policy="lifo")
+    with pytest.raises(ValueError, match="needs 8 blocks"):
+        SchedulerConfig(max_model_len=32, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="interactive_reserved_blocks"):
+        SchedulerConfig(max_model_len=32, block_size=4, num_blocks=12, interactive_reserved_blocks=4)
+    with pytest.raises(ValueError, match="interactive_reserved_seqs"):
+        SchedulerConfig(max_num_seqs=2, interactive_reserved_seqs=2)
+
+
+def test_stats_track_usage_and_queues():
+    s = make(max_num_seqs=1)
+    s.add_request(req("a", 8, max_tokens=2))
+    s.add_request(req("b", 8, max_tokens=2, cls="batch", arrival=1))
+    step(s)
+    st = s.stats()
+    assert (st.num_running, st.num_waiting, st.num_waiting_batch) == (1, 1, 1)
+    assert st.kv_cache_usage == pytest.approx(2 / 63)
