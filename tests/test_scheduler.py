@@ -416,3 +416,93 @@ def test_stats_track_usage_and_queues():
     st = s.stats()
     assert (st.num_running, st.num_waiting, st.num_waiting_batch) == (1, 1, 1)
     assert st.kv_cache_usage == pytest.approx(2 / 63)
+
+
+@pytest.mark.parametrize("seed, policy", [(0, "fcfs"), (1, "priority"), (2, "fcfs")])
+def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
+    """A fake paged KV cache records which token sits in each slot; every
+    scheduled chunk checks that its context (including prefix-cache hits and
+    blocks kept across steps) holds exactly its earlier tokens. The fake model
+    samples a function of the whole context, so recomputation after a
+    preemption must reproduce the same output."""
+    import random
+
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(
+        max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48, block_size=BS, num_blocks=30,
+        policy=policy, interactive_reserved_seqs=1, interactive_reserved_blocks=3,
+        enable_prefix_caching=True, long_prefill_token_threshold=10,
+    )
+    s = Scheduler(cfg)
+    slots: dict[int, int] = {}
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
+    expected_len: dict[str, int] = {}
+    done: dict[str, Request] = {}
+    aborted: set[str] = set()
+
+    def model_token(context: list[int]) -> int:
+        return (sum(context) * 31 + len(context)) % 50
+
+    n = 0
+    for _ in range(400):
+        if n < 60 and rng.random() < 0.35:
+            prompt = list(rng.choice(prefixes))[: rng.randrange(1, 20)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            prompt = prompt[:40] or [1]
+            r = Request(
+                f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1)),
+                request_class=rng.choice(["interactive", "batch"]), priority=rng.randrange(3), arrival_time=float(n),
+            )
+            s.add_request(r)
+            expected_len[r.request_id] = r.num_prompt_tokens + r.max_tokens
+            n += 1
+        if s.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(s.requests))
+            done[rid] = s.requests[rid]
+            assert s.abort(rid)
+            aborted.add(rid)
+        out = s.schedule()
+        assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs
+        running_batch = sum(1 for r in s.running if r.request_class == RequestClass.BATCH)
+        assert running_batch <= cfg.max_num_seqs - cfg.interactive_reserved_seqs
+        sampled = {}
+        for x in out.scheduled:
+            r = s.requests[x.request_id]
+            assert 0 not in x.block_ids
+            assert len(x.block_ids) * BS >= x.start_position + x.num_scheduled_tokens
+            assert x.token_ids == r.all_token_ids[x.start_position : x.start_position + x.num_scheduled_tokens]
+            for pos in range(x.start_position):  # the context already in the cache
+                assert slots.get(x.block_ids[pos // BS] * BS + pos % BS) == r.all_token_ids[pos]
+            for k, tok in enumerate(x.token_ids):
+                pos = x.start_position + k
+                slots[x.block_ids[pos // BS] * BS + pos % BS] = tok
+            if x.sample:
+                sampled[x.request_id] = model_token(r.all_token_ids)
+        snapshot = {x.request_id: s.requests[x.request_id] for x in out.scheduled}
+        for rid in s.update_from_output(out, sampled):
+            done[rid] = snapshot[rid]
+        # Reference counts equal the number of block tables holding each block.
+        held: dict[int, int] = {}
+        for r in s.running:
+            for b in r.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for b in range(1, cfg.num_blocks):
+            assert s.allocator.ref_count(b) == held.get(b, 0)
+        assert s.allocator.num_free_blocks == cfg.num_blocks - 1 - len(held)
+        assert all(not r.block_ids for q in ("interactive", "batch") for r in s.waiting_requests(q))
+    while s.has_unfinished():  # drain
+        out = s.schedule()
+        snapshot = {x.request_id: s.requests[x.request_id] for x in out.scheduled}
+        for rid in s.update_from_output(out, {x.request_id: model_token(snapshot[x.request_id].all_token_ids) for x in out.scheduled if x.sample}):
+            done[rid] = snapshot[rid]
+    assert len(done) == n
+    for rid, r in done.items():
+        if rid in aborted:
+            assert r.status == RequestStatus.FINISHED_ABORTED
+            continue
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.num_tokens == expected_len[rid]
+        for i in range(r.num_prompt_tokens, r.num_tokens):
+            assert r.all_token_ids[i] == model_token(r.all_token_ids[:i])
+    assert s.allocator.num_free_blocks == cfg.num_blocks - 1
+    assert s.stats().num_preemptions > 0 and s.stats().prefix_cache_hits > 0

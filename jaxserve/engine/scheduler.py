@@ -3,7 +3,9 @@
 Each step, :meth:`Scheduler.schedule` turns the queues into a plan (which
 tokens of which request to compute, in which blocks); the engine runs the
 plan and feeds the sampled tokens back through
-:meth:`Scheduler.update_from_output`. The two calls strictly alternate.
+:meth:`Scheduler.update_from_output`. The two calls strictly alternate,
+and every call (``add_request``, ``abort`` ...) must come from one thread:
+the scheduler holds no lock.
 
 There is no prefill or decode phase (vLLM v1 style). A request has
 ``num_tokens`` and ``num_computed_tokens``; a step gives it some of the gap.
