@@ -446,7 +446,8 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
     n = 0
     for _ in range(400):
         if n < 60 and rng.random() < 0.35:
-            prompt = list(rng.choice(prefixes))[: rng.randrange(1, 20)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
+            prompt = list(rng.choice(prefixes))[: rng.randrange(1, 20)]
+            prompt += [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             prompt = prompt[:40] or [1]
             r = Request(
                 f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1)),
@@ -493,7 +494,8 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
     while s.has_unfinished():  # drain
         out = s.schedule()
         snapshot = {x.request_id: s.requests[x.request_id] for x in out.scheduled}
-        for rid in s.update_from_output(out, {x.request_id: model_token(snapshot[x.request_id].all_token_ids) for x in out.scheduled if x.sample}):
+        sampled = {x.request_id: model_token(snapshot[x.request_id].all_token_ids) for x in out.scheduled if x.sample}
+        for rid in s.update_from_output(out, sampled):
             done[rid] = snapshot[rid]
     assert len(done) == n
     for rid, r in done.items():

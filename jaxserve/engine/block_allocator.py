@@ -124,7 +124,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), got {num_blocks!r}")
+            raise ValueError(
+                f"num_blocks must be an integer >= 2 (block 0 is the reserved null block), got {num_blocks!r}"
+            )
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.num_blocks = num_blocks

@@ -228,7 +228,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
         rid = request.request_id
         if rid in self.requests:
-            raise RequestError("invalid_request", f"duplicate request id {rid!r}: a request with that id is still in progress")
+            raise RequestError(
+                "invalid_request", f"duplicate request id {rid!r}: a request with that id is still in progress"
+            )
         request.sampling_params.validate()
         limit = self.config.max_model_len
         n_prompt = request.num_prompt_tokens
@@ -248,7 +250,9 @@ class Scheduler:
         cap = self.config.max_num_waiting
         if cap and self.num_waiting >= cap:
             raise RequestError(
-                "overloaded", f"{self.num_waiting} requests are already waiting (limit {cap}); retry later", retryable=True
+                "overloaded",
+                f"{self.num_waiting} requests are already waiting (limit {cap}); retry later",
+                retryable=True,
             )
         request.seq_no = next(self._seq)
         if self._prefix_caching:
