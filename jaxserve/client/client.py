@@ -1,0 +1,471 @@
+"""Producer side of the queue contract: async :class:`AsyncClient` and sync
+:class:`Client`.
+
+* Publishing uses publisher confirms on its own connection; a broker nack
+  (the queue is full: ``x-overflow: reject-publish``) raises
+  :class:`QueueFull`; :func:`retry_with_backoff` retries such calls.
+* Replies arrive on the client's own reply queue (``<prefix>.reply.<id>``, a
+  classic queue with ``x-expires``, so it survives a dropped connection).
+* ``stream`` is an async iterator of text deltas that puts chunks in order,
+  drops duplicates, notices gaps (``Stream.gaps``) and fills them from the
+  final result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+
+import aio_pika
+import aiormq.exceptions
+import orjson
+
+from jaxserve.worker.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX, QUEUE_CLASSES, Topology
+
+T = TypeVar("T")
+
+
+class QueueError(Exception):
+    """Base class of the client's errors."""
+
+
+class QueueFull(QueueError):
+    """The broker refused the job: the queue is at its length limit
+    (``x-overflow: reject-publish``). Retry later (see :func:`retry_with_backoff`)."""
+
+    def __init__(self, queue: str, key: str) -> None:
+        super().__init__(f"queue {queue!r} is full; job {key!r} was not accepted (retry with backoff)")
+        self.queue = queue
+        self.key = key
+
+
+class NoRoute(QueueError):
+    """The job's queue does not exist (no worker has declared the topology)."""
+
+
+class JobError(QueueError):
+    """A final result with ``status: error``."""
+
+    def __init__(self, result: "Result") -> None:
+        err = result.error or {}
+        super().__init__(f"{err.get('code')}: {err.get('message')}")
+        self.result = result
+        self.code = err.get("code")
+        self.retryable = bool(err.get("retryable"))
+
+
+class StreamDiverged(QueueError):
+    """The job was restarted elsewhere and produced a different text than
+    what the stream already yielded. ``result`` holds the final result."""
+
+    def __init__(self, result: "Result") -> None:
+        super().__init__(f"stream of {result.id!r} diverged after a restart; use result.text")
+        self.result = result
+
+
+@dataclasses.dataclass
+class Result:
+    raw: dict[str, Any]
+
+    @property
+    def id(self) -> str | None:
+        return self.raw.get("id")
+
+    @property
+    def ok(self) -> bool:
+        return self.raw.get("status") == "ok"
+
+    @property
+    def text(self) -> str:
+        return self.raw.get("text", "")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.raw.get("finish_reason")
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return self.raw.get("usage", {})
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        return self.raw.get("error")
+
+    @property
+    def replayed(self) -> bool:
+        return bool(self.raw.get("replayed"))
+
+
+def build_job(prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> dict[str, Any]:
+    """A job body; ``None`` values are left out."""
+    body: dict[str, Any] = {}
+    if prompt is not None:
+        body["prompt"] = prompt
+    if messages is not None:
+        body["messages"] = messages
+    body.update({k: v for k, v in params.items() if v is not None})
+    return body
+
+
+async def retry_with_backoff(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    attempts: int = 8,
+    base: float = 0.2,
+    max_delay: float = 10.0,
+    retry_on: tuple[type[BaseException], ...] = (QueueFull,),
+) -> T:
+    """Call ``fn`` until it does not raise ``retry_on``; exponential backoff
+    with full jitter. Re-raises the last error after ``attempts`` tries."""
+    for attempt in range(attempts):
+        try:
+            return await fn()
+        except retry_on:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(random.uniform(0, min(max_delay, base * (2**attempt))))
+    raise AssertionError("unreachable")
+
+
+class Stream:
+    """Async iterator of text deltas of one job. After iteration,
+    ``result`` holds the final :class:`Result`; ``gaps`` counts chunks that
+    arrived out of order or never arrived."""
+
+    def __init__(self, client: "AsyncClient", key: str, timeout: float | None) -> None:
+        self.client = client
+        self.key = key
+        self.timeout = timeout
+        self.result: Result | None = None
+        self.gaps = 0
+        self.duplicates = 0
+        self.chunks = 0
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._yielded: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._yielded)
+
+    def _deliver(self, msg: dict[str, Any]) -> None:
+        self._inbox.put_nowait(msg)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        expected = 0
+        run: str | None = None
+        buffered: dict[int, str] = {}
+        foreign_run = False
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    msg = await asyncio.wait_for(self._inbox.get(), wait)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"no final result for {self.key!r} within {self.timeout}s") from None
+                if msg.get("type") == "chunk":
+                    self.chunks += 1
+                    mrun = msg.get("run")
+                    if run is None:
+                        run = mrun
+                    elif mrun != run:
+                        if not self._yielded and msg.get("seq") == 0:
+                            run, expected, buffered = mrun, 0, {}
+                        else:
+                            foreign_run = True  # a restart elsewhere: rely on the final
+                            continue
+                    seq = int(msg.get("seq", -1))
+                    if seq < expected or seq in buffered:
+                        self.duplicates += 1
+                        continue
+                    if seq > expected:
+                        self.gaps += 1
+                        buffered[seq] = msg.get("text", "")
+                        continue
+                    buffered[seq] = msg.get("text", "")
+                    while expected in buffered:
+                        delta = buffered.pop(expected)
+                        expected += 1
+                        if delta:
+                            self._yielded.append(delta)
+                            yield delta
+                    continue
+                if msg.get("type") == "result":
+                    self.result = Result(msg)
+                    if not self.result.ok:
+                        raise JobError(self.result)
+                    so_far = self.text
+                    full = self.result.text
+                    if buffered and not foreign_run:
+                        # chunks were lost in the middle: the final fills in
+                        self.gaps = max(self.gaps, 1)
+                    if full.startswith(so_far):
+                        rest = full[len(so_far):]
+                        if rest:
+                            self._yielded.append(rest)
+                            yield rest
+                    else:
+                        raise StreamDiverged(self.result)
+                    return
+        finally:
+            self.client._streams.pop(self.key, None)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        url: str = DEFAULT_AMQP_URL,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        reply_queue: str | None = None,
+        reply_queue_expires_ms: int = 300_000,
+        on_unclaimed: Callable[[dict[str, Any]], Awaitable[None] | None] | None = None,
+        name: str = "jaxserve-client",
+    ) -> None:
+        self.url = url
+        self.topo = Topology(prefix=prefix)
+        self.reply_queue = reply_queue or f"{prefix}.reply.{uuid.uuid4().hex}"
+        self.reply_queue_expires_ms = reply_queue_expires_ms
+        self.on_unclaimed = on_unclaimed
+        self.name = name
+        self._pub_conn: aio_pika.abc.AbstractRobustConnection | None = None
+        self._sub_conn: aio_pika.abc.AbstractRobustConnection | None = None
+        self._pub_ch: aio_pika.abc.AbstractRobustChannel | None = None
+        self._sub_ch: aio_pika.abc.AbstractRobustChannel | None = None
+        self._reply_q: aio_pika.abc.AbstractRobustQueue | None = None
+        self._futures: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, Stream] = {}
+
+    async def connect(self) -> "AsyncClient":
+        self._pub_conn = await aio_pika.connect_robust(self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-publish"})
+        self._sub_conn = await aio_pika.connect_robust(self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-replies"})
+        self._pub_ch = await self._pub_conn.channel(publisher_confirms=True, on_return_raises=True)
+        self._sub_ch = await self._sub_conn.channel()
+        await self._sub_ch.set_qos(prefetch_count=256)
+        self._reply_q = await self._sub_ch.declare_queue(
+            self.reply_queue, durable=False, auto_delete=False, arguments={"x-expires": int(self.reply_queue_expires_ms)}
+        )
+        await self._reply_q.consume(self._on_reply)
+        return self
+
+    async def close(self) -> None:
+        for conn in (self._sub_conn, self._pub_conn):
+            if conn is not None and not conn.is_closed:
+                await conn.close()
+
+    async def delete_reply_queue(self) -> None:
+        if self._sub_ch is not None:
+            await self._sub_ch.queue_delete(self.reply_queue)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------- replies
+    async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        try:
+            msg = orjson.loads(message.body)
+        except orjson.JSONDecodeError:
+            await message.ack()
+            return
+        key = msg.get("id") if isinstance(msg, dict) else None
+        if key is None and isinstance(msg, dict):
+            key = message.correlation_id
+        stream = self._streams.get(key) if key is not None else None
+        if stream is not None:
+            stream._deliver(msg)
+        if isinstance(msg, dict) and msg.get("type") == "result":
+            fut = self._futures.pop(key, None) if key is not None else None
+            if fut is not None and not fut.done():
+                fut.set_result(Result(msg))
+            elif stream is None and self.on_unclaimed is not None:
+                r = self.on_unclaimed(msg)
+                if asyncio.iscoroutine(r):
+                    await r
+        await message.ack()
+
+    # ---------------------------------------------------------- publishing
+    async def publish(
+        self,
+        body: dict[str, Any] | bytes,
+        *,
+        key: str | None = None,
+        queue: str = "interactive",
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        expiration: float | None = None,
+        priority: int | None = None,
+        expect_reply: bool = True,
+    ) -> str:
+        """Publish one job; returns its key. Raises :class:`QueueFull`."""
+        if self._pub_ch is None:
+            raise RuntimeError("call connect() first")
+        key = key or uuid.uuid4().hex
+        routing_key = self.topo.queue_for(queue) if queue in QUEUE_CLASSES else queue
+        raw = body if isinstance(body, (bytes, bytearray)) else orjson.dumps(body)
+        reply_to = reply_to or self.reply_queue
+        if expect_reply and reply_to == self.reply_queue and key not in self._futures:
+            self._futures[key] = asyncio.get_running_loop().create_future()
+        now = time.time()
+        msg = aio_pika.Message(
+            bytes(raw),
+            headers={"x-published-at-ms": int(now * 1000)},
+            content_type="application/json",
+            message_id=key,
+            correlation_id=correlation_id or key,
+            reply_to=reply_to,
+            expiration=expiration,
+            priority=priority,
+            timestamp=now,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        try:
+            await self._pub_ch.default_exchange.publish(msg, routing_key=routing_key, mandatory=True)
+        except aiormq.exceptions.PublishError:
+            self._futures.pop(key, None)
+            raise NoRoute(f"no queue {routing_key!r}: is a worker running with prefix {self.topo.prefix!r}?") from None
+        except aiormq.exceptions.DeliveryError:
+            self._futures.pop(key, None)
+            raise QueueFull(routing_key, key) from None
+        return key
+
+    async def wait(self, key: str, timeout: float | None = None) -> Result:
+        fut = self._futures.get(key)
+        if fut is None:
+            fut = self._futures[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        finally:
+            if fut.done():
+                self._futures.pop(key, None)
+
+    async def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        queue: str = "interactive",
+        key: str | None = None,
+        timeout: float | None = None,
+        expiration: float | None = None,
+        priority: int | None = None,
+        raise_on_error: bool = False,
+        **params: Any,
+    ) -> Result:
+        """Publish a job and wait for its final result."""
+        body = build_job(prompt, messages=messages, **params)
+        key = await self.publish(body, key=key, queue=queue, expiration=expiration, priority=priority)
+        result = await self.wait(key, timeout)
+        if raise_on_error and not result.ok:
+            raise JobError(result)
+        return result
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        queue: str = "interactive",
+        key: str | None = None,
+        timeout: float | None = None,
+        expiration: float | None = None,
+        priority: int | None = None,
+        **params: Any,
+    ) -> Stream:
+        """Publish a streaming job; iterate the returned :class:`Stream`."""
+        body = build_job(prompt, messages=messages, stream=True, **params)
+        key = key or uuid.uuid4().hex
+        s = Stream(self, key, timeout)
+        self._streams[key] = s
+        try:
+            await self.publish(body, key=key, queue=queue, expiration=expiration, priority=priority, expect_reply=False)
+        except BaseException:
+            self._streams.pop(key, None)
+            raise
+        return s
+
+    async def cancel(self, key: str) -> None:
+        """Broadcast a cancel on ``<prefix>.control``; the worker running the
+        job aborts it and answers ``cancelled``."""
+        assert self._pub_ch is not None
+        exch = await self._pub_ch.get_exchange(self.topo.control, ensure=False)
+        await exch.publish(
+            aio_pika.Message(orjson.dumps({"type": "cancel", "id": key}), content_type="application/json"),
+            routing_key="",
+            mandatory=False,
+        )
+
+    async def queue_depths(self) -> dict[str, dict[str, int]]:
+        """Ready messages and consumers of every queue (passive declares)."""
+        assert self._sub_conn is not None
+        out: dict[str, dict[str, int]] = {}
+        for name in (self.topo.interactive, self.topo.batch, self.topo.dead, self.topo.results):
+            ch = await self._sub_conn.channel()
+            try:
+                q = await ch.declare_queue(name, passive=True)
+                res = q.declaration_result
+                out[name] = {"messages": res.message_count, "consumers": res.consumer_count}
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                out[name] = {"messages": -1, "consumers": -1}
+            finally:
+                if not ch.is_closed:
+                    await ch.close()
+        return out
+
+
+class Client:
+    """Blocking wrapper of :class:`AsyncClient` (its loop runs in a thread)."""
+
+    def __init__(self, url: str = DEFAULT_AMQP_URL, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-client", daemon=True)
+        self._thread.start()
+        self._ac = AsyncClient(url, **kwargs)
+        self._run(self._ac.connect())
+
+    def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        return self._run(self._ac.submit(prompt, **kwargs))
+
+    def publish(self, body: dict[str, Any], **kwargs: Any) -> str:
+        return self._run(self._ac.publish(body, **kwargs))
+
+    def wait(self, key: str, timeout: float | None = None) -> Result:
+        return self._run(self._ac.wait(key, timeout))
+
+    def cancel(self, key: str) -> None:
+        self._run(self._ac.cancel(key))
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[str]:
+        s = self._run(self._ac.stream(prompt, **kwargs))
+        it = s.__aiter__()
+        while True:
+            try:
+                yield self._run(it.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def queue_depths(self) -> dict[str, dict[str, int]]:
+        return self._run(self._ac.queue_depths())
+
+    def close(self) -> None:
+        try:
+            self._run(self._ac.close(), timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

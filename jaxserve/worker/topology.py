@@ -1,0 +1,177 @@
+"""Queue topology: names and arguments of every exchange and queue.
+
+Pure data plus one coroutine that declares it; importing this module pulls in
+nothing heavy, so producers (``jaxserve.client``) share the names with the
+worker.
+
+With the default prefix ``jaxserve`` the topology is::
+
+    jaxserve.interactive   quorum queue, message TTL, length limit, DLX
+    jaxserve.batch         quorum queue, length limit, DLX
+    jaxserve.dlx           fanout exchange for dead letters
+    jaxserve.dead          quorum queue bound to jaxserve.dlx
+    jaxserve.results       quorum queue: replies of jobs without reply_to
+    jaxserve.control       fanout exchange for cancel messages
+
+The arguments are stable on purpose: RabbitMQ refuses (406) to redeclare a
+queue with different arguments. Change optional arguments of an existing
+deployment with a policy (``rabbitmqctl set_policy``) instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DEFAULT_PREFIX = "jaxserve"
+DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+INTERACTIVE = "interactive"
+BATCH = "batch"
+QUEUE_CLASSES = (INTERACTIVE, BATCH)
+
+
+class TopologyMismatch(RuntimeError):
+    """An existing queue or exchange was declared with other arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Names and arguments. Every field has a stable default."""
+
+    prefix: str = DEFAULT_PREFIX
+    delivery_limit: int = 10
+    interactive_max_length: int = 10_000
+    batch_max_length: int = 1_000_000
+    interactive_ttl_ms: int = 120_000
+
+    # ---- names -----------------------------------------------------
+    @property
+    def interactive(self) -> str:
+        return f"{self.prefix}.interactive"
+
+    @property
+    def batch(self) -> str:
+        return f"{self.prefix}.batch"
+
+    @property
+    def dlx(self) -> str:
+        return f"{self.prefix}.dlx"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}.dead"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}.results"
+
+    @property
+    def control(self) -> str:
+        return f"{self.prefix}.control"
+
+    def queue_for(self, queue_class: str) -> str:
+        if queue_class == INTERACTIVE:
+            return self.interactive
+        if queue_class == BATCH:
+            return self.batch
+        raise ValueError(f"unknown queue class {queue_class!r}; expected 'interactive' or 'batch'")
+
+    # ---- arguments ---------------------------------------------------
+    def job_queue_arguments(self, queue_class: str) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "x-queue-type": "quorum",
+            "x-delivery-limit": int(self.delivery_limit),
+            "x-dead-letter-exchange": self.dlx,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+        }
+        if queue_class == INTERACTIVE:
+            args["x-max-length"] = int(self.interactive_max_length)
+            args["x-message-ttl"] = int(self.interactive_ttl_ms)
+        else:
+            args["x-max-length"] = int(self.batch_max_length)
+        return args
+
+    def queue_arguments(self) -> dict[str, dict[str, Any]]:
+        """Every durable queue and its arguments."""
+        return {
+            self.interactive: self.job_queue_arguments(INTERACTIVE),
+            self.batch: self.job_queue_arguments(BATCH),
+            self.dead: {"x-queue-type": "quorum"},
+            self.results: {"x-queue-type": "quorum"},
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able description (what ``queues/topology.json`` holds)."""
+        return {
+            "prefix": self.prefix,
+            "exchanges": {
+                self.dlx: {"type": "fanout", "durable": True},
+                self.control: {"type": "fanout", "durable": True},
+            },
+            "queues": {name: {"durable": True, "arguments": args} for name, args in self.queue_arguments().items()},
+            "bindings": [{"exchange": self.dlx, "queue": self.dead, "routing_key": ""}],
+            "publish": {
+                "exchange": "",
+                "routing_keys": {INTERACTIVE: self.interactive, BATCH: self.batch},
+            },
+        }
+
+
+def explain_mismatch(name: str, exc: BaseException, topo: Topology) -> TopologyMismatch:
+    return TopologyMismatch(
+        f"RabbitMQ refused to declare {name!r} (406 PRECONDITION_FAILED: {exc}). "
+        f"It already exists with other arguments than this worker's "
+        f"{topo.queue_arguments().get(name, '(exchange: fanout, durable)')}. "
+        "Either start the worker with options matching the existing queue "
+        "(--delivery-limit, --interactive-max-length, --batch-max-length, --interactive-ttl-ms), "
+        "change optional arguments through a policy (rabbitmqctl set_policy), "
+        f"or delete it when it is empty (rabbitmqctl delete_queue {name})."
+    )
+
+
+async def declare_topology(connection: Any, topo: Topology) -> None:
+    """Declare every exchange, queue and binding (idempotent).
+
+    Uses a throwaway channel: a 406 closes the channel it happened on.
+    Raises :class:`TopologyMismatch` with an explanation on a 406.
+    """
+    import aio_pika
+    import aiormq.exceptions
+
+    async def on_fresh_channel(fn: Any, name: str) -> Any:
+        channel = await connection.channel()
+        try:
+            return await fn(channel)
+        except aiormq.exceptions.ChannelPreconditionFailed as exc:
+            raise explain_mismatch(name, exc, topo) from None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+
+    for exch in (topo.dlx, topo.control):
+        await on_fresh_channel(
+            lambda ch, exch=exch: ch.declare_exchange(exch, aio_pika.ExchangeType.FANOUT, durable=True), exch
+        )
+    for name, args in topo.queue_arguments().items():
+        await on_fresh_channel(lambda ch, name=name, args=args: ch.declare_queue(name, durable=True, arguments=args), name)
+
+    async def bind(ch: Any) -> None:
+        queue = await ch.get_queue(topo.dead, ensure=True)
+        await queue.bind(topo.dlx, routing_key="")
+
+    await on_fresh_channel(bind, topo.dead)
+
+
+async def delete_topology(connection: Any, topo: Topology) -> None:
+    """Delete every queue and exchange of ``topo`` (tests, teardown)."""
+    channel = await connection.channel()
+    try:
+        for name in topo.queue_arguments():
+            await channel.queue_delete(name)
+        for exch in (topo.dlx, topo.control):
+            await channel.exchange_delete(exch)
+    finally:
+        if not channel.is_closed:
+            await channel.close()

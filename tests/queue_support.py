@@ -1,0 +1,226 @@
+"""Test doubles and helpers for the queue tests.
+
+The BROKER is always the real RabbitMQ; only the engine is replaced, by
+:class:`EchoEngine`, a deterministic double with the real engine's interface
+(see ``jaxserve/worker/engine_thread.py``): its completion is derived from
+the prompt, it schedules interactive before batch within ``max_num_seqs``,
+it can be stalled, slowed, or made to burn CPU (holding the GIL in bursts).
+
+``make_echo_engine`` is importable as ``tests.queue_support:make_echo_engine``
+for ``jaxserve worker --engine``; it reads ``JAXSERVE_ECHO_*`` environment
+variables and ``--engine-arg key=value`` options.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import threading
+import time
+import uuid
+from typing import Any
+
+from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; a toy chat template."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        out = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        return out + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def expected_completion(prompt: str, max_tokens: int, stop: tuple[str, ...] = ()) -> tuple[str, str]:
+    """What EchoEngine answers for ``prompt``: (text, finish_reason)."""
+    words = prompt.split() or ["x"]
+    text = ""
+    for i in range(max_tokens):
+        text += words[i % len(words)] + " "
+        for s in stop:
+            j = text.find(s)
+            if j >= 0:
+                return text[:j], "stop"
+    return text, "length"
+
+
+class _Req:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, rc: RequestClass, priority: int, deadline: float | None, tok: ByteTokenizer) -> None:
+        self.id = rid
+        self.prompt_text = tok.decode(prompt_ids)
+        self.prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.rc = rc
+        self.priority = priority
+        self.deadline = deadline
+        self.arrival = time.monotonic()
+        self.full, self.reason = expected_completion(self.prompt_text, params.max_tokens, tuple(params.stop))
+        self.pieces = [p for p in re.findall(r"\S*\s*", self.full) if p]
+        self.pos = 0
+
+
+class EchoEngine:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int = 8,
+        interactive_reserved_seqs: int = 2,
+        max_model_len: int = 512,
+        step_s: float = 0.002,
+        busy_step_s: float = 0.0,
+        warmup_s: float = 0.0,
+        model_name: str = "echo",
+        stalled: bool = False,
+    ) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.max_num_seqs = max_num_seqs
+        self.interactive_reserved_seqs = interactive_reserved_seqs
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.step_s = step_s
+        self.busy_step_s = busy_step_s
+        self.warmup_s = warmup_s
+        self.warmed = False
+        self.gate = threading.Event()
+        if not stalled:
+            self.gate.set()
+        self.waiting: list[_Req] = []
+        self.running: dict[str, _Req] = {}
+        self.add_count: collections.Counter = collections.Counter()
+        self.aborted: list[str] = []
+        self.max_running_seen = 0
+        self.thread_ids: set[int] = set()
+        self.fail_next_step = False
+
+    # switches used by tests (thread-safe: Event)
+    def stall(self) -> None:
+        self.gate.clear()
+
+    def unstall(self) -> None:
+        self.gate.set()
+
+    def warmup(self) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.warmup_s:
+            time.sleep(self.warmup_s)
+        self.warmed = True
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, request_class: RequestClass = RequestClass.BATCH, priority: int = 0, deadline: float | None = None) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if not self.warmed:
+            raise RuntimeError("add_request before warmup")
+        if request_id in self.running or any(r.id == request_id for r in self.waiting):
+            raise RequestError("invalid_request", f"duplicate request id {request_id}")
+        params.validate()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError("context_length_exceeded", "too long")
+        self.add_count[request_id] += 1
+        self.waiting.append(_Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer))
+
+    def abort(self, request_id: str) -> bool:
+        self.thread_ids.add(threading.get_ident())
+        self.aborted.append(request_id)
+        if self.running.pop(request_id, None) is not None:
+            return True
+        for i, r in enumerate(self.waiting):
+            if r.id == request_id:
+                del self.waiting[i]
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        if not self.gate.wait(0.05):
+            return []
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        outs: list[RequestOutput] = []
+        now = time.monotonic()
+        # deadlines while waiting
+        for r in list(self.waiting):
+            if r.deadline is not None and now >= r.deadline:
+                self.waiting.remove(r)
+                outs.append(RequestOutput(r.id, [], "", finished=True, finish_reason="error", error=RequestError("expired", "deadline passed while waiting")))
+        # admit: interactive first, then priority, then arrival
+        self.waiting.sort(key=lambda r: (int(r.rc), -r.priority, r.arrival))
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting.pop(0)
+            self.running[r.id] = r
+        self.max_running_seen = max(self.max_running_seen, len(self.running))
+        if self.step_s:
+            time.sleep(self.step_s)
+        if self.busy_step_s:
+            end = time.perf_counter() + self.busy_step_s
+            x = 0
+            while time.perf_counter() < end:
+                x += 1
+        for rid, r in list(self.running.items()):
+            delta = r.pieces[r.pos] if r.pos < len(r.pieces) else ""
+            r.pos += 1
+            if r.pos >= len(r.pieces):
+                del self.running[rid]
+                outs.append(RequestOutput(rid, [1], delta, finished=True, finish_reason=r.reason, text=r.full, prompt_tokens=r.prompt_tokens, completion_tokens=len(r.pieces)))
+            else:
+                outs.append(RequestOutput(rid, [1], delta))
+        return outs
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    return float(v) if v else default
+
+
+def make_echo_engine(**kwargs: Any) -> EchoEngine:
+    """Factory for ``jaxserve worker --engine tests.queue_support:make_echo_engine``."""
+    cfg: dict[str, Any] = {
+        "max_num_seqs": int(_env_float("JAXSERVE_ECHO_MAX_NUM_SEQS", 8)),
+        "interactive_reserved_seqs": int(_env_float("JAXSERVE_ECHO_RESERVED", 2)),
+        "max_model_len": int(_env_float("JAXSERVE_ECHO_MAX_MODEL_LEN", 512)),
+        "step_s": _env_float("JAXSERVE_ECHO_STEP_S", 0.002),
+    }
+    for k, v in kwargs.items():
+        if k in ("max_num_seqs", "interactive_reserved_seqs", "max_model_len"):
+            cfg[k] = int(v)
+        elif k in ("step_s", "busy_step_s", "warmup_s"):
+            cfg[k] = float(v)
+        else:
+            cfg[k] = v
+    return EchoEngine(**cfg)
+
+
+def unique_prefix() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def rabbitmqctl(*args: str, timeout: float = 30.0) -> str:
+    import subprocess
+
+    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
+def unacked_counts(prefix: str) -> dict[str, int]:
+    """Broker's view: messages_unacknowledged per queue of ``prefix``."""
+    out = rabbitmqctl("list_queues", "name", "messages_unacknowledged", "messages_ready")
+    counts: dict[str, int] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith(prefix + "."):
+            try:
+                counts[parts[0]] = int(parts[1])
+            except ValueError:
+                pass
+    return counts
