@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as a Flax NNX module over the paged KV cache.
+
+Per-layer weights are stacked along a leading layer axis (``[L, ...]``) and
+the layers run under ``jax.lax.scan``, so compile time does not grow with
+depth. The scan carries the whole KV cache; layer ``i`` writes its keys and
+values with a scatter at ``[i, slot_mapping]`` and reads with a gather at
+``[i, slots]`` straight from the stacked arrays, so with the cache donated to
+the jitted step the update is in place (no per-layer or per-step copy).
+
+Fused projections: ``wqkv`` is ``[L, hidden, (H + 2*KVH) * head_dim]`` (q, k, v
+columns in that order) and ``w_gate_up`` is ``[L, hidden, 2 * intermediate]``
+(gate then up). Linear weights are stored ``[in, out]`` (HF's transposed).
+
+Numerics: weights in ``dtype`` (float32 or bfloat16); matmuls in that dtype
+with float32 accumulation; RMSNorm, RoPE, softmax and the residual stream in
+float32. The returned hidden state is float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.kv_cache import KVCache
+from jaxserve.kernels.paged_attention import paged_attention, write_kv
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+_INIT_STD = 0.02
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32; returns float32."""
+    x = x.astype(jnp.float32)
+    var = jnp.mean(x * x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+
+
+def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w`` in the weight dtype with float32 accumulation; float32 result."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _param(rngs: nnx.Rngs | None, shape, dtype, init: str) -> nnx.Param:
+    if init == "ones":
+        return nnx.Param(jnp.ones(shape, dtype))
+    if init == "zeros":
+        return nnx.Param(jnp.zeros(shape, dtype))
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype))
+
+
+class LlamaLayers(nnx.Module):
+    """All decoder layers' weights, stacked along axis 0."""
+
+    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        c = config
+        L, E, I = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+        qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        q_out = c.num_attention_heads * c.head_dim
+        self.input_norm = _param(rngs, (L, E), dtype, "ones")
+        self.wqkv = _param(rngs, (L, E, qkv_out), dtype, "normal")
+        self.bqkv = _param(rngs, (L, qkv_out), dtype, "zeros") if c.qkv_bias else None
+        self.wo = _param(rngs, (L, q_out, E), dtype, "normal")
+        self.bo = _param(rngs, (L, E), dtype, "zeros") if c.o_bias else None
+        self.post_norm = _param(rngs, (L, E), dtype, "ones")
+        self.w_gate_up = _param(rngs, (L, E, 2 * I), dtype, "normal")
+        self.b_gate_up = _param(rngs, (L, 2 * I), dtype, "zeros") if c.mlp_bias else None
+        self.w_down = _param(rngs, (L, I, E), dtype, "normal")
+        self.b_down = _param(rngs, (L, E), dtype, "zeros") if c.mlp_bias else None
+
+    def stacked(self) -> dict[str, jax.Array | None]:
+        """The raw ``[L, ...]`` arrays (None for absent biases), for ``lax.scan``."""
+        names = ("input_norm", "wqkv", "bqkv", "wo", "bo", "post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down")
+        out = {}
+        for n in names:
+            p = getattr(self, n)
+            out[n] = None if p is None else p[...]
+        return out
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama-family causal LM over the paged KV cache.
+
+    ``model(input_ids[T], positions[T], kv_cache, meta) -> (hidden[T, E] float32, kv_cache)``
+    and ``model.compute_logits(hidden[N, E]) -> float32[N, vocab]``.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        c = config
+        self.embed = _param(rngs, (c.vocab_size, c.hidden_size), self.dtype, "normal")
+        self.layers = LlamaLayers(c, dtype=self.dtype, rngs=rngs)
+        self.norm = _param(rngs, (c.hidden_size,), self.dtype, "ones")
+        if c.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), self.dtype, "normal")
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:
+        c = self.config
+        T = input_ids.shape[0]
+        H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_size, kv_size = H * D, KVH * D
+        eps = c.rms_norm_eps
+        dtype = self.dtype
+        block_size = kv_cache.block_size
+        scale = 1.0 / math.sqrt(D)
+        window = c.effective_sliding_window
+
+        positions = positions.astype(jnp.int32)
+        cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
+        h = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.float32)
+
+        def layer(carry, w):
+            h, k_all, v_all, i = carry
+            x = rms_norm(h, w["input_norm"], eps)
+            qkv = _mm(x, w["wqkv"])
+            if w["bqkv"] is not None:
+                qkv = qkv + w["bqkv"].astype(jnp.float32)
+            q = qkv[:, :q_size].reshape(T, H, D)
+            k = qkv[:, q_size : q_size + kv_size].reshape(T, KVH, D)
+            v = qkv[:, q_size + kv_size :].reshape(T, KVH, D)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            k_all, v_all = write_kv(k_all, v_all, k, v, meta.slot_mapping, layer=i)
+            attn = paged_attention(
+                q.astype(dtype),
+                k_all,
+                v_all,
+                meta,
+                positions,
+                block_size=block_size,
+                scale=scale,
+                layer=i,
+                sliding_window=window,
+            )
+            o = _mm(attn.reshape(T, q_size), w["wo"])
+            if w["bo"] is not None:
+                o = o + w["bo"].astype(jnp.float32)
+            h = h + o
+            x = rms_norm(h, w["post_norm"], eps)
+            gu = _mm(x, w["w_gate_up"])
+            if w["b_gate_up"] is not None:
+                gu = gu + w["b_gate_up"].astype(jnp.float32)
+            g, u = jnp.split(gu, 2, axis=-1)
+            a = jax.nn.silu(g) * u
+            d = _mm(a, w["w_down"])
+            if w["b_down"] is not None:
+                d = d + w["b_down"].astype(jnp.float32)
+            h = h + d
+            return (h, k_all, v_all, i + 1), None
+
+        (h, k_all, v_all, _), _ = jax.lax.scan(
+            layer, (h, kv_cache.k, kv_cache.v, jnp.int32(0)), self.layers.stacked()
+        )
+        h = rms_norm(h, self.norm[...], eps)
+        return h, KVCache(k=k_all, v=v_all, block_size=block_size)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden_size]``."""
+        if self.lm_head is None:
+            emb = self.embed[...]
+            return jnp.einsum(
+                "ne,ve->nv", hidden.astype(emb.dtype), emb, preferred_element_type=jnp.float32
+            )
+        return _mm(hidden, self.lm_head[...])
+
+    # convenience -----------------------------------------------------------
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:
+        """A zeroed cache matching this model (cache dtype defaults to the weight dtype)."""
+        c = self.config
+        return KVCache.create(
+            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype or self.dtype
+        )

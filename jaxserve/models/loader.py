@@ -1,0 +1,239 @@
+"""Load a Hugging Face Llama-family checkpoint folder into ``LlamaForCausalLM``.
+
+Reads ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. HF tensors are mapped into the stacked,
+fused parameters of ``jaxserve.models.llama`` (Linear weights transposed to
+``[in, out]``; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
+model is built abstractly (``nnx.eval_shape``, no random init) and filled
+group by group on the host, so peak host memory is about one stacked
+parameter group on top of the open files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    folder: str
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.model.dtype
+
+
+def _resolve_dtype(dtype: Any) -> jnp.dtype | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        name = {"fp32": "float32", "float": "float32", "bf16": "bfloat16"}.get(dtype.lower(), dtype.lower())
+        if name not in ("float32", "bfloat16"):
+            raise ModelLoadError(f"unsupported model dtype {dtype!r}; use float32 or bfloat16")
+        return jnp.dtype(name)
+    d = jnp.dtype(dtype)
+    if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ModelLoadError(f"unsupported model dtype {d}; use float32 or bfloat16")
+    return d
+
+
+class _TensorSource:
+    """Name -> tensor (host numpy, ml_dtypes bfloat16 kept) over one or more safetensors files."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        single = os.path.join(folder, SINGLE_FILE)
+        index = os.path.join(folder, INDEX_FILE)
+        if os.path.isfile(index):
+            try:
+                with open(index, "rb") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"cannot read {index}: {e}") from e
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            files = [SINGLE_FILE]
+            weight_map = None
+        else:
+            raise ModelLoadError(
+                f"no weights in {folder}: expected {SINGLE_FILE} or {INDEX_FILE} (sharded safetensors)"
+            )
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        # framework="flax" decodes every dtype (numpy cannot decode bfloat16); keep tensors on the host CPU
+        self._cpu = jax.devices("cpu")[0]
+        for fname in files:
+            path = os.path.join(folder, fname)
+            if not os.path.isfile(path):
+                raise ModelLoadError(f"weights file {fname} listed in {INDEX_FILE} is missing from {folder}")
+            try:
+                h = self._stack.enter_context(safe_open(path, framework="flax"))
+            except Exception as e:  # safetensors raises its own error types
+                raise ModelLoadError(f"cannot open weights file {path}: {e}") from e
+            self._handles[fname] = h
+            for k in h.keys():
+                self._where[k] = fname
+        if weight_map is not None:
+            for k in weight_map:
+                if k not in self._where:
+                    raise ModelLoadError(f"tensor {k} listed in {INDEX_FILE} is not in {weight_map[k]}")
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
+    def get(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self._where:
+            raise ModelLoadError(f"missing tensor {name} in checkpoint")
+        found = self.shape(name)
+        if found != tuple(expected_shape):
+            raise ModelLoadError(
+                f"tensor {name} has shape {list(found)}, expected {list(expected_shape)}"
+            )
+        with jax.default_device(self._cpu):
+            arr = self._handles[self._where[name]].get_tensor(name)
+        return np.asarray(arr)
+
+
+def _checkpoint_dtype(src: _TensorSource, name: str) -> jnp.dtype:
+    d = src.dtype_name(name).upper()
+    if d == "BF16":
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32)
+
+
+def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
+    """Load ``folder`` (config.json + safetensors). ``dtype`` None keeps the
+    checkpoint's float32/bfloat16 (anything else becomes float32)."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ModelLoadError(f"model folder not found: {folder}")
+    config = ModelConfig.from_folder(folder)
+    want = _resolve_dtype(dtype)
+    src = _TensorSource(folder)
+    try:
+        embed_name = "model.embed_tokens.weight"
+        if embed_name not in src:
+            raise ModelLoadError(f"missing tensor {embed_name} in checkpoint")
+        if want is None:
+            want = _checkpoint_dtype(src, embed_name)
+        np_dtype = np.dtype(want)  # ml_dtypes bfloat16 or float32
+        model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=want, rngs=nnx.Rngs(0)))
+        _fill(model, config, src, np_dtype)
+    finally:
+        src.close()
+    return LoadedModel(config=config, model=model, folder=folder)
+
+
+def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype) -> None:
+    L, E, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    qs, kvs = H * D, KVH * D
+
+    def put(param: nnx.Param, arr: np.ndarray) -> None:
+        assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
+        param.set_value(jnp.asarray(arr))
+
+    def stacked(shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], bool, slice]]) -> np.ndarray:
+        """Fill ``[L, *shape]``: each part is (HF name template, HF shape, transpose, target columns)."""
+        out = np.empty((L, *shape), np_dtype)
+        for i in range(L):
+            for tmpl, hf_shape, transpose, cols in parts:
+                t = src.get(tmpl.format(i=i), hf_shape)
+                if transpose:
+                    t = t.T
+                out[i, ..., cols] = t.astype(np_dtype, copy=False)
+        return out
+
+    pre = "model.layers.{i}."
+    a = slice(None)
+    put(model.embed, src.get("model.embed_tokens.weight", (V, E)).astype(np_dtype, copy=False))
+    put(model.norm, src.get("model.norm.weight", (E,)).astype(np_dtype, copy=False))
+    if model.lm_head is not None:
+        put(model.lm_head, src.get("lm_head.weight", (V, E)).T.astype(np_dtype))
+
+    ly = model.layers
+    put(ly.input_norm, stacked((E,), [(pre + "input_layernorm.weight", (E,), False, a)]))
+    put(ly.post_norm, stacked((E,), [(pre + "post_attention_layernorm.weight", (E,), False, a)]))
+    put(
+        ly.wqkv,
+        stacked(
+            (E, qs + 2 * kvs),
+            [
+                (pre + "self_attn.q_proj.weight", (qs, E), True, slice(0, qs)),
+                (pre + "self_attn.k_proj.weight", (kvs, E), True, slice(qs, qs + kvs)),
+                (pre + "self_attn.v_proj.weight", (kvs, E), True, slice(qs + kvs, qs + 2 * kvs)),
+            ],
+        ),
+    )
+    if ly.bqkv is not None:
+        put(
+            ly.bqkv,
+            stacked(
+                (qs + 2 * kvs,),
+                [
+                    (pre + "self_attn.q_proj.bias", (qs,), False, slice(0, qs)),
+                    (pre + "self_attn.k_proj.bias", (kvs,), False, slice(qs, qs + kvs)),
+                    (pre + "self_attn.v_proj.bias", (kvs,), False, slice(qs + kvs, qs + 2 * kvs)),
+                ],
+            ),
+        )
+    put(ly.wo, stacked((qs, E), [(pre + "self_attn.o_proj.weight", (E, qs), True, a)]))
+    if ly.bo is not None:
+        put(ly.bo, stacked((E,), [(pre + "self_attn.o_proj.bias", (E,), False, a)]))
+    put(
+        ly.w_gate_up,
+        stacked(
+            (E, 2 * I),
+            [
+                (pre + "mlp.gate_proj.weight", (I, E), True, slice(0, I)),
+                (pre + "mlp.up_proj.weight", (I, E), True, slice(I, 2 * I)),
+            ],
+        ),
+    )
+    if ly.b_gate_up is not None:
+        put(
+            ly.b_gate_up,
+            stacked(
+                (2 * I,),
+                [
+                    (pre + "mlp.gate_proj.bias", (I,), False, slice(0, I)),
+                    (pre + "mlp.up_proj.bias", (I,), False, slice(I, 2 * I)),
+                ],
+            ),
+        )
+    put(ly.w_down, stacked((I, E), [(pre + "mlp.down_proj.weight", (E, I), True, a)]))
+    if ly.b_down is not None:
+        put(ly.b_down, stacked((E,), [(pre + "mlp.down_proj.bias", (E,), False, a)]))
+
+
+__all__ = ["LoadedModel", "load_model", "ModelLoadError"]
+

@@ -1,0 +1,150 @@
+"""Tiny random Hugging Face checkpoints for model tests, written with transformers' own
+classes and ``save_pretrained`` (float32, seeded).
+
+Every parameter is re-drawn (norm weights around 1, biases non-zero) so that
+biases and norms really take part in the parity checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+
+VOCAB = 256
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per kv head
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _randomize(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.05 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def _save(model, folder: str, **kw) -> str:
+    model.eval()
+    model.save_pretrained(folder, **kw)
+    return folder
+
+
+def llama2(folder: str, *, tied: bool = False, seed: int = 0, max_shard_size: str | None = None) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=tied, rope_theta=10000.0, attn_implementation="eager")
+    m = LlamaForCausalLM(cfg)
+    _randomize(m, seed)
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    return _save(m, folder, **kw)
+
+
+def llama3(folder: str, *, seed: int = 1, tied: bool = True, bias: bool = True) -> str:
+    """Llama 3 style: llama3 rope scaling, large theta, tied embeddings, attention and MLP biases."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        **TINY,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        mlp_bias=bias,
+        rope_scaling={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        attn_implementation="eager",
+    )
+    m = LlamaForCausalLM(cfg)
+    _randomize(m, seed)
+    return _save(m, folder)
+
+
+def mistral(folder: str, *, seed: int = 2, sliding_window: int | None = 24) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(**TINY, sliding_window=sliding_window, tie_word_embeddings=False, attn_implementation="eager")
+    m = MistralForCausalLM(cfg)
+    _randomize(m, seed)
+    return _save(m, folder)
+
+
+def qwen2(folder: str, *, seed: int = 3, tied: bool = True) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**TINY, tie_word_embeddings=tied, rope_theta=1000000.0, attn_implementation="eager")
+    m = Qwen2ForCausalLM(cfg)
+    _randomize(m, seed)
+    return _save(m, folder)
+
+
+def rewrite_config_4x(folder: str) -> str:
+    """Rewrite config.json in the transformers 4.x key style: ``rope_theta`` and
+    ``rope_scaling`` at the top level instead of ``rope_parameters``; ``torch_dtype``."""
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        d = json.load(f)
+    params = dict(d.pop("rope_parameters", None) or {})
+    d["rope_theta"] = params.pop("rope_theta", 10000.0)
+    rope_type = params.pop("rope_type", "default")
+    d["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **params}
+    if "dtype" in d:
+        d["torch_dtype"] = d.pop("dtype")
+    d["transformers_version"] = "4.46.0"
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+    return folder
+
+
+def edit_config(folder: str, fn: Callable[[dict], None]) -> str:
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        d = json.load(f)
+    fn(d)
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+    return folder
+
+
+def hf_model(folder: str):
+    """The transformers model of a fixture folder, float32, eager attention, eos disabled."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    m.eval()
+    m.generation_config.eos_token_id = None
+    m.generation_config.pad_token_id = 0
+    return m
+
+
+FAMILIES: dict[str, Callable[[str], str]] = {
+    "llama2": llama2,
+    "llama3": llama3,
+    "mistral": mistral,
+    "qwen2": qwen2,
+}
