@@ -31,6 +31,9 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
     OUTPUT_LEN new tokens each (EOS ignored, greedy), after a warm-up, and
     report output tokens per second."""
     from jaxserve.engine.llm import LLM
+    from jaxserve.worker.logs import configure_logging
+
+    configure_logging(level="warning")
     from jaxserve.engine.types import SamplingParams
 
     max_num_seqs = max_num_seqs or min(num_prompts, 256)
@@ -41,7 +44,6 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max(input_len + output_len, 64),
         enable_prefix_caching=False,
-        log_level="warning",
     )
     vocab = llm.engine.tokenizer.vocab_size
     special = set(llm.engine.special_token_ids)

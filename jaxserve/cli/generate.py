@@ -24,9 +24,12 @@ import orjson
 def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, chat, as_json, prompt) -> None:
     """Generate a completion for PROMPT and print it."""
     from jaxserve.engine.llm import LLM
+    from jaxserve.worker.logs import configure_logging
+
+    configure_logging(level="warning")
     from jaxserve.engine.types import SamplingParams
 
-    llm = LLM(model, dtype=None if dtype == "auto" else dtype, max_num_seqs=1, log_level="warning")
+    llm = LLM(model, dtype=None if dtype == "auto" else dtype, max_num_seqs=1)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )

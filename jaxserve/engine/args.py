@@ -49,7 +49,6 @@ class EngineArgs:
     seed: int = 0
     compilation_cache_dir: str | None = None
     served_model_name: str | None = None
-    log_level: str = "info"
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         limit = self.max_model_len or min(max_position_embeddings, 4096)

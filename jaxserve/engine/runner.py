@@ -234,7 +234,7 @@ class ModelRunner:
         )
         hidden, self.kv_cache = self._forward[t_bucket](self.state, input_ids, positions, self.kv_cache, meta)
         if not sampling_rows:
-            return StepResult(tokens=jnp.zeros((0,), jnp.int32), logprobs=jnp.zeros((0,)), num_sampled=0)
+            return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
         idx = np.zeros(s_bucket, np.int32)
         idx[: len(logits_rows)] = logits_rows

@@ -1,0 +1,185 @@
+"""The engine end to end: exactness under continuous batching, no
+compilation while serving, seeded sampling independent of the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from jax import monitoring
+
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.types import RequestError, SamplingParams
+
+from engine_fixtures import build_engine_checkpoint
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_engine_checkpoint(tmp_path_factory.mktemp("engine-ckpt"))
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    shared = rng.integers(10, 500, size=40).tolist()  # a 40-token common prefix (2.5 blocks)
+    prompts = [rng.integers(10, 500, size=n).tolist() for n in (3, 17, 33, 70, 9, 51)]
+    prompts += [shared + rng.integers(10, 500, size=n).tolist() for n in (5, 12, 30)]
+    prompts.append(list(shared))
+    return prompts
+
+
+def _run(engine: Engine, prompts, params_for, stagger: int = 0) -> dict[str, list[int]]:
+    """Feed prompts (``stagger`` steps apart) and collect each completion."""
+    done: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and (stagger == 0 or step % stagger == 0):
+            batch = pending if stagger == 0 else pending[:1]
+            for i, prompt in batch:
+                engine.add_request(f"r{i}", prompt, params_for(i))
+            pending = pending[len(batch):]
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                done[out.request_id] = out.token_ids
+        step += 1
+    return done
+
+
+def _greedy(_i=0):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone(checkpoint):
+    """Each prompt run by itself on a roomy engine."""
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=128,
+                               max_model_len=256, enable_prefix_caching=False))
+    engine.warmup()
+    results = {}
+    for i, prompt in enumerate(_prompts()):
+        results.update({f"r{i}": _run(engine, [prompt], _greedy)["r0"]})
+    return results
+
+
+def test_batched_chunked_prefix_cached_preempted_equals_alone(checkpoint, alone):
+    # 15 usable blocks of 16 tokens for 10 requests of up to 90 tokens: the
+    # scheduler must preempt; a 16-token budget forces chunked prefill; the
+    # shared 40-token prefix hits the prefix cache.
+    engine = Engine(EngineArgs(
+        model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
+        kv_cache_memory=16 * 8192, enable_prefix_caching=True,
+    ))
+    assert engine.num_blocks == 16
+    engine.warmup()
+    got = _run(engine, _prompts(), _greedy)
+    stats = engine.scheduler.stats()
+    assert stats.num_preemptions > 0, "the test must exercise preemption"
+    assert stats.prefix_cache_hits > 0, "the test must exercise prefix-cache hits"
+    assert got == alone
+    assert engine.allocator.num_used_blocks == 0  # everything returned
+
+
+def test_greedy_matches_transformers(checkpoint, alone):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    for i, prompt in enumerate(_prompts()):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                do_sample=False, eos_token_id=None, pad_token_id=0,
+            )
+        assert out[0, len(prompt):].tolist() == alone[f"r{i}"], f"prompt {i}"
+
+
+def test_no_compilation_while_serving(checkpoint):
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=32,
+                               max_model_len=128))
+    engine.warmup()
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, *_a, **_k: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 500, size=int(n)).tolist() for n in rng.integers(1, 90, size=12)]
+
+    def varied(i):
+        kinds = [
+            SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=0.0),
+            SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=i),
+            SamplingParams(max_tokens=6, temperature=1.0, min_p=0.1, repetition_penalty=1.2,
+                           frequency_penalty=0.5, presence_penalty=0.3, seed=i),
+            SamplingParams(max_tokens=10, temperature=0.0, stop=("a",), logprobs=True),
+        ]
+        return kinds[i % len(kinds)]
+
+    _run(engine, prompts, varied, stagger=3)
+    assert engine.num_steps > 30
+    assert compiles == []
+
+
+def test_seeded_sampling_independent_of_batch(checkpoint):
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
+                               max_model_len=128))
+    engine.warmup()
+    prompts = _prompts()[:4]
+
+    def sampled(i):
+        return SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=100 + i, ignore_eos=True)
+
+    together = _run(engine, prompts, sampled)
+    for i, prompt in enumerate(prompts):
+        alone = _run(engine, [prompt], lambda _j, i=i: sampled(i))["r0"]
+        assert together[f"r{i}"] == alone
+
+
+def test_admission_errors_name_the_problem(checkpoint):
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
+                               max_model_len=64))
+    with pytest.raises(RequestError) as err:
+        engine.add_request("long", list(range(10, 70)), SamplingParams(max_tokens=10))
+    assert err.value.code == "context_length_exceeded" and "64" in err.value.message
+    with pytest.raises(RequestError) as err:
+        engine.add_request("neg", [1, 2], SamplingParams(max_tokens=-1))
+    assert err.value.code == "invalid_request" and "max_tokens" in err.value.message
+    with pytest.raises(RequestError) as err:
+        engine.add_request("oov", [1, 10_000], SamplingParams(max_tokens=2))
+    assert err.value.code == "invalid_request" and "10000" in err.value.message
+
+
+def test_abort_frees_blocks_and_stop_strings_end_requests(checkpoint):
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
+                               max_model_len=128))
+    engine.warmup()
+    engine.add_request("a", list(range(10, 50)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert engine.allocator.num_used_blocks > 0
+    assert engine.abort("a") is True
+    assert engine.allocator.num_used_blocks == 0
+    assert not engine.has_unfinished()
+    # A stop string taken from the greedy output itself must end it there.
+    engine.add_request("b", "hello there", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    full = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                full = out
+    assert full is not None and len(full.text) > 4
+    stop = full.text[2:4]
+    engine.add_request("c", "hello there", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                          stop=(stop,)))
+    streamed, final = "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.new_text
+            if out.finished:
+                final = out
+    assert final.finish_reason == "stop"
+    assert final.text == full.text[: full.text.index(stop)]
+    assert streamed == final.text
