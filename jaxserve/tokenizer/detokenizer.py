@@ -71,7 +71,9 @@ class IncrementalDetokenizer:
         prompt_ids: Iterable[int] | None = None,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        # Decode straight through the `tokenizers` object when given our wrapper.
+        backend = getattr(tokenizer, "backend", None)
+        self._tokenizer = backend if backend is not None and hasattr(backend, "decode") else tokenizer
         self._skip = skip_special_tokens
         # The window holds the ids from the prefix offset on. ``_read`` (relative
         # to the window) is the read offset: ids before it are emitted (or are
