@@ -150,6 +150,24 @@ def test_extra_kwargs_match_transformers(tiny_folder, ours):
     assert "Today Date: 01 Jan 2030" in got
 
 
+def test_reasoning_aliases_match_transformers(tiny_folder, ours):
+    from transformers import PreTrainedTokenizerFast
+
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m | dictsort | map('first') | join(',') }}"
+        "[{{ m.reasoning_content }}|{{ m.thinking }}]\n{% endfor %}"
+    )
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tiny_folder / "tokenizer.json"), chat_template=template)
+    chat = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "because"},
+        {"role": "assistant", "content": "b", "thinking": "hmm", "tool_calls": None},
+    ]
+    expected = hf.apply_chat_template(chat, tokenize=False)
+    assert ours.apply_chat_template(chat, False, chat_template=template) == expected
+    assert "[because|because]" in expected
+
+
 # ------------------------------------------------------------- environment
 
 

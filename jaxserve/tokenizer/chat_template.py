@@ -143,6 +143,9 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check ``messages`` is a non-empty list of ``{"role", "content"}`` dicts and
     return a plain-data copy with None-valued keys dropped (as transformers does).
@@ -192,6 +195,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                         )
         elif "tool_calls" not in clean:
             raise ValueError(f"messages[{i}] (role {role!r}) has no 'content'")
+        # Like transformers 5: a message's reasoning, under any of its names, is
+        # also readable as `reasoning_content` and `thinking`.
+        reasoning = next((clean[k] for k in _REASONING_FIELDS if k in clean), None)
+        if reasoning is not None:
+            clean = {"thinking": reasoning, **clean, "reasoning_content": reasoning}
         out.append(clean)
     return out
 
