@@ -243,3 +243,29 @@ def test_window_stays_bounded(tokenizer):
         detok.flush()
         assert biggest <= 40
         assert detok.text == tokenizer.decode(ids[:50] + stream_ids)[len(tokenizer.decode(ids[:50])) :]
+
+
+def test_runs_of_special_tokens(tokenizer):
+    """Long runs of skipped special tokens (random-weight models emit plenty)
+    leave the window alone and the text equal to decode()."""
+    eos, bos = tokenizer.eos_token_ids[0], tokenizer.bos_token_id
+    word = tokenizer.encode("Hello", add_special_tokens=False)
+    rest = tokenizer.encode("Hello world 你好", add_special_tokens=False)[len(word) :]
+    ids = word + [eos, bos] * 100 + rest
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        biggest = 0
+        for t in ids:
+            detok.push(t)
+            biggest = max(biggest, detok.window_size)
+        detok.flush()
+        assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert biggest <= (len(word) + len(rest) if skip else 40)
+    assert detok.num_tokens == len(ids)
+
+
+def test_bare_tokenizers_object(tokenizer):
+    ids = tokenizer.encode(TEXTS[3])
+    ours = stream(tokenizer, ids)[1]
+    bare = stream(tokenizer.backend, ids)[1]
+    assert ours == bare

@@ -31,7 +31,7 @@ _INITIAL_CONTEXT = 5
 _MAX_BACKOFF = 6
 # A valid UTF-8 character spans at most 4 bytes, hence at most 4 non-special
 # tokens. Past this many held-back tokens the stream is not valid UTF-8 (or is
-# a long run of invisible special tokens): emit what decode() gives, U+FFFD
+# a run of tokens that decode to nothing): emit what decode() gives, U+FFFD
 # included, rather than hold text back forever and grow the window.
 _MAX_PENDING = 12
 # Once the window is longer than this, its start moves up to the read offset
@@ -42,6 +42,16 @@ _MAX_WINDOW = 24
 
 class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def _special_ids(tokenizer: object) -> frozenset[int]:
+    ids = getattr(tokenizer, "all_special_ids", None)
+    if ids is not None:
+        return frozenset(ids)
+    added = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if callable(added):  # a bare tokenizers.Tokenizer
+        return frozenset(i for i, token in added().items() if token.special)
+    return frozenset()
 
 
 class IncrementalDetokenizer:
@@ -63,6 +73,7 @@ class IncrementalDetokenizer:
         "_pieces",
         "_text_cache",
         "_num_tokens",
+        "_skip_ids",
     )
 
     def __init__(
@@ -75,6 +86,10 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "backend", None)
         self._tokenizer = backend if backend is not None and hasattr(backend, "decode") else tokenizer
         self._skip = skip_special_tokens
+        # decode(skip_special_tokens=True) drops special tokens before decoding,
+        # so leaving them out of the window changes nothing and keeps long runs
+        # of them (common from random-weight models) from filling it.
+        self._skip_ids: frozenset[int] = _special_ids(tokenizer) if skip_special_tokens else frozenset()
         # The window holds the ids from the prefix offset on. ``_read`` (relative
         # to the window) is the read offset: ids before it are emitted (or are
         # prompt) and decode to ``_prefix_text``.
@@ -120,8 +135,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes (possibly "")."""
-        self._window.append(int(token_id))
+        token_id = int(token_id)
         self._num_tokens += 1
+        if token_id in self._skip_ids:
+            return ""
+        self._window.append(token_id)
         new_text = self._decode(self._window)
         if len(self._window) - self._read <= _MAX_PENDING and (
             len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR)
