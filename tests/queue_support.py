@@ -224,3 +224,123 @@ def unacked_counts(prefix: str) -> dict[str, int]:
             except ValueError:
                 pass
     return counts
+
+
+# ---------------------------------------------------------------- fixtures
+import asyncio  # noqa: E402
+
+import pytest  # noqa: E402
+import pytest_asyncio  # noqa: E402
+
+AMQP_URL = os.environ.get("JAXSERVE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+async def delete_prefix(prefix: str) -> None:
+    """Delete every queue of a test prefix (incl. reply queues) and its exchanges."""
+    import aio_pika
+
+    from jaxserve.worker.topology import Topology, delete_topology
+
+    conn = await aio_pika.connect(AMQP_URL)
+    try:
+        await delete_topology(conn, Topology(prefix=prefix))
+        try:
+            out = await asyncio.to_thread(rabbitmqctl, "list_queues", "name")
+        except Exception:  # noqa: BLE001
+            out = ""
+        ch = await conn.channel()
+        for line in out.splitlines():
+            name = line.strip()
+            if name.startswith(prefix + "."):
+                await ch.queue_delete(name)
+    finally:
+        await conn.close()
+
+
+@pytest_asyncio.fixture
+async def prefix():
+    p = unique_prefix()
+    yield p
+    await delete_prefix(p)
+
+
+class WorkerHarness:
+    """Starts in-process workers for one test and shuts them down after."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.workers: list = []
+
+    async def start(self, engine: EchoEngine | None = None, store=None, **cfg):
+        from jaxserve.worker.topology import Topology
+        from jaxserve.worker.worker import Worker, WorkerConfig
+
+        engine = engine or EchoEngine()
+        topo_kw = {k: cfg.pop(k) for k in list(cfg) if k in ("delivery_limit", "interactive_max_length", "batch_max_length", "interactive_ttl_ms")}
+        config = WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=self.prefix, **topo_kw), **cfg)
+        w = Worker(lambda: engine, config, store=store)
+        await w.start()
+        self.workers.append(w)
+        return w
+
+    async def close(self) -> None:
+        for w in self.workers:
+            if not w._closing:
+                if w.engine is not None:
+                    w.engine.unstall()
+                await w.shutdown(drain_timeout=0.5)
+
+
+@pytest_asyncio.fixture
+async def harness(prefix):
+    h = WorkerHarness(prefix)
+    yield h
+    await h.close()
+
+
+@pytest_asyncio.fixture
+async def client(prefix):
+    from jaxserve.client import AsyncClient
+
+    c = AsyncClient(AMQP_URL, prefix=prefix, name=f"test-client-{prefix}")
+    await c.connect()
+    yield c
+    try:
+        await c.delete_reply_queue()
+    except Exception:  # noqa: BLE001
+        pass
+    await c.close()
+
+
+async def raw_publish(prefix: str, body: bytes, *, queue: str = "interactive", message_id: str | None = None, reply_to: str | None = None, correlation_id: str | None = None, content_type: str | None = "application/json", expiration=None) -> None:
+    """Publish anything (bad jobs included) like a foreign AMQP client."""
+    import aio_pika
+
+    import types
+
+    import aiormq.channel
+
+    conn = await aio_pika.connect(AMQP_URL)
+    saved = aiormq.channel.UUID
+    try:
+        ch = await conn.channel()
+        if message_id is None:
+            # aiormq fills in a random message_id; suppress it for this publish.
+            aiormq.channel.UUID = lambda **_: types.SimpleNamespace(hex=None)
+        await ch.default_exchange.publish(
+            aio_pika.Message(body, message_id=message_id, reply_to=reply_to, correlation_id=correlation_id, content_type=content_type, expiration=expiration),
+            routing_key=f"{prefix}.{queue}",
+            mandatory=False,
+        )
+    finally:
+        aiormq.channel.UUID = saved
+        await conn.close()
+
+
+async def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

@@ -282,10 +282,11 @@ class AsyncClient:
         if stream is not None:
             stream._deliver(msg)
         if isinstance(msg, dict) and msg.get("type") == "result":
-            fut = self._futures.pop(key, None) if key is not None else None
+            # The future stays until wait() takes it (it may be called late).
+            fut = self._futures.get(key) if key is not None else None
             if fut is not None and not fut.done():
                 fut.set_result(Result(msg))
-            elif stream is None and self.on_unclaimed is not None:
+            elif fut is None and stream is None and self.on_unclaimed is not None:
                 r = self.on_unclaimed(msg)
                 if asyncio.iscoroutine(r):
                     await r

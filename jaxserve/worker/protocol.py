@@ -114,13 +114,16 @@ def _get_float(body: dict, name: str, default: float) -> float:
 
 
 def parse_expiration(value: Any) -> float | None:
-    """AMQP ``expiration`` (a string of milliseconds) -> seconds."""
+    """AMQP ``expiration`` -> seconds. On the wire it is a string of
+    milliseconds; aio-pika hands it over already decoded to float seconds."""
     if value is None or value == "":
         return None
     try:
         if hasattr(value, "total_seconds"):
             return float(value.total_seconds())
-        return float(value) / 1000.0
+        if isinstance(value, (str, bytes)):
+            return float(value) / 1000.0
+        return float(value)
     except (TypeError, ValueError):
         return None
 

@@ -1,0 +1,55 @@
+"""Engine factories for ``jaxserve worker --engine MODULE:CALLABLE``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+def load_factory(path: str) -> Callable[..., Any]:
+    """``package.module:callable`` -> the callable."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"--engine must look like 'package.module:callable', got {path!r}")
+    module = importlib.import_module(mod_name)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{path!r} is not callable")
+    return obj
+
+
+def _coerce(value: str) -> Any:
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg must be KEY=VALUE, got {item!r}")
+        out[key.replace("-", "_")] = _coerce(value)
+    return out
+
+
+def build_engine(model: str | None = None, **kwargs: Any) -> Any:
+    """The real engine (``jaxserve.engine.engine.Engine``). Uses
+    ``Engine.from_pretrained(model, **kwargs)`` when it exists, else
+    ``Engine(model, **kwargs)``."""
+    from jaxserve.engine.engine import Engine  # noqa: PLC0415 - heavy, only when serving
+
+    if model is None:
+        raise ValueError("the real engine needs --model PATH")
+    if hasattr(Engine, "from_pretrained"):
+        return Engine.from_pretrained(model, **kwargs)
+    return Engine(model, **kwargs)
