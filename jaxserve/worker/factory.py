@@ -43,13 +43,20 @@ def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 
 def build_engine(model: str | None = None, **kwargs: Any) -> Any:
-    """The real engine (``jaxserve.engine.engine.Engine``). Uses
-    ``Engine.from_pretrained(model, **kwargs)`` when it exists, else
-    ``Engine(model, **kwargs)``."""
+    """The real engine: ``Engine.from_args(model=..., **kwargs)`` where the
+    keywords are ``jaxserve.engine.args.EngineArgs`` fields (``--engine-arg
+    max_num_seqs=64 --engine-arg interactive_reserved_seqs=8``).
+
+    Defaults for serving from a queue: ``policy=priority`` and a quarter of
+    the sequences reserved for interactive jobs, unless given."""
     from jaxserve.engine.engine import Engine  # noqa: PLC0415 - heavy, only when serving
 
-    if model is None:
-        raise ValueError("the real engine needs --model PATH")
-    if hasattr(Engine, "from_pretrained"):
-        return Engine.from_pretrained(model, **kwargs)
-    return Engine(model, **kwargs)
+    if model is not None:
+        kwargs["model"] = model
+    kwargs.setdefault("policy", "priority")
+    if "interactive_reserved_seqs" not in kwargs:
+        seqs = int(kwargs.get("max_num_seqs", 32))
+        kwargs["interactive_reserved_seqs"] = max(1, seqs // 4) if seqs > 1 else 0
+    if hasattr(Engine, "from_args"):
+        return Engine.from_args(**kwargs)
+    return Engine(**kwargs)  # pragma: no cover - older engine signature
