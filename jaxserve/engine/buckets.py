@@ -48,10 +48,6 @@ class Buckets:
     def seq_bucket(self, num_seqs: int) -> int:
         return self._pick(self.seqs, num_seqs, "sequences")
 
-    def pairs(self) -> list[tuple[int, int]]:
-        """Every (token bucket, sequence bucket) a step can produce."""
-        return [(t, s) for t in self.tokens for s in self.seqs if s <= t]
-
     @staticmethod
     def _pick(options: tuple[int, ...], value: int, what: str) -> int:
         i = bisect.bisect_left(options, value)

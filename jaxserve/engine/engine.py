@@ -123,7 +123,7 @@ class Engine:
         self._metrics: dict[str, dict[str, float]] = {}
         self._seed_rng = random.Random(args.seed)
         self.special_token_ids = sorted(
-            set(getattr(self.tokenizer, "special_token_ids", ())) | set(self.eos_token_ids)
+            set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
         )
         self.num_steps = 0
         self.num_generated_tokens = 0

@@ -9,10 +9,13 @@ Two compiled programs per step:
 
 - ``forward`` for each token bucket ``T``: embeds the flat batch, runs every
   layer over the paged cache (donated, so updated in place) and returns the
-  hidden states ``[T, hidden]``.
-- ``sample`` for each (token bucket, sequence bucket) pair: gathers the
-  hidden state of each sampling sequence's last token, computes its logits
-  and samples on the device. Logits never travel to the host.
+  hidden state of each sampling sequence's last token, ``[max_num_seqs,
+  hidden]`` (rows picked by ``meta.logits_indices``).
+- ``sample`` for each sequence bucket ``S``: takes the first ``S`` of those
+  rows, computes their logits and samples on the device. Logits never travel
+  to the host, and the vocabulary projection runs on ``S`` rows, not ``T``.
+
+So the program count is ``len(token buckets) + len(sequence buckets)``.
 
 Everything is compiled in :meth:`ModelRunner.warmup`; calling the compiled
 executables directly (rather than a ``jax.jit`` wrapper) makes an unplanned
@@ -104,7 +107,7 @@ class ModelRunner:
             dtype=cache_dtype,
         )
         self._forward: dict[int, Any] = {}
-        self._sample: dict[tuple[int, int], Any] = {}
+        self._sample: dict[int, Any] = {}
         self._no_history = None
         self.compile_seconds = 0.0
 
@@ -112,11 +115,13 @@ class ModelRunner:
 
     def _forward_fn(self, state, input_ids, positions, kv_cache, meta):
         model = nnx.merge(self.graphdef, state)
-        return model(input_ids, positions, kv_cache, meta)
+        hidden, kv_cache = model(input_ids, positions, kv_cache, meta)
+        return hidden[meta.logits_indices], kv_cache
 
-    def _sample_fn(self, state, hidden, logits_indices, tensors):
+    def _sample_fn(self, state, hidden, tensors):
         model = nnx.merge(self.graphdef, state)
-        logits = model.compute_logits(hidden[logits_indices])
+        num_rows = tensors.temperature.shape[0]
+        logits = model.compute_logits(hidden[:num_rows])
         return sample(logits, tensors)
 
     def _abstract_meta(self, num_tokens: int) -> AttentionMetadata:
@@ -152,16 +157,11 @@ class ModelRunner:
                 continue
             ids = jax.ShapeDtypeStruct((t,), jnp.int32)
             self._forward[t] = forward.lower(state_spec, ids, ids, cache_spec, self._abstract_meta(t)).compile()
-        hidden_size = None
+        hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
-        for t, s in self.buckets.pairs():
-            if (t, s) in self._sample:
-                continue
-            if hidden_size is None:
-                hidden_size = self._hidden_size()
-            hidden = jax.ShapeDtypeStruct((t, hidden_size), self._hidden_dtype())
-            idx = jax.ShapeDtypeStruct((s,), jnp.int32)
-            self._sample[(t, s)] = sampler.lower(state_spec, hidden, idx, self._abstract_tensors(s)).compile()
+        for s in self.buckets.seqs:
+            if s not in self._sample:
+                self._sample[s] = sampler.lower(state_spec, hidden, self._abstract_tensors(s)).compile()
         self.compile_seconds += time.perf_counter() - started
         log.info(
             "runner.compiled",
@@ -171,20 +171,12 @@ class ModelRunner:
             seconds=round(self.compile_seconds, 2),
         )
 
-    def _hidden_size(self) -> int:
+    def _hidden_spec(self) -> jax.ShapeDtypeStruct:
+        ids = jax.ShapeDtypeStruct((self.buckets.tokens[0],), jnp.int32)
         spec = jax.eval_shape(
-            self._forward_fn,
-            self.state,
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            jax.ShapeDtypeStruct((1,), jnp.int32),
-            self.kv_cache,
-            self._abstract_meta(1),
+            self._forward_fn, self.state, ids, ids, self.kv_cache, self._abstract_meta(ids.shape[0])
         )
-        self._hidden_spec = spec[0]
-        return spec[0].shape[-1]
-
-    def _hidden_dtype(self):
-        return self._hidden_spec.dtype
+        return spec[0]
 
     # ----------------------------------------------------------------- step
 
@@ -225,21 +217,21 @@ class ModelRunner:
                 logits_rows.append(end - 1)
                 sampling_rows.append(w.sampling)
             cursor = end
+        logits_indices = np.zeros(self.max_num_seqs, np.int32)
+        logits_indices[: len(logits_rows)] = logits_rows
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             token_seq=token_seq,
             block_tables=block_tables,
             context_lens=context_lens,
-            logits_indices=np.zeros(self.max_num_seqs, np.int32),
+            logits_indices=logits_indices,
         )
         hidden, self.kv_cache = self._forward[t_bucket](self.state, input_ids, positions, self.kv_cache, meta)
         if not sampling_rows:
             return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
-        idx = np.zeros(s_bucket, np.int32)
-        idx[: len(logits_rows)] = logits_rows
         tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
-        tokens, logprobs = self._sample[(t_bucket, s_bucket)](self.state, hidden, idx, tensors)
+        tokens, logprobs = self._sample[s_bucket](self.state, hidden, tensors)
         return StepResult(tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows))
 
     def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
