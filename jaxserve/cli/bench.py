@@ -8,6 +8,8 @@ import click
 import numpy as np
 import orjson
 
+from jaxserve.cli.errors import user_errors
+
 
 @click.group()
 def bench() -> None:
@@ -37,14 +39,15 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
     from jaxserve.engine.types import SamplingParams
 
     max_num_seqs = max_num_seqs or min(num_prompts, 256)
-    llm = LLM(
-        model,
-        dtype=None if dtype == "auto" else dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max(input_len + output_len, 64),
-        enable_prefix_caching=False,
-    )
+    with user_errors():
+        llm = LLM(
+            model,
+            dtype=None if dtype == "auto" else dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max(input_len + output_len, 64),
+            enable_prefix_caching=False,
+        )
     vocab = llm.engine.tokenizer.vocab_size
     special = set(llm.engine.special_token_ids)
     rng = np.random.default_rng(seed)

@@ -7,6 +7,8 @@ import sys
 import click
 import orjson
 
+from jaxserve.cli.errors import user_errors
+
 
 @click.command()
 @click.option("--model", default="tiny", show_default=True, help="Preset name or checkpoint folder.")
@@ -29,7 +31,8 @@ def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, ch
     configure_logging(level="warning")
     from jaxserve.engine.types import SamplingParams
 
-    llm = LLM(model, dtype=None if dtype == "auto" else dtype, max_num_seqs=1)
+    with user_errors():
+        llm = LLM(model, dtype=None if dtype == "auto" else dtype, max_num_seqs=1)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )
