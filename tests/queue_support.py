@@ -286,7 +286,7 @@ class WorkerHarness:
     async def close(self) -> None:
         for w in self.workers:
             if not w._closing:
-                if w.engine is not None:
+                if hasattr(w.engine, "unstall"):
                     w.engine.unstall()
                 await w.shutdown(drain_timeout=0.5)
 

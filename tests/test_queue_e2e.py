@@ -244,9 +244,8 @@ def _real_engine_available() -> tuple[bool, str]:
 _ok, _why = _real_engine_available()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _ok, reason=_why or "real engine unavailable")
-@pytest.mark.skipif(os.environ.get("JAXSERVE_TEST_REAL_ENGINE") != "1", reason="set JAXSERVE_TEST_REAL_ENGINE=1 to run the real engine end to end (compiles the tiny model)")
+@pytest.mark.skipif(os.environ.get("JAXSERVE_TEST_NO_REAL_ENGINE") == "1", reason="JAXSERVE_TEST_NO_REAL_ENGINE=1")
 async def test_real_engine_end_to_end(harness, client):
     from jaxserve.worker.factory import build_engine
 
