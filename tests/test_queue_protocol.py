@@ -114,6 +114,7 @@ async def test_engine_thread_owns_the_engine():
     loop = asyncio.get_running_loop()
     eng = EchoEngine(step_s=0.001)
     got: dict[str, str] = {}
+    done: set[str] = set()
     finished = asyncio.Event()
     errors: list = []
 
@@ -121,7 +122,9 @@ async def test_engine_thread_owns_the_engine():
         assert threading.current_thread() is threading.main_thread()
         for o in outs:
             got[o.request_id] = got.get(o.request_id, "") + o.new_text
-            if o.finished and len(got) == 2 and all(x for x in got.values()):
+            if o.finished:
+                done.add(o.request_id)
+            if done >= {"a", "b"}:
                 finished.set()
 
     et = EngineThread(eng, loop, on_outputs, errors.append)
