@@ -484,12 +484,17 @@ class Worker:
         tok = eng.tokenizer
         if job.messages is not None:
             try:
-                text = tok.apply_chat_template(job.messages, add_generation_prompt=True)
+                if hasattr(tok, "encode_chat"):
+                    # the template writes its own BOS: no post-processor specials
+                    ids = list(tok.encode_chat(job.messages, add_generation_prompt=True))
+                else:
+                    ids = list(tok.encode(tok.apply_chat_template(job.messages, add_generation_prompt=True)))
+            except RequestError:
+                raise
             except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
                 raise RequestError("invalid_request", f"messages could not be rendered with the chat template: {exc}") from None
         else:
-            text = job.prompt or ""
-        ids = list(tok.encode(text))
+            ids = list(tok.encode(job.prompt or ""))
         if not ids:
             raise RequestError("invalid_request", "the prompt is empty")
         if len(ids) + job.params.max_tokens > max_len:
