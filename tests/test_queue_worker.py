@@ -338,6 +338,6 @@ async def test_interactive_first_under_batch_backlog(harness, client, prefix):
         assert depth >= 200, depth
         loaded.append(await ttft())
     assert (await client.queue_depths())[f"{prefix}.batch"]["messages"] >= 200
-    bound = idle + 0.25
+    bound = idle + 0.5  # stated bound: TTFT under a 200+ job backlog within idle + 0.5 s
     assert statistics.median(loaded) <= bound, (idle, loaded)
     assert w.stats["done_ok"] < 200

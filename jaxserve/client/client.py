@@ -238,6 +238,7 @@ class AsyncClient:
         self._pub_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._sub_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._reply_q: aio_pika.abc.AbstractRobustQueue | None = None
+        self._reply_tag: str | None = None
         self._futures: dict[str, asyncio.Future] = {}
         self._streams: dict[str, Stream] = {}
 
@@ -250,7 +251,7 @@ class AsyncClient:
         self._reply_q = await self._sub_ch.declare_queue(
             self.reply_queue, durable=False, auto_delete=False, arguments={"x-expires": int(self.reply_queue_expires_ms)}
         )
-        await self._reply_q.consume(self._on_reply)
+        self._reply_tag = await self._reply_q.consume(self._on_reply)
         return self
 
     async def close(self) -> None:
@@ -259,6 +260,13 @@ class AsyncClient:
                 await conn.close()
 
     async def delete_reply_queue(self) -> None:
+        """Delete this client's reply queue (when done with it)."""
+        if self._reply_q is not None and self._reply_tag is not None:
+            try:
+                await self._reply_q.cancel(self._reply_tag)
+            except Exception:  # noqa: BLE001 - the queue goes anyway
+                pass
+            self._reply_tag = None
         if self._sub_ch is not None:
             await self._sub_ch.queue_delete(self.reply_queue)
 
