@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.kv_cache import KVCache, bytes_per_block
+from jaxserve.kernels.kv_cache import KVCache, bytes_per_block, from_storage, to_storage
 from jaxserve.kernels.paged_attention import dense_causal_attention, paged_attention, write_kv
 
 BS = 4  # block size
@@ -84,8 +84,8 @@ def _build(seed: int = 0, dtype=jnp.float32):
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     return dict(
         q=jnp.asarray(q, dtype),
-        kc=jnp.asarray(kc, dtype),
-        vc=jnp.asarray(vc, dtype),
+        kc=to_storage(jnp.asarray(kc), dtype),  # uint16 bits for bfloat16
+        vc=to_storage(jnp.asarray(vc), dtype),
         k_new=jnp.asarray(np.stack(k_new), dtype),
         v_new=jnp.asarray(np.stack(v_new), dtype),
         meta=meta,
@@ -117,6 +117,7 @@ def _reference(case, sliding_window=None):
 
 @functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window"))
 def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None):
+    # uint16 storage means a bfloat16 cache (the default logical dtype for uint16)
     kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
     out = paged_attention(
         q,
@@ -209,11 +210,32 @@ def test_bfloat16_cache_close_to_dense():
     assert rel < 2e-2, rel
 
 
+def test_bfloat16_write_is_exact_and_in_place():
+    """bfloat16 caches live as uint16 bits; a donated write must not copy the cache."""
+    c = KVCache.create(num_layers=2, num_blocks=8, block_size=BS, num_kv_heads=KVH, head_dim=D, dtype=jnp.bfloat16)
+    assert c.k.dtype == jnp.uint16 and c.dtype == jnp.bfloat16
+    new = jnp.asarray(np.random.default_rng(0).standard_normal((3, KVH, D)), jnp.float32)
+    slots = jnp.asarray([5, 9, 30], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def write(cache, new, slots):
+        k, v = write_kv(cache.k, cache.v, new, -new, slots, layer=1, cache_dtype=cache.dtype)
+        return cache.replace(k=k, v=v)
+
+    hlo = write.lower(c, new, slots).compile().as_text()
+    assert "f32[2,32," not in hlo  # no float32 round trip of the whole cache
+    c = write(c, new, slots)
+    got = from_storage(c.v[1, slots], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray((-new).astype(jnp.bfloat16)))
+    assert not np.any(np.asarray(c.k[0]))
+
+
 def test_kv_cache_create_and_sizing():
     c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16)
-    assert c.k.shape == (2, 20, 2, 8) and c.v.dtype == jnp.bfloat16
+    assert c.k.shape == (2, 20, 2, 8) and c.dtype == jnp.bfloat16
     assert c.num_blocks == 5 and c.block_size == 4
     assert bytes_per_block(2, 4, 2, 8, jnp.bfloat16) * 5 == c.nbytes
     leaves, treedef = jax.tree_util.tree_flatten(c)
     assert len(leaves) == 2
-    assert jax.tree_util.tree_unflatten(treedef, leaves).block_size == 4
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back.block_size == 4 and back.dtype == jnp.bfloat16

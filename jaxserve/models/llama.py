@@ -115,6 +115,7 @@ class LlamaForCausalLM(nnx.Module):
         eps = c.rms_norm_eps
         dtype = self.dtype
         block_size = kv_cache.block_size
+        cache_dtype = kv_cache.dtype
         scale = 1.0 / math.sqrt(D)
         window = c.effective_sliding_window
 
@@ -133,7 +134,7 @@ class LlamaForCausalLM(nnx.Module):
             v = qkv[:, q_size + kv_size :].reshape(T, KVH, D)
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
-            k_all, v_all = write_kv(k_all, v_all, k, v, meta.slot_mapping, layer=i)
+            k_all, v_all = write_kv(k_all, v_all, k, v, meta.slot_mapping, layer=i, cache_dtype=cache_dtype)
             attn = paged_attention(
                 q.astype(dtype),
                 k_all,
@@ -144,6 +145,7 @@ class LlamaForCausalLM(nnx.Module):
                 scale=scale,
                 layer=i,
                 sliding_window=window,
+                cache_dtype=cache_dtype,
             )
             o = _mm(attn.reshape(T, q_size), w["wo"])
             if w["bo"] is not None:
@@ -165,7 +167,7 @@ class LlamaForCausalLM(nnx.Module):
             layer, (h, kv_cache.k, kv_cache.v, jnp.int32(0)), self.layers.stacked()
         )
         h = rms_norm(h, self.norm[...], eps)
-        return h, KVCache(k=k_all, v=v_all, block_size=block_size)
+        return h, kv_cache.replace(k=k_all, v=v_all)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden_size]``."""
