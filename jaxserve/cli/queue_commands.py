@@ -62,6 +62,17 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--engine", "engine_path", default="jaxserve.worker.factory:build_engine", show_default=True, help="Engine factory MODULE:CALLABLE.")
 @click.option("--model", default=None, help="Model path for the engine factory.")
 @click.option("--engine-arg", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the engine factory (repeatable).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, help="Sequences in the running batch (engine default 32).")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None, help="Token budget of one engine step.")
+@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Prompt + output tokens per request.")
+@click.option("--kv-cache-memory", type=click.IntRange(min=1), default=None, help="Bytes for the KV cache.")
+@click.option("--memory-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="Fraction of device memory for weights + KV cache (gpu_memory_utilization).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
+@click.option("--interactive-reserved-seqs", type=click.IntRange(min=0), default=None,
+              help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
+@click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
 @click.option("--store", type=click.Choice(["memory", "redis"]), default="memory", show_default=True, help="Idempotency store.")
 @click.option("--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
 @click.option("--heartbeat", type=int, default=30, show_default=True, help="AMQP heartbeat timeout (s).")
@@ -84,6 +95,15 @@ def worker(
     engine_path: str,
     model: str | None,
     engine_arg: tuple[str, ...],
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    max_model_len: int | None,
+    kv_cache_memory: int | None,
+    memory_fraction: float | None,
+    dtype: str | None,
+    interactive_reserved_seqs: int | None,
+    policy: str | None,
+    metrics_port: int | None,
     store: str,
     redis_url: str,
     heartbeat: int,
@@ -113,6 +133,12 @@ def worker(
     kwargs = parse_engine_args(engine_arg)
     if model is not None:
         kwargs["model"] = model
+    flags = dict(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, dtype=dtype,
+        interactive_reserved_seqs=interactive_reserved_seqs, policy=policy,
+    )
+    kwargs.update({k: v for k, v in flags.items() if v is not None})
     topo = Topology(
         prefix=prefix,
         delivery_limit=delivery_limit,
@@ -131,6 +157,7 @@ def worker(
         claim_lease_s=claim_lease,
         log_text=log_text,
         declare=declare,
+        metrics_port=metrics_port,
     )
 
     async def main() -> None:

@@ -31,9 +31,12 @@ class EngineThread:
         on_outputs: OutputsCallback,
         on_step_error: FailureCallback | None = None,
         *,
+        on_step: Callable[[Any, Sequence[RequestOutput]], None] | None = None,
         name: str = "jaxserve-engine",
     ) -> None:
         self.engine = engine
+        # Runs on the engine thread after every step (metrics); must be cheap.
+        self.on_step = on_step
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
@@ -145,6 +148,11 @@ class EngineThread:
                     continue
                 self.busy_s += time.perf_counter() - t0
                 self.steps += 1
+                if self.on_step is not None:
+                    try:
+                        self.on_step(engine, outputs)
+                    except Exception:  # noqa: BLE001 - metrics must never stop serving
+                        pass
                 if outputs:
                     try:
                         self.loop.call_soon_threadsafe(self.on_outputs, list(outputs))

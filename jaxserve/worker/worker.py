@@ -33,6 +33,8 @@ import structlog
 from yarl import URL
 
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
+from jaxserve.metrics import EngineMetrics
+from jaxserve.metrics import serve as serve_metrics
 from jaxserve.worker import protocol
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.idempotency import MemoryStore
@@ -67,6 +69,7 @@ class WorkerConfig:
     cancel_ttl_s: float = 600.0
     log_text: bool = False
     declare: bool = True
+    metrics_port: int | None = None  # serve Prometheus /metrics here when set
     worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
@@ -148,6 +151,7 @@ class Worker:
         self.ready = asyncio.Event()
         self.stats: collections.Counter = collections.Counter()
         self.prefetch: dict[str, int] = {}
+        self.metrics: EngineMetrics | None = None
 
     # ------------------------------------------------------------------ life
     def _url(self) -> URL:
@@ -159,7 +163,13 @@ class Worker:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         self.engine = await asyncio.to_thread(self.engine_factory)
-        self.engine_thread = EngineThread(self.engine, loop, self._on_outputs, self._on_step_error)
+        self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
+        if self.cfg.metrics_port is not None:
+            serve_metrics(self.metrics, self.cfg.metrics_port)
+        record = self.metrics.record_step if hasattr(self.engine, "scheduler") else None
+        self.engine_thread = EngineThread(
+            self.engine, loop, self._on_outputs, self._on_step_error, on_step=record
+        )
         self.engine_thread.start()
         # Compile every shape bucket before taking any job (no AMQP yet, so
         # nothing can miss a heartbeat while compilation holds the GIL).
@@ -389,8 +399,13 @@ class Worker:
             if not aj.done.is_set():
                 await self._finish(aj, protocol.result_error(job.key, "internal", f"worker error: {exc!r}", True))
 
+    def _count_job(self, queue_class: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.job(queue_class, outcome)
+
     async def _reject_invalid(self, d: Delivery, key: str | None, err: RequestError, queue_class: str, size: int) -> None:
         self.stats["invalid"] += 1
+        self._count_job(queue_class, err.code)
         log.info("job_invalid", key=key, queue=queue_class, bytes=size, code=err.code, reason=err.message)
         result = protocol.result_error(key, err.code, err.message, err.retryable)
         await self._reply_final(d, result)
@@ -507,6 +522,7 @@ class Worker:
 
     async def _replay(self, aj: ActiveJob, rec: dict[str, Any]) -> None:
         self.stats["replayed"] += 1
+        self._count_job(aj.queue_class, "replayed")
         result = dict(rec["result"])
         deliveries = [aj.primary, *aj.waiters]
         aj.waiters = []
@@ -665,6 +681,7 @@ class Worker:
         self.active.pop(aj.key, None)
         aj.done.set()
         self.stats["done_" + result["status"]] += 1
+        self._count_job(aj.queue_class, "ok" if ok else result["error"]["code"])
         kw: dict[str, Any] = dict(key=aj.key, queue=aj.queue_class, status=result["status"], reply=primary_status)
         if ok:
             kw.update(result["usage"], finish_reason=result["finish_reason"], **result["timings"], chunks=aj.seq)
