@@ -162,6 +162,8 @@ def test_abort_frees_blocks_and_stop_strings_end_requests(checkpoint):
     assert engine.allocator.num_used_blocks > 0
     assert engine.abort("a") is True
     assert engine.allocator.num_used_blocks == 0
+    # The step already in flight is collected, and says nothing of "a".
+    assert [o for o in engine.step() if o.request_id == "a"] == []
     assert not engine.has_unfinished()
     # A stop string taken from the greedy output itself must end it there.
     engine.add_request("b", "hello there", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))

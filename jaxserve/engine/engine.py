@@ -120,6 +120,7 @@ class Engine:
             cache_dtype=cache_dtype,
         )
         self._states: dict[str, OutputState] = {}
+        self._in_flight = None  # (plan, StepResult) dispatched but not collected
         self._metrics: dict[str, dict[str, float]] = {}
         self._seed_rng = random.Random(args.seed)
         self.special_token_ids = sorted(
@@ -210,16 +211,32 @@ class Engine:
         return existed
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # --------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the progress of every request it touched."""
+        """Run one iteration; returns the progress of every request it touched.
+
+        Pipelined so the host works while the device computes: the step
+        dispatched by the previous call is collected first (its tokens are
+        applied to the scheduler, and EOS / stop ids / length end requests at
+        once), the next step is planned and dispatched asynchronously, and only
+        then is the collected step detokenized and checked for stop strings,
+        while the device runs the new one. A request that a stop string ends
+        was already part of the new step: its extra token is dropped.
+        """
         outputs = self._expire_waiting()
+        collected = self._collect()
+        self._dispatch()
+        if collected is not None:
+            outputs.extend(self._process(*collected))
+        return outputs
+
+    def _dispatch(self) -> None:
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return outputs
+            return
         now = time.monotonic()
         work = []
         for s in plan.scheduled:
@@ -233,9 +250,16 @@ class Engine:
                     sampling=self._sampling_row(req) if s.sample else None,
                 )
             )
-        result = self.runner.execute(work)
-        tokens, logprobs = result.fetch()
+        self._in_flight = (plan, self.runner.execute(work))
         self.num_steps += 1
+
+    def _collect(self):
+        """Wait for the in-flight step and apply its tokens to the scheduler."""
+        if self._in_flight is None:
+            return None
+        plan, result = self._in_flight
+        self._in_flight = None
+        tokens, logprobs = result.fetch()
         sampled: dict[str, int] = {}
         sampled_logprobs: dict[str, float] = {}
         i = 0
@@ -245,6 +269,16 @@ class Engine:
                 sampled_logprobs[s.request_id] = float(logprobs[i])
                 i += 1
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+        for request_id, token in sampled.items():
+            state = self._states.get(request_id)
+            if state is not None and token in state.stop_ids and request_id not in finished_by_length:
+                # EOS / stop id: end it before the next plan, so it takes no slot there.
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        return sampled, sampled_logprobs, finished_by_length
+
+    def _process(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
+        """Detokenize collected tokens, apply stop strings, build outputs."""
+        outputs = []
         now = time.monotonic()
         for request_id, token in sampled.items():
             state = self._states.get(request_id)
@@ -257,12 +291,13 @@ class Engine:
             finish = verdict.finish_reason
             if finish is None and request_id in finished_by_length:
                 finish = "length"  # max_model_len reached before max_tokens
-                delta_tail = state.force_finish("length")
-                verdict.delta += delta_tail
+                verdict.delta += state.force_finish("length")
             elif finish is not None and request_id not in finished_by_length:
+                # A stop string (or stop id, already ended in _collect: then a no-op).
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._output(request_id, state, verdict.delta,
-                                        [token] if verdict.accepted else [], finish, now))
+            outputs.append(
+                self._output(request_id, state, verdict.delta, [token] if verdict.accepted else [], finish, now)
+            )
         return outputs
 
     def _output(self, request_id, state, delta, new_ids, finish, now) -> RequestOutput:

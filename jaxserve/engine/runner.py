@@ -232,6 +232,9 @@ class ModelRunner:
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
         tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
         tokens, logprobs = self._sample[s_bucket](self.state, hidden, tensors)
+        # Start the device-to-host copy now; fetch() then only waits for it.
+        tokens.copy_to_host_async()
+        logprobs.copy_to_host_async()
         return StepResult(tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows))
 
     def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
