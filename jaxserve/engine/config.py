@@ -1,6 +1,7 @@
-"""Engine and scheduler settings (plain dataclasses, validated on creation).
+"""Scheduler settings (a plain dataclass, validated on creation; the engine-level
+settings users pass are ``jaxserve.engine.args.EngineArgs``).
 
-Both validate in ``__post_init__``, so ``dataclasses.replace(cfg, ...)``
+It validates in ``__post_init__``, so ``dataclasses.replace(cfg, ...)``
 re-checks the new values. Errors are ``ValueError`` naming the field, the bad
 value and what was expected.
 """
@@ -105,35 +106,3 @@ class SchedulerConfig:
                 f"{usable - self.interactive_reserved_blocks} of {usable} usable blocks, fewer than the "
                 f"{self.max_blocks_per_seq} one request of max_model_len={self.max_model_len} needs"
             )
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    """Top-level engine settings: the model to load and the scheduler's.
-
-    ``model`` is a local checkpoint directory (or name the loader resolves);
-    ``tokenizer`` defaults to it. ``dtype`` is the weight/activation dtype,
-    ``kv_cache_dtype`` that of the KV cache (``None``: same as ``dtype``).
-    """
-
-    model: str = ""
-    tokenizer: str | None = None
-    dtype: str = "bfloat16"
-    kv_cache_dtype: str | None = None
-    seed: int = 0
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.scheduler, SchedulerConfig):
-            raise ValueError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
-        _require_int("seed", self.seed, 0)
-        for name in ("dtype", "kv_cache_dtype"):
-            value = getattr(self, name)
-            if value is None and name == "kv_cache_dtype":
-                continue
-            if value not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be 'float32', 'bfloat16' or 'float16', got {value!r}")
-
-    @property
-    def tokenizer_path(self) -> str:
-        return self.tokenizer or self.model
