@@ -31,15 +31,24 @@ SEQS = [
 NUM_PAD = 3  # padding tokens at the end of the step
 
 
-def _build(seed: int = 0, dtype=jnp.float32):
+# prefill-heavy: mostly one long chunk continuing a cached prefix (the tile pass does most work)
+SEQS_PREFILL = [
+    (20, 1),
+    (8, 24),
+    (0, 9),
+]
+
+
+def _build(seed: int = 0, dtype=jnp.float32, seqs=None):
+    seqs = SEQS if seqs is None else seqs
     rng = np.random.default_rng(seed)
     # shuffled physical blocks: a random permutation of 1..NUM_BLOCKS-1
     perm = rng.permutation(np.arange(1, NUM_BLOCKS))
-    S = len(SEQS) + 1  # one padding sequence row
+    S = len(seqs) + 1  # one padding sequence row
     block_tables = np.zeros((S, M), np.int32)
     nxt = 0
     full_k, full_v = [], []
-    for s, (cached, new) in enumerate(SEQS):
+    for s, (cached, new) in enumerate(seqs):
         total = cached + new
         nb = -(-total // BS)
         block_tables[s, :nb] = perm[nxt : nxt + nb]
@@ -53,13 +62,13 @@ def _build(seed: int = 0, dtype=jnp.float32):
     # garbage everywhere (block 0 and unused blocks included) so masking errors show
     kc = rng.standard_normal((NUM_BLOCKS * BS, KVH, D)).astype(np.float32) * 100
     vc = rng.standard_normal((NUM_BLOCKS * BS, KVH, D)).astype(np.float32) * 100
-    for s, (cached, _) in enumerate(SEQS):
+    for s, (cached, _) in enumerate(seqs):
         for p in range(cached):
             kc[slot(s, p)] = full_k[s][p]
             vc[slot(s, p)] = full_v[s][p]
 
     tok_seq, pos, slots, k_new, v_new = [], [], [], [], []
-    for s, (cached, new) in enumerate(SEQS):
+    for s, (cached, new) in enumerate(seqs):
         for p in range(cached, cached + new):
             tok_seq.append(s)
             pos.append(p)
@@ -73,7 +82,7 @@ def _build(seed: int = 0, dtype=jnp.float32):
         k_new.append(rng.standard_normal((KVH, D)).astype(np.float32) * 1e3)
         v_new.append(rng.standard_normal((KVH, D)).astype(np.float32) * 1e3)
     T = len(tok_seq)
-    context_lens = np.array([c + n for c, n in SEQS] + [0], np.int32)
+    context_lens = np.array([c + n for c, n in seqs] + [0], np.int32)
     meta = AttentionMetadata(
         slot_mapping=jnp.asarray(np.array(slots, np.int32)),
         token_seq=jnp.asarray(np.array(tok_seq, np.int32)),
@@ -93,6 +102,7 @@ def _build(seed: int = 0, dtype=jnp.float32):
         full_k=full_k,
         full_v=full_v,
         q_np=q,
+        seqs=seqs,
     )
 
 
@@ -100,7 +110,7 @@ def _reference(case, sliding_window=None):
     """Dense attention per sequence; padding rows get zeros."""
     outs = []
     t = 0
-    for s, (cached, new) in enumerate(SEQS):
+    for s, (cached, new) in enumerate(case["seqs"]):
         qs = jnp.asarray(case["q_np"][t : t + new])
         outs.append(
             dense_causal_attention(
@@ -115,8 +125,9 @@ def _reference(case, sliding_window=None):
     return np.asarray(jnp.concatenate(outs)), t
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window"))
-def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None):
+@functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window", "query_tile", "straggler_group"))
+def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None, query_tile=16,
+          straggler_group=32):
     # uint16 storage means a bfloat16 cache (the default logical dtype for uint16)
     kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
     out = paged_attention(
@@ -129,11 +140,13 @@ def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_w
         scale=SCALE,
         chunk_tokens=chunk_tokens,
         sliding_window=sliding_window,
+        query_tile=query_tile,
+        straggler_group=straggler_group,
     )
     return out, kc, vc
 
 
-@pytest.mark.parametrize("chunk_tokens", [BS, 2 * BS, 5 * BS, None])
+@pytest.mark.parametrize("chunk_tokens", [BS, 5 * BS, None])
 def test_paged_matches_dense_mixed_batch(chunk_tokens):
     case = _build(seed=1)
     out, kc, _ = _step(
@@ -146,6 +159,50 @@ def test_paged_matches_dense_mixed_batch(chunk_tokens):
     # padding tokens see no valid key: finite zeros, never NaN
     assert np.all(np.isfinite(out[n_real:]))
     np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+@pytest.mark.parametrize("query_tile,straggler_group", [(1, 32), (4, 3), (32, 5)])
+def test_query_tiles_and_straggler_groups(query_tile, straggler_group):
+    """Every split between the tile pass and the straggler pass gives the same exact result."""
+    case = _build(seed=6)
+    out, _, _ = _step(
+        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        chunk_tokens=2 * BS, query_tile=query_tile, straggler_group=straggler_group,
+    )
+    ref, n_real = _reference(case)
+    out = np.asarray(out)
+    np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+@pytest.mark.parametrize("query_tile,straggler_group", [(8, 2), (16, 32)])
+def test_prefill_heavy_step_uses_tiles(query_tile, straggler_group):
+    case = _build(seed=8, seqs=SEQS_PREFILL)
+    out, _, _ = _step(
+        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        chunk_tokens=2 * BS, query_tile=query_tile, straggler_group=straggler_group,
+    )
+    ref, n_real = _reference(case)
+    np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
+
+
+def test_any_token_order():
+    """Tokens of a sequence need not be contiguous: shuffle the step's token order."""
+    case = _build(seed=7)
+    perm = np.random.default_rng(7).permutation(case["q"].shape[0])
+    m = case["meta"]
+    meta = AttentionMetadata(
+        slot_mapping=m.slot_mapping[perm], token_seq=m.token_seq[perm], block_tables=m.block_tables,
+        context_lens=m.context_lens, logits_indices=m.logits_indices,
+    )
+    out, _, _ = _step(
+        case["q"][perm], case["kc"], case["vc"], case["k_new"][perm], case["v_new"][perm], meta,
+        case["positions"][perm], chunk_tokens=2 * BS, query_tile=4, straggler_group=4,
+    )
+    ref, n_real = _reference(case)
+    full = np.zeros_like(np.asarray(out))
+    full[perm] = np.asarray(out)
+    np.testing.assert_allclose(full[:n_real], ref, rtol=2e-5, atol=2e-5)
 
 
 def test_padding_writes_do_not_disturb_results():
@@ -167,12 +224,13 @@ def test_padding_writes_do_not_disturb_results():
 def test_sliding_window_matches_dense():
     case = _build(seed=3)
     window = 9
-    out, _, _ = _step(
-        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
-        chunk_tokens=2 * BS, sliding_window=window,
-    )
-    ref, n_real = _reference(case, sliding_window=window)
-    np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
+    for query_tile in (1, 4):
+        out, _, _ = _step(
+            case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+            chunk_tokens=2 * BS, sliding_window=window, query_tile=query_tile, straggler_group=3,
+        )
+        ref, n_real = _reference(case, sliding_window=window)
+        np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
 
 
 def test_stacked_cache_with_layer_index():

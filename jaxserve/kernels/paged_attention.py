@@ -7,16 +7,17 @@ sequence at positions ``<= positions[t]`` and ``< context_lens[seq]``
 
 Algorithm
 ---------
-The context is walked in chunks of ``chunk_blocks`` KV blocks with an online
-(flash style) softmax. The trip count is dynamic,
-``ceil(max visible context / chunk_tokens)``, through ``lax.fori_loop``, so
-work follows the real context length of the step and the block-table width
-``M`` never needs a context-length shape bucket of its own (only its maximum
-matters). Per chunk every token gathers its own sequence's block-table
-columns (``block_tables[token_seq]``), turns them into slots and gathers keys
-and values ``[T, chunk_tokens, kv_heads, head_dim]``. Grouped-query attention
-reshapes the query heads into ``[kv_heads, group]``. Scores, the running max,
-the normaliser and the accumulator are float32; the matmuls run in the cache
+The context is walked in chunks of KV blocks with an online (flash style)
+softmax. The trip count is dynamic, ``ceil(max visible context /
+chunk_tokens)``, through ``lax.fori_loop``, so work follows the real context
+length of the step and the block-table width ``M`` needs no context-length
+shape bucket of its own (only its maximum matters). Per chunk, rows gather
+their sequence's block-table columns, turn them into slots and gather keys
+and values. A row is either a tile of consecutive tokens of one sequence
+(which then reads its context once for the whole tile) or a single
+"straggler" token (see ``paged_attention``). Grouped-query attention reshapes
+the query heads into ``[kv_heads, group]``. Scores, the running max, the
+normaliser and the accumulator are float32; the matmuls run in the cache
 dtype with float32 accumulation.
 
 The cache may be given per layer (``[slots, kv_heads, head_dim]``) or as the
@@ -26,6 +27,8 @@ so that inside a ``scan`` over layers no per-layer copy of the cache is made.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +102,8 @@ def paged_attention(
     sliding_window: int | None = None,
     chunk_tokens: int | None = None,
     cache_dtype=None,
+    query_tile: int = 16,
+    straggler_group: int = 32,
 ) -> jax.Array:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged cache.
 
@@ -106,78 +111,178 @@ def paged_attention(
     ``[layers, slots, kvh, hd]`` with ``layer``) of logical dtype
     ``cache_dtype`` (see ``write_kv``). Returns ``[T, heads, head_dim]`` in
     ``q.dtype``. The cache must already hold this step's keys/values (call
-    ``write_kv`` first). Tokens with no
-    visible key (padding) get zeros.
+    ``write_kv`` first). Tokens with no visible key (padding) get zeros.
+
+    Two passes keep the key gathers proportional to the work:
+
+    1. *tile pass*: the step is cut into tiles of ``query_tile`` consecutive
+       tokens; each tile gathers the keys of the sequence of its first token
+       once and serves every token of the tile that belongs to that sequence
+       (a prefill chunk reads its context once per tile, not once per token);
+    2. *straggler pass*: the remaining tokens (decode tokens of other
+       sequences sharing a tile, any token order) are compacted and run in
+       groups of ``straggler_group`` tokens, each gathering its own
+       sequence's keys; the number of groups is dynamic.
+
+    When more than half of the valid tokens would be stragglers (a
+    decode-heavy step), a ``lax.cond`` runs the plain per-token kernel on all
+    tokens instead. Results are exact for any token order; they are fastest
+    when each sequence's tokens are contiguous (the runner's natural layout).
+    ``query_tile=1`` always uses the per-token kernel.
     """
     T, H, D = q.shape
     kvh = k_cache.shape[-2]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     G = H // kvh
+    cdtype = logical_dtype(k_cache, cache_dtype)
     block_tables = meta.block_tables
-    M = block_tables.shape[1]
+    token_seq = meta.token_seq
+    positions = positions.astype(jnp.int32)
+    limit = jnp.minimum(positions + 1, meta.context_lens[token_seq])  # keys at kpos < limit are visible
+    lower = None if sliding_window is None else positions - (sliding_window - 1)  # and kpos >= lower
+    qs = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
 
+    flash = functools.partial(
+        _flash_rows,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        layer=layer,
+        block_size=block_size,
+        chunk_tokens=chunk_tokens,
+        cdtype=cdtype,
+    )
+
+    Qt = max(1, min(query_tile, T))
+    if Qt == 1:
+        out = flash(qs[:, :, None], block_tables[token_seq], limit[:, None], None if lower is None else lower[:, None])
+        return out[:, :, 0].reshape(T, H, D).astype(q.dtype)
+
+    def per_token(_):
+        low = None if lower is None else lower[:, None]
+        return flash(qs[:, :, None], block_tables[token_seq], limit[:, None], low)[:, :, 0]
+
+    # tile membership: does a token belong to the sequence of its tile's first token?
+    nT = -(-T // Qt)
+    pad = nT * Qt - T
+    seq_p = jnp.pad(token_seq, (0, pad))
+    lim_p = jnp.pad(limit, (0, pad))  # padding rows: limit 0, nothing visible
+    tile_seq = seq_p[::Qt]  # [nT]
+    member = seq_p.reshape(nT, Qt) == tile_seq[:, None]
+    strag = jnp.logical_not(member.reshape(-1)[:T]) & (limit > 0)
+    n_strag = jnp.sum(strag.astype(jnp.int32))
+    n_valid = jnp.sum((limit > 0).astype(jnp.int32))
+
+    def two_pass(_):
+        # pass 1: query tiles
+        q_tile = jnp.pad(qs, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(nT, Qt, kvh, G, D).transpose(0, 2, 1, 3, 4)
+        low_tile = None if lower is None else jnp.pad(lower, (0, pad)).reshape(nT, Qt)
+        out_a = flash(q_tile, block_tables[tile_seq], jnp.where(member, lim_p.reshape(nT, Qt), 0), low_tile)
+        out_a = out_a.transpose(0, 2, 1, 3, 4).reshape(nT * Qt, kvh, G, D)[:T]
+
+        # pass 2: stragglers (tokens not of their tile's sequence), compacted into groups
+        Rg = max(1, min(straggler_group, T))
+        n_groups = (n_strag + Rg - 1) // Rg
+        order = jnp.argsort(jnp.logical_not(strag).astype(jnp.int32), stable=True)  # stragglers first
+        order = jnp.pad(order, (0, -(-T // Rg) * Rg - T))
+        lane = jnp.arange(Rg, dtype=jnp.int32)
+
+        def group(gi, out_b):
+            idx = jax.lax.dynamic_slice_in_dim(order, gi * Rg, Rg)
+            ok = gi * Rg + lane < n_strag
+            res = flash(
+                qs[idx][:, :, None],
+                block_tables[token_seq[idx]],
+                jnp.where(ok, limit[idx], 0)[:, None],
+                None if lower is None else lower[idx][:, None],
+            )
+            return out_b.at[jnp.where(ok, idx, T)].set(res[:, :, 0], mode="drop")
+
+        out_b = jax.lax.fori_loop(0, n_groups, group, jnp.zeros((T, kvh, G, D), jnp.float32))
+        return jnp.where(strag[:, None, None, None], out_b, out_a)
+
+    # Mostly stragglers (a decode-heavy step): the tile pass would only add work.
+    out = jax.lax.cond(n_strag * 2 > n_valid, per_token, two_pass, None)
+    return out.reshape(T, H, D).astype(q.dtype)
+
+
+def _flash_rows(
+    qr: jax.Array,
+    bt_rows: jax.Array,
+    limit: jax.Array,
+    lower: jax.Array | None,
+    *,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer,
+    block_size: int,
+    chunk_tokens: int | None,
+    cdtype,
+) -> jax.Array:
+    """Online-softmax attention of ``R`` rows, each with its own block table.
+
+    ``qr`` ``[R, kvh, Q, G, D]`` (scaled, cache dtype): ``Q`` query tokens per
+    row sharing the row's keys; ``bt_rows`` ``[R, M]``; ``limit``/``lower``
+    ``[R, Q]``: key positions ``lower <= kpos < limit`` are visible. Returns
+    float32 ``[R, kvh, Q, G, D]`` (zeros where nothing is visible).
+    """
+    R, kvh, Q, G, D = qr.shape
+    M = bt_rows.shape[1]
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(T, kvh, D, jnp.dtype(k_cache.dtype).itemsize, block_size)
+        chunk_tokens = default_chunk_tokens(R, kvh, D, jnp.dtype(k_cache.dtype).itemsize, block_size)
     chunk_blocks = max(1, min(chunk_tokens // block_size, M))
     C = chunk_blocks * block_size
     n_max = -(-M // chunk_blocks)
+    if n_max * chunk_blocks != M:  # whole chunks; extra columns -> block 0, masked anyway
+        bt_rows = jnp.pad(bt_rows, ((0, 0), (0, n_max * chunk_blocks - M)))
 
-    # Per-token view of the block tables, padded to whole chunks (padding -> block 0, masked anyway).
-    bt_tok = block_tables[meta.token_seq]  # [T, M]
-    if n_max * chunk_blocks != M:
-        bt_tok = jnp.pad(bt_tok, ((0, 0), (0, n_max * chunk_blocks - M)))
-    positions = positions.astype(jnp.int32)
-    ctx_tok = meta.context_lens[meta.token_seq]
-    limit = jnp.minimum(positions + 1, ctx_tok)  # keys at kpos < limit are visible
-    if sliding_window is not None:
-        lower = positions - (sliding_window - 1)  # keys at kpos >= lower are visible
-        start = jnp.clip(jnp.min(jnp.maximum(lower, 0)) // C, 0, n_max)
-    else:
-        lower = None
-        start = jnp.int32(0)
     stop = jnp.clip((jnp.max(limit) + C - 1) // C, 0, n_max)
+    if lower is not None:
+        first = jnp.where(limit > 0, jnp.maximum(lower, 0), jnp.iinfo(jnp.int32).max)
+        start = jnp.minimum(jnp.min(first) // C, stop)
+    else:
+        start = jnp.int32(0)
 
-    cdtype = logical_dtype(k_cache, cache_dtype)
-    qg = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
+    q2 = qr.reshape(R, kvh, Q * G, D)
     offs = jnp.arange(block_size, dtype=jnp.int32)
     kpos_in_chunk = jnp.arange(C, dtype=jnp.int32)
 
     def gather(cache, slots):
         out = cache[slots] if layer is None else cache[layer, slots]
-        return from_storage(out, cdtype)
+        # [R, kvh, C, D]: kv heads next to the row batch dim, so both matmuls below are
+        # plain batched GEMMs (XLA CPU is several times slower on the [R, C, kvh, D] order)
+        return jnp.swapaxes(from_storage(out, cdtype), 1, 2)
 
     def body(c, carry):
         m, l, acc = carry
-        cols = jax.lax.dynamic_slice_in_dim(bt_tok, c * chunk_blocks, chunk_blocks, axis=1)  # [T, CB]
-        slots = (cols[:, :, None] * block_size + offs).reshape(T, C)
-        # [T, kvh, C, D]: kv heads next to the token batch dim, so both matmuls below are
-        # plain batched GEMMs (XLA CPU is several times slower on the [T, C, kvh, D] order)
-        k = jnp.swapaxes(gather(k_cache, slots), 1, 2)
-        v = jnp.swapaxes(gather(v_cache, slots), 1, 2)
-        s = jnp.einsum("tkgd,tkcd->tkgc", qg, k, preferred_element_type=jnp.float32)
+        cols = jax.lax.dynamic_slice_in_dim(bt_rows, c * chunk_blocks, chunk_blocks, axis=1)  # [R, CB]
+        slots = (cols[:, :, None] * block_size + offs).reshape(R, C)
+        k = gather(k_cache, slots)
+        v = gather(v_cache, slots)
+        s = jnp.einsum("rkqd,rkcd->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
         kpos = c * C + kpos_in_chunk
-        valid = kpos[None, :] < limit[:, None]
+        valid = kpos[None, None, :] < limit[:, :, None]
         if lower is not None:
-            valid = valid & (kpos[None, :] >= lower[:, None])
-        valid = valid[:, None, None, :]
+            valid = valid & (kpos[None, None, :] >= lower[:, :, None])
+        valid = valid[:, None, :, None, :]  # [R, 1, Q, 1, C]
         s = jnp.where(valid, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("tkgc,tkcd->tkgd", p.astype(cdtype), v, preferred_element_type=jnp.float32)
-        acc = acc * alpha[..., None] + pv
+        pv = jnp.einsum(
+            "rkqc,rkcd->rkqd", p.reshape(R, kvh, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
+        )
+        acc = acc * alpha[..., None] + pv.reshape(R, kvh, Q, G, D)
         return m_new, l, acc
 
     init = (
-        jnp.full((T, kvh, G), _NEG, jnp.float32),
-        jnp.zeros((T, kvh, G), jnp.float32),
-        jnp.zeros((T, kvh, G, D), jnp.float32),
+        jnp.full((R, kvh, Q, G), _NEG, jnp.float32),
+        jnp.zeros((R, kvh, Q, G), jnp.float32),
+        jnp.zeros((R, kvh, Q, G, D), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(start, stop, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    return out.reshape(T, H, D).astype(q.dtype)
+    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
 
 
 def dense_causal_attention(
