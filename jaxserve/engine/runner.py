@@ -129,8 +129,8 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=jax.ShapeDtypeStruct((num_tokens,), i32),
             token_seq=jax.ShapeDtypeStruct((num_tokens,), i32),
-            block_tables=jax.ShapeDtypeStruct((self.max_num_seqs, self.max_blocks_per_seq), i32),
-            context_lens=jax.ShapeDtypeStruct((self.max_num_seqs,), i32),
+            block_tables=jax.ShapeDtypeStruct((self.max_num_seqs + 1, self.max_blocks_per_seq), i32),
+            context_lens=jax.ShapeDtypeStruct((self.max_num_seqs + 1,), i32),
             logits_indices=jax.ShapeDtypeStruct((self.max_num_seqs,), i32),
         )
 
@@ -192,9 +192,11 @@ class ModelRunner:
         input_ids = np.zeros(t_bucket, np.int32)
         positions = np.zeros(t_bucket, np.int32)
         slot_mapping = np.zeros(t_bucket, np.int32)  # padding writes into block 0
-        token_seq = np.zeros(t_bucket, np.int32)
-        block_tables = np.zeros((self.max_num_seqs, self.max_blocks_per_seq), np.int32)
-        context_lens = np.zeros(self.max_num_seqs, np.int32)
+        # Padding tokens belong to the extra last row, whose context is empty:
+        # they attend to nothing and cost no attention work.
+        token_seq = np.full(t_bucket, self.max_num_seqs, np.int32)
+        block_tables = np.zeros((self.max_num_seqs + 1, self.max_blocks_per_seq), np.int32)
+        context_lens = np.zeros(self.max_num_seqs + 1, np.int32)
         logits_rows: list[int] = []
         sampling_rows: list[dict] = []
         cursor = 0
