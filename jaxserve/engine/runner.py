@@ -38,6 +38,7 @@ from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SamplingTensors, host_sampling_tensors, sample
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import KVCache
+from jaxserve.models.functional import forward_fn, logits_fn
 
 log = structlog.get_logger(__name__)
 
@@ -114,15 +115,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ jit
 
     def _forward_fn(self, state, input_ids, positions, kv_cache, meta):
-        model = nnx.merge(self.graphdef, state)
-        hidden, kv_cache = model(input_ids, positions, kv_cache, meta)
+        hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta)
         return hidden[meta.logits_indices], kv_cache
 
     def _sample_fn(self, state, hidden, tensors):
-        model = nnx.merge(self.graphdef, state)
         num_rows = tensors.temperature.shape[0]
-        logits = model.compute_logits(hidden[:num_rows])
-        return sample(logits, tensors)
+        return sample(logits_fn(self.graphdef, state, hidden[:num_rows]), tensors)
 
     def _abstract_meta(self, num_tokens: int) -> AttentionMetadata:
         i32 = jnp.int32
