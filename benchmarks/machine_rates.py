@@ -1,0 +1,156 @@
+"""Measure this machine's float32 matmul rate and memory bandwidth.
+
+The offline throughput benchmark divides what jaxserve achieves by these
+figures: a batched decode is bound by matmul rate, a one-sequence decode by
+how fast the weights stream from memory.
+
+    .venv/bin/python benchmarks/machine_rates.py [--json]
+
+Matmul: square float32 products (numpy and a jitted JAX ``jnp.dot``), median
+of several runs per size, GFLOP/s = 2 n^3 / seconds. The best size's median
+is reported as the machine's rate.
+
+Bandwidth: a numpy copy of a 512 MiB float32 array (read + write, counted as
+2 x bytes) and a numpy sum (read only), median GB/s; a JAX copy too. Arrays
+far exceed the last-level cache, so this is DRAM bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up (page faults, compilation)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def numpy_matmul(sizes, repeats):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for n in sizes:
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        seconds = _median_seconds(lambda: a @ b, repeats)
+        out[n] = 2 * n**3 / seconds / 1e9
+    return out
+
+
+def jax_matmul(sizes, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    dot = jax.jit(jnp.dot)
+    out = {}
+    for n in sizes:
+        key_a, key_b = jax.random.split(jax.random.key(0))
+        a = jax.random.normal(key_a, (n, n), jnp.float32)
+        b = jax.random.normal(key_b, (n, n), jnp.float32)
+        seconds = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+        out[n] = 2 * n**3 / seconds / 1e9
+    return out
+
+
+def numpy_bandwidth(mib, repeats):
+    import numpy as np
+
+    n = mib * 2**20 // 4
+    src = np.ones(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    copy_s = _median_seconds(lambda: np.copyto(dst, src), repeats)
+    sum_s = _median_seconds(lambda: src.sum(), repeats)
+    return {
+        "copy_gb_s": 2 * src.nbytes / copy_s / 1e9,
+        "read_gb_s": src.nbytes / sum_s / 1e9,
+    }
+
+
+def jax_bandwidth(mib, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    n = mib * 2**20 // 4
+    src = jnp.ones((n,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    sum_s = _median_seconds(lambda: total(src).block_until_ready(), repeats)
+    # A scale that reads and writes every element once, in place (donated),
+    # so the timing is not dominated by faulting in a fresh output buffer.
+    scale = jax.jit(lambda x: x * 1.000001, donate_argnums=0)
+    state = {"x": jnp.ones((n,), jnp.float32)}
+
+    def step():
+        state["x"] = scale(state["x"])
+        state["x"].block_until_ready()
+
+    copy_s = _median_seconds(step, repeats)
+    return {
+        "copy_gb_s": 2 * src.nbytes / copy_s / 1e9,
+        "read_gb_s": src.nbytes / sum_s / 1e9,
+    }
+
+
+def measure(sizes=(1024, 1536, 2048), repeats=7, bandwidth_mib=512) -> dict:
+    np_mm = numpy_matmul(sizes, repeats)
+    jax_mm = jax_matmul(sizes, repeats)
+    np_bw = numpy_bandwidth(bandwidth_mib, repeats)
+    jax_bw = jax_bandwidth(bandwidth_mib, repeats)
+    return {
+        "machine": {
+            "cpu": _cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
+        "matmul_gflop_s": {
+            "numpy": {str(n): round(v, 1) for n, v in np_mm.items()},
+            "jax": {str(n): round(v, 1) for n, v in jax_mm.items()},
+            "best": round(max(max(np_mm.values()), max(jax_mm.values())), 1),
+        },
+        "bandwidth_gb_s": {
+            "numpy": {k: round(v, 2) for k, v in np_bw.items()},
+            "jax": {k: round(v, 2) for k, v in jax_bw.items()},
+            # Reading weights is what a one-sequence decode does.
+            "best_read": round(max(np_bw["read_gb_s"], jax_bw["read_gb_s"]), 2),
+            "best_copy": round(max(np_bw["copy_gb_s"], jax_bw["copy_gb_s"]), 2),
+        },
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 1536, 2048])
+    parser.add_argument("--bandwidth-mib", type=int, default=512)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    result = measure(tuple(args.sizes), args.repeats, args.bandwidth_mib)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""What every offline peer shares: prompt loading, the result line, and the
+``--serve`` loop the driver uses to interleave timed runs of several systems.
+
+Imported by the peer scripts next to it (their folder is on ``sys.path`` when
+they run as scripts), under either virtual environment: the standard library
+only.
+
+Protocol (``--serve``): the peer loads its model and warms up, prints
+``@@bench {"event": "ready", ...}`` and then reads commands from stdin, one a
+line: ``run K`` does K timed runs back to back and prints one
+``@@bench {"event": "result", ...}`` line; ``quit`` (or end of input) exits.
+Anything else the peer's libraries print on stdout is ignored by the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+PREFIX = "@@bench "
+
+
+def load_prompts(path: str) -> tuple[list[list[int]], int]:
+    with open(path) as f:
+        prompts = [[int(t) for t in p] for p in json.load(f)]
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1:
+        sys.exit("all prompts must have the same length")
+    return prompts, lengths.pop()
+
+
+def emit(record: dict) -> None:
+    sys.stdout.write(PREFIX + json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+def timed_runs(run: Callable[[], int], count: int, expected_tokens: int) -> dict:
+    """Call ``run`` (returns the number of tokens generated) ``count`` times."""
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        generated = run()
+        elapsed = time.perf_counter() - t0
+        if generated != expected_tokens:
+            raise RuntimeError(f"expected {expected_tokens} tokens, generated {generated}")
+        times.append(elapsed)
+    elapsed = statistics.median(times)
+    return {
+        "elapsed_s": round(elapsed, 4),
+        "runs_s": [round(t, 4) for t in times],
+        "output_tokens": expected_tokens,
+        "output_tokens_per_s": round(expected_tokens / elapsed, 2),
+        "runs_tok_s": [round(expected_tokens / t, 2) for t in times],
+    }
+
+
+def serve_or_once(base: dict, run: Callable[[], int], expected_tokens: int, serve: bool, repeats: int) -> None:
+    """One-shot: ``repeats`` timed runs, one result line. Serve: the loop above."""
+    if not serve:
+        emit({"event": "result", **base, **timed_runs(run, repeats, expected_tokens)})
+        return
+    emit({"event": "ready", **base})
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "quit":
+            break
+        if words[0] == "run":
+            count = int(words[1]) if len(words) > 1 else 1
+            try:
+                emit({"event": "result", **base, **timed_runs(run, count, expected_tokens)})
+            except Exception as exc:  # noqa: BLE001 - reported to the driver, which decides
+                emit({"event": "error", **base, "error": repr(exc)})
