@@ -11,6 +11,7 @@ thread and talks to it through commands, so nothing here needs locks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -127,8 +128,6 @@ class Engine:
             set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
         )
         self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
         concurrency = (self.num_blocks - 1) // self.scheduler_config.max_blocks_per_seq
         log.info(
             "engine.kv_cache",
@@ -141,8 +140,6 @@ class Engine:
 
     @classmethod
     def from_args(cls, args: EngineArgs | None = None, **overrides) -> "Engine":
-        import dataclasses
-
         args = dataclasses.replace(args or EngineArgs(), **overrides)
         return cls(args)
 
@@ -173,8 +170,6 @@ class Engine:
         duplicate id, an expired deadline."""
         params = params or SamplingParams()
         params.validate()
-        if request_id in self._states:
-            raise RequestError("invalid_request", f"request id {request_id!r} is already in flight")
         if deadline is not None and deadline <= time.monotonic():
             raise RequestError("expired", f"request {request_id!r} expired before admission")
         if isinstance(prompt, str):
@@ -185,10 +180,8 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError("invalid_request", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if not prompt_ids:
-            raise RequestError("invalid_request", "the prompt is empty")
         if params.seed is None:
-            params = _with_seed(params, self._seed_rng.getrandbits(31))
+            params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(31))
         request = Request(
             request_id,
             prompt_ids,
@@ -198,10 +191,11 @@ class Engine:
             deadline=deadline,
             cache_salt=self.model_name,
         )
-        self.scheduler.add_request(request)  # may raise context_length_exceeded / overloaded
+        # The scheduler refuses duplicate ids, empty prompts, over-long requests
+        # (context_length_exceeded) and a full waiting line (overloaded).
+        self.scheduler.add_request(request)
         self._states[request_id] = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
         self._metrics[request_id] = {"arrival": time.monotonic()}
-        self.num_prompt_tokens += len(prompt_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Returns whether it existed."""
@@ -287,7 +281,6 @@ class Engine:
             metrics = self._metrics[request_id]
             metrics.setdefault("first_token", now)
             verdict = state.add_token(token, sampled_logprobs[request_id] if state.params.logprobs else None)
-            self.num_generated_tokens += 1 if verdict.accepted else 0
             finish = verdict.finish_reason
             if finish is None and request_id in finished_by_length:
                 finish = "length"  # max_model_len reached before max_tokens
@@ -359,25 +352,7 @@ class Engine:
             "frequency_penalty": p.frequency_penalty,
             "presence_penalty": p.presence_penalty,
         }
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        if p.has_penalties:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
-
-    # ------------------------------------------------------------ metrics
-
-    def stats(self) -> dict:
-        s = self.scheduler.stats()
-        return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage_perc": self.allocator.usage,
-            "num_steps": self.num_steps,
-            "scheduler": s,
-        }
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, seed=seed)

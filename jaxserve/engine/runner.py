@@ -110,7 +110,7 @@ class ModelRunner:
         self._forward: dict[int, Any] = {}
         self._sample: dict[int, Any] = {}
         self._greedy: dict[int, Any] = {}
-        self._no_history = None
+        self._no_history: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.compile_seconds = 0.0
 
     # ------------------------------------------------------------------ jit
@@ -119,10 +119,10 @@ class ModelRunner:
         hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta)
         return hidden[meta.logits_indices], kv_cache
 
-    def _greedy_fn(self, state, hidden, num_rows_spec):
+    def _greedy_fn(self, state, hidden, *, num_rows: int):
         """All rows greedy and unpenalized: argmax and its log-probability,
         with no sort, no penalty scatter and no random draws."""
-        logits = logits_fn(self.graphdef, state, hidden[: num_rows_spec.shape[0]])
+        logits = logits_fn(self.graphdef, state, hidden[:num_rows])
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
         return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
@@ -166,12 +166,11 @@ class ModelRunner:
             self._forward[t] = forward.lower(state_spec, ids, ids, cache_spec, self._abstract_meta(t)).compile()
         hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
-        greedy = jax.jit(self._greedy_fn)
+        greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows",))
         for s in self.buckets.seqs:
             if s not in self._sample:
                 self._sample[s] = sampler.lower(state_spec, hidden, self._abstract_tensors(s)).compile()
-                rows = jax.ShapeDtypeStruct((s,), jnp.int32)
-                self._greedy[s] = greedy.lower(state_spec, hidden, rows).compile()
+                self._greedy[s] = greedy.lower(state_spec, hidden, num_rows=s).compile()
         self.compile_seconds += time.perf_counter() - started
         log.info(
             "runner.compiled",
@@ -243,7 +242,7 @@ class ModelRunner:
             return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
         if all(_is_plain_greedy(r) for r in sampling_rows):
-            tokens, logprobs = self._greedy[s_bucket](self.state, hidden, self._row_marker(s_bucket))
+            tokens, logprobs = self._greedy[s_bucket](self.state, hidden)
         else:
             tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
             tokens, logprobs = self._sample[s_bucket](self.state, hidden, tensors)
@@ -252,14 +251,6 @@ class ModelRunner:
         logprobs.copy_to_host_async()
         return StepResult(tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows))
 
-    def _row_marker(self, s_bucket: int):
-        # Only its shape matters (it selects the bucket); kept on the device.
-        if not hasattr(self, "_markers"):
-            self._markers = {}
-        if s_bucket not in self._markers:
-            self._markers[s_bucket] = jax.device_put(np.zeros(s_bucket, np.int32))
-        return self._markers[s_bucket]
-
     def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
         needs_history = any(r.get("history") is not None for r in rows)
         if needs_history:
@@ -267,8 +258,6 @@ class ModelRunner:
         arrays = host_sampling_tensors(rows, s_bucket, 0)
         # Without penalties the history is never read: reuse one device array
         # of -1 per bucket instead of shipping [S, max_model_len] every step.
-        if self._no_history is None:
-            self._no_history = {}
         if s_bucket not in self._no_history:
             self._no_history[s_bucket] = jax.device_put(np.full((s_bucket, self.max_model_len), -1, np.int32))
         arrays["history"] = self._no_history[s_bucket]
@@ -276,9 +265,5 @@ class ModelRunner:
 
 
 def _is_plain_greedy(row: dict) -> bool:
-    return (
-        row["temperature"] == 0
-        and row["repetition_penalty"] == 1.0
-        and row["frequency_penalty"] == 0.0
-        and row["presence_penalty"] == 0.0
-    )
+    # A row carries a ``history`` exactly when a penalty is active.
+    return row["temperature"] == 0 and row.get("history") is None

@@ -67,6 +67,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any repetition/frequency/presence penalty is active."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         """Raise ``RequestError('invalid_request', ...)`` naming the bad value."""
 

@@ -59,9 +59,8 @@ def step_fn(
     meta: AttentionMetadata,
 ) -> tuple[jax.Array, KVCache]:
     """Forward pass plus float32 logits ``[S, V]`` of the rows ``meta.logits_indices``."""
-    model = nnx.merge(graphdef, state)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, meta)
-    return model.compute_logits(hidden[meta.logits_indices]), kv_cache
+    hidden, kv_cache = forward_fn(graphdef, state, input_ids, positions, kv_cache, meta)
+    return logits_fn(graphdef, state, hidden[meta.logits_indices]), kv_cache
 
 
 def make_forward(model: nnx.Module) -> tuple[Callable, nnx.State]:

@@ -411,16 +411,23 @@ class Worker:
         await self._reply_final(d, result)
         await self._settle(d.message)
 
+    async def _answered_from_store(self, aj: ActiveJob, key: str) -> bool:
+        """Answer the job from the shared store when its key already has a
+        final result (replay) or was cancelled; returns whether it did."""
+        rec = await self.store.get(key)
+        if rec is not None:
+            await self._replay(aj, rec)
+            return True
+        if await self.store.is_cancelled(key):
+            await self._finish(aj, protocol.result_error(key, "cancelled", "the job was cancelled"))
+            return True
+        return False
+
     async def _admit(self, aj: ActiveJob) -> None:
         job = aj.job
         assert job is not None
         key = job.key
-        rec = await self.store.get(key)
-        if rec is not None:
-            await self._replay(aj, rec)
-            return
-        if await self.store.is_cancelled(key):
-            await self._finish(aj, protocol.result_error(key, "cancelled", "the job was cancelled"))
+        if await self._answered_from_store(aj, key):
             return
         if job.deadline is not None and time.time() >= job.deadline:
             await self._finish(aj, protocol.result_error(key, "expired", "the job's deadline passed before it started"))
@@ -435,12 +442,7 @@ class Worker:
             await asyncio.sleep(self.cfg.claim_poll_s)
             if aj.requeue or self._closing:
                 return
-            rec = await self.store.get(key)
-            if rec is not None:
-                await self._replay(aj, rec)
-                return
-            if await self.store.is_cancelled(key):
-                await self._finish(aj, protocol.result_error(key, "cancelled", "the job was cancelled"))
+            if await self._answered_from_store(aj, key):
                 return
         if aj.done.is_set() or aj.requeue:
             return
