@@ -14,6 +14,8 @@ Anything else the peer's libraries print on stdout is ignored by the driver.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import statistics
 import sys
@@ -21,6 +23,20 @@ import time
 from typing import Callable
 
 PREFIX = "@@bench "
+
+
+def peer_arguments(description: str, *, warmup_tokens: bool = True) -> "argparse.ArgumentParser":
+    """The arguments every peer script takes (the driver passes the same ones
+    to each); a peer adds its own system-specific options to the parser."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help="checkpoint folder (jaxserve also takes a preset name)")
+    parser.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
+    parser.add_argument("--output-len", type=int, default=128)
+    if warmup_tokens:
+        parser.add_argument("--warmup-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs (one-shot mode)")
+    parser.add_argument("--serve", action="store_true", help="wait for 'run K' commands on stdin (see common.py)")
+    return parser
 
 
 def load_prompts(path: str) -> tuple[list[list[int]], int]:

@@ -16,21 +16,14 @@ Torch uses ``--threads`` intra-op threads (default: every logical CPU).
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-from common import load_prompts, serve_or_once
+from common import load_prompts, peer_arguments, serve_or_once
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="checkpoint folder")
-    parser.add_argument("--prompts", required=True, help="JSON file: list of token-id lists")
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--warmup-tokens", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs (one-shot mode)")
-    parser.add_argument("--serve", action="store_true", help="wait for 'run K' commands on stdin")
+    parser = peer_arguments(__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
 
