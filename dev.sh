@@ -77,35 +77,37 @@ except OSError:
 PYEOF
 }
 
-ensure_rabbitmq() {
-  if port_open 5672; then return; fi
-  if ! command -v rabbitmq-server >/dev/null; then
-    log "installing rabbitmq-server"
-    apt_install rabbitmq-server
+install_missing() {  # install_missing COMMAND DEBIAN_PACKAGE
+  if ! command -v "$1" >/dev/null; then
+    log "installing $2"
+    apt_install "$2"
   fi
-  log "starting RabbitMQ (rabbitmq-server -detached)"
-  as_root rabbitmq-server -detached || true
-  for _ in $(seq 1 90); do
-    if port_open 5672; then
-      # The port opens slightly before the broker accepts logins.
-      as_root rabbitmqctl await_startup >/dev/null 2>&1 || sleep 2
-      return
-    fi
+}
+
+wait_for_port() {  # wait_for_port PORT SECONDS NAME
+  for _ in $(seq 1 "$2"); do
+    port_open "$1" && return
     sleep 1
   done
-  log "RabbitMQ did not come up on 127.0.0.1:5672"; exit 1
+  log "$3 did not come up on 127.0.0.1:$1"; exit 1
+}
+
+ensure_rabbitmq() {
+  if port_open 5672; then return; fi
+  install_missing rabbitmq-server rabbitmq-server
+  log "starting RabbitMQ (rabbitmq-server -detached)"
+  as_root rabbitmq-server -detached || true
+  wait_for_port 5672 90 RabbitMQ
+  # The port opens slightly before the broker accepts logins.
+  as_root rabbitmqctl await_startup >/dev/null 2>&1 || sleep 2
 }
 
 ensure_redis() {
   if port_open 6379; then return; fi
-  if ! command -v redis-server >/dev/null; then
-    log "installing redis-server"
-    apt_install redis-server
-  fi
+  install_missing redis-server redis-server
   log "starting Redis"
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
-  for _ in $(seq 1 30); do port_open 6379 && return; sleep 1; done
-  log "Redis did not come up on 127.0.0.1:6379"; exit 1
+  wait_for_port 6379 30 Redis
 }
 
 cmd="${1:-help}"
