@@ -97,7 +97,7 @@ def profile_steps(llm, prompts, output_len) -> dict:
         return plan
 
     engine.scheduler.schedule = schedule
-    for table, key in ((runner._forward, "dispatch"), (runner._sample, "dispatch")):
+    for table, key in ((runner._forward, "dispatch"), (runner._sample, "dispatch"), (runner._greedy, "dispatch")):
         for bucket in list(table):
             table[bucket] = timed(table[bucket], key)
     orig_execute = runner.execute
@@ -214,15 +214,16 @@ def _host_only(runner, work):
     """``execute`` with the compiled programs swapped for stubs: host array building only."""
     import jax.numpy as jnp
 
-    fwd, smp = runner._forward, runner._sample
+    fwd, smp, grd = runner._forward, runner._sample, runner._greedy
     kv = runner.kv_cache
     dummy = {s: (jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.float32)) for s in smp}
     try:
         runner._forward = {t: (lambda *a: (None, kv)) for t in fwd}
         runner._sample = {s: (lambda *a, s=s: dummy[s]) for s in smp}
+        runner._greedy = {s: (lambda *a, s=s: dummy[s]) for s in grd}
         runner.execute(work)
     finally:
-        runner._forward, runner._sample = fwd, smp
+        runner._forward, runner._sample, runner._greedy = fwd, smp, grd
         runner.kv_cache = kv
 
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import SamplingTensors, host_sampling_tensors, sample
+from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
 
 VOCAB = 50
 
@@ -36,6 +36,15 @@ def test_greedy_is_argmax_and_logprob_is_raw(logits):
     assert tokens.tolist() == logits.argmax(-1).tolist()
     raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(logprobs, raw[np.arange(4), tokens], rtol=1e-5)
+
+
+def test_argmax_takes_the_first_of_tied_maxima_and_matches_numpy(logits):
+    tied = np.array([[1.0, 5.0, 2.0, 5.0], [7.0, 7.0, 7.0, 7.0], [-3.0, -2.0, -2.5, -9.0]], np.float32)
+    assert np.asarray(jax.jit(argmax)(tied)).tolist() == [1, 0, 1]
+    assert np.asarray(jax.jit(argmax)(logits)).tolist() == logits.argmax(-1).tolist()
+    tokens = np.array([3, 0, 49, 17], np.int32)
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(chosen_logprobs(logits, tokens)), raw[np.arange(4), tokens], rtol=1e-5)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(logits):

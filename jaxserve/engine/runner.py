@@ -35,7 +35,7 @@ import structlog
 from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
-from jaxserve.engine.sampler import SamplingTensors, host_sampling_tensors, sample
+from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models.functional import forward_fn, logits_fn
@@ -123,9 +123,8 @@ class ModelRunner:
         """All rows greedy and unpenalized: argmax and its log-probability,
         with no sort, no penalty scatter and no random draws."""
         logits = logits_fn(self.graphdef, state, hidden[:num_rows])
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-        return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+        tokens = argmax(logits)
+        return tokens, chosen_logprobs(logits, tokens)
 
     def _sample_fn(self, state, hidden, tensors):
         num_rows = tensors.temperature.shape[0]

@@ -11,7 +11,7 @@ batch, or at which row the request sits, cannot change its tokens.
 
 The expensive parts (a full-vocabulary sort for top-k/top-p, the penalty
 scatter) sit under ``lax.cond`` and run only when some row needs them: a
-greedy batch costs one argmax.
+greedy batch costs one max and one min over the vocabulary (see ``argmax``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,29 @@ class SamplingTensors:
     presence_penalty: jax.Array  # f32 [S]
     history: jax.Array  # i32 [S, H]
     num_prompt: jax.Array  # i32 [S]
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """First index of the row maximum, ``i32[S]`` for ``logits [S, V]``.
+
+    Same result as ``jnp.argmax`` for finite logits, written as a max and a
+    min over an iota: XLA's CPU backend lowers ``argmax`` to a variadic
+    (value, index) reduction that it does not vectorise, measured 6x slower
+    here (4.6 ms vs 0.8 ms for 64 x 32000). A row holding NaN yields index 0.
+    """
+    vocab = logits.shape[-1]
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    first = jnp.min(jnp.where(logits == best, ids, vocab), axis=-1)
+    return jnp.where(first < vocab, first, 0)
+
+
+def chosen_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Log-probability of ``tokens[i]`` under ``softmax(logits[i])``, without
+    materialising the whole ``[S, V]`` log-softmax."""
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1)) + best[:, 0]
+    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -93,7 +116,7 @@ def _filter_and_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         return jax.random.categorical(key, row)
 
     sampled = jax.vmap(draw)(t.seed, t.output_index, filtered)
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = argmax(logits)
     return jnp.where(t.temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
@@ -104,7 +127,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     distribution (before penalties and temperature), as vLLM reports it.
     """
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_logits = logits
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
     )
@@ -113,12 +136,11 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     tokens = jax.lax.cond(
         needs_sampling,
         _filter_and_sample,
-        lambda x, _: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda x, _: argmax(x),
         logits,
         t,
     )
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, chosen
+    return tokens, chosen_logprobs(raw_logits, tokens)
 
 
 def host_sampling_tensors(
