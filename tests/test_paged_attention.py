@@ -11,7 +11,16 @@ import numpy as np
 import pytest
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.kv_cache import KVCache, bytes_per_block, from_storage, to_storage
+from jaxserve.kernels.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    cache_shapes,
+    keys_from_slots,
+    keys_to_slots,
+    to_storage,
+    values_from_slots,
+    values_to_slots,
+)
 from jaxserve.kernels.paged_attention import dense_causal_attention, paged_attention, write_kv
 
 BS = 4  # block size
@@ -93,8 +102,9 @@ def _build(seed: int = 0, dtype=jnp.float32, seqs=None):
     q = rng.standard_normal((T, H, D)).astype(np.float32)
     return dict(
         q=jnp.asarray(q, dtype),
-        kc=to_storage(jnp.asarray(kc), dtype),  # uint16 bits for bfloat16
-        vc=to_storage(jnp.asarray(vc), dtype),
+        # per-layer storage layout; uint16 bits for bfloat16
+        kc=keys_from_slots(to_storage(jnp.asarray(kc), dtype), BS),
+        vc=values_from_slots(to_storage(jnp.asarray(vc), dtype), BS),
         k_new=jnp.asarray(np.stack(k_new), dtype),
         v_new=jnp.asarray(np.stack(v_new), dtype),
         meta=meta,
@@ -217,8 +227,9 @@ def test_padding_writes_do_not_disturb_results():
     n_real = sum(n for _, n in SEQS)
     np.testing.assert_array_equal(np.asarray(out1)[:n_real], np.asarray(out2)[:n_real])
     # the padding really wrote into block 0 and nowhere else
-    assert np.all(np.asarray(kc2)[: NUM_PAD] == -7e3)
-    np.testing.assert_array_equal(np.asarray(kc1)[BS:], np.asarray(kc2)[BS:])
+    slots1, slots2 = np.asarray(keys_to_slots(kc1)), np.asarray(keys_to_slots(kc2))
+    assert np.all(slots2[:NUM_PAD] == -7e3)
+    np.testing.assert_array_equal(slots1[BS:], slots2[BS:])
 
 
 def test_sliding_window_matches_dense():
@@ -234,12 +245,11 @@ def test_sliding_window_matches_dense():
 
 
 def test_stacked_cache_with_layer_index():
-    """The model's form: whole [L, slots, ...] cache and a traced layer index."""
+    """The model's form: whole stacked cache (layer axis after the kv heads) and a traced layer index."""
     case = _build(seed=4)
-    L = 3
     # only layer 1 holds the real cached prefix; the others hold scaled garbage
-    kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)])
-    vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)])
+    kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)], axis=1)
+    vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)], axis=1)
     cache = KVCache(k=kc, v=vc, block_size=BS)
 
     @jax.jit
@@ -252,8 +262,13 @@ def test_stacked_cache_with_layer_index():
     ref, n_real = _reference(case)
     np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
     # other layers untouched
-    np.testing.assert_array_equal(np.asarray(new_cache.k[0]), np.asarray(kc[0]))
-    np.testing.assert_array_equal(np.asarray(new_cache.k[2]), np.asarray(kc[2]))
+    for layer in (0, 2):
+        np.testing.assert_array_equal(np.asarray(new_cache.k[:, layer]), np.asarray(kc[:, layer]))
+        np.testing.assert_array_equal(np.asarray(new_cache.v[:, layer]), np.asarray(vc[:, layer]))
+    # layer 1 now holds this step's keys/values at their slots
+    k1, v1 = new_cache.read_slots(1, case["meta"].slot_mapping[:n_real])
+    np.testing.assert_array_equal(np.asarray(k1), np.asarray(case["k_new"][:n_real]))
+    np.testing.assert_array_equal(np.asarray(v1), np.asarray(case["v_new"][:n_real]))
 
 
 def test_bfloat16_cache_close_to_dense():
@@ -281,19 +296,37 @@ def test_bfloat16_write_is_exact_and_in_place():
         return cache.replace(k=k, v=v)
 
     hlo = write.lower(c, new, slots).compile().as_text()
-    assert "f32[2,32," not in hlo  # no float32 round trip of the whole cache
+    for shape in cache_shapes(2, 8, BS, KVH, D):  # no float32 round trip of the whole cache
+        assert f"f32[{','.join(map(str, shape))}]" not in hlo
     c = write(c, new, slots)
-    got = from_storage(c.v[1, slots], jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray((-new).astype(jnp.bfloat16)))
-    assert not np.any(np.asarray(c.k[0]))
+    got_k, got_v = c.read_slots(1, slots)
+    np.testing.assert_array_equal(np.asarray(got_k), np.asarray(new.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray((-new).astype(jnp.bfloat16)))
+    assert not np.any(np.asarray(c.k[:, 0])) and not np.any(np.asarray(c.v[:, 0]))
 
 
 def test_kv_cache_create_and_sizing():
     c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16)
-    assert c.k.shape == (2, 20, 2, 8) and c.dtype == jnp.bfloat16
-    assert c.num_blocks == 5 and c.block_size == 4
+    # keys transposed inside a block, values row-major, kv heads leading
+    assert c.k.shape == (2, 2, 5, 8, 4) and c.v.shape == (2, 2, 5, 4, 8) and c.dtype == jnp.bfloat16
+    assert c.num_blocks == 5 and c.block_size == 4 and c.num_slots == 20
+    assert (c.num_layers, c.num_kv_heads, c.head_dim) == (2, 2, 8)
     assert bytes_per_block(2, 4, 2, 8, jnp.bfloat16) * 5 == c.nbytes
     leaves, treedef = jax.tree_util.tree_flatten(c)
     assert len(leaves) == 2
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert back.block_size == 4 and back.dtype == jnp.bfloat16
+
+
+def test_slot_form_round_trip_and_block_contents():
+    """Token at slot b*BS+o of layer l, head h: keys at k[h, l, b, :, o], values at v[h, l, b, o, :]."""
+    L, nb = 3, 5
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((L, nb * BS, KVH, D)), jnp.float32)
+    k, v = keys_from_slots(x, BS), values_from_slots(x, BS)
+    assert (k.shape, v.shape) == cache_shapes(L, nb, BS, KVH, D)
+    np.testing.assert_array_equal(np.asarray(keys_to_slots(k)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(values_to_slots(v)), np.asarray(x))
+    layer, block, offset, head = 2, 3, 1, 1
+    slot = block * BS + offset
+    np.testing.assert_array_equal(np.asarray(k[head, layer, block, :, offset]), np.asarray(x[layer, slot, head]))
+    np.testing.assert_array_equal(np.asarray(v[head, layer, block, offset, :]), np.asarray(x[layer, slot, head]))

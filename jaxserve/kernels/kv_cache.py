@@ -2,11 +2,30 @@
 
 Layout
 ------
-``k`` and ``v`` each have shape ``[num_layers, num_blocks * block_size,
-num_kv_heads, head_dim]``: for every layer, a flat array of *slots*. Block
-``b`` owns slots ``b * block_size ... b * block_size + block_size - 1``, and
-the token at position ``p`` of a sequence whose block table is ``bt`` lives in
-slot ``bt[p // block_size] * block_size + p % block_size``.
+Per layer and KV head the cache is a sequence of fixed-size blocks; block
+``b`` holds the keys/values of ``block_size`` consecutive positions of one
+sequence. The token at position ``p`` of a sequence whose block table is
+``bt`` lives in block ``bt[p // block_size]`` at offset ``p % block_size``
+(its *slot* is ``block * block_size + offset``, the unit ``slot_mapping``
+counts in).
+
+- ``k``: ``[num_kv_heads, num_layers, num_blocks, head_dim, block_size]``:
+  keys are stored *transposed* inside a block, so a gathered run of blocks is
+  already the ``[head_dim, tokens]`` right-hand side of the ``q @ k``
+  scores matmul;
+- ``v``: ``[num_kv_heads, num_layers, num_blocks, block_size, head_dim]``:
+  values row-major, the ``[tokens, head_dim]`` right-hand side of ``p @ v``.
+
+Why this order: decode attention is a batch of tiny matmuls, one per (KV
+head, sequence), over keys gathered through the block table. Gathering
+``cache[:, layer, block_ids]`` yields ``[kv_heads, rows, blocks, ...]``
+with the batch dimensions leading and whole 4 KiB blocks copied at once,
+and neither matmul needs a transpose. Measured on a 2-core host for 64
+sequences x 192 tokens x 8 layers (llama-56m shapes): 38 ms with the
+previous ``[layers, slots, kv_heads, head_dim]`` layout, 26 ms with this
+one; the ``q @ k`` of one 32-token chunk takes 40 us with keys as
+``[head_dim, tokens]`` versus 98 us as ``[tokens, head_dim]``. Leading KV
+heads are also the axis a tensor-parallel mesh shards the cache on.
 
 Block 0 is the null block: padding tokens write their keys/values there and
 block tables are padded with 0, but no sequence ever owns it, so whatever it
@@ -16,6 +35,9 @@ holds is never read as valid context. An allocator must hand out blocks
 ``KVCache`` is a pytree (``k``, ``v`` are leaves, ``block_size`` and
 ``dtype`` are static metadata), so it can be passed through ``jax.jit`` and
 donated (``donate_argnames=("kv_cache",)``) to make the per-step writes in place.
+``keys_from_slots``/``values_from_slots`` and their inverses convert to and
+from the plain per-slot form ``[..., slots, kv_heads, head_dim]`` (tests,
+debugging, migrations).
 
 Storage dtype
 -------------
@@ -71,6 +93,47 @@ def logical_dtype(storage: jax.Array | jnp.dtype, dtype=None) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if st == jnp.dtype(jnp.uint16) else st
 
 
+def cache_shapes(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the ``k`` and ``v`` storage arrays (see the module docstring)."""
+    k = (num_kv_heads, num_layers, num_blocks, head_dim, block_size)
+    v = (num_kv_heads, num_layers, num_blocks, block_size, head_dim)
+    return k, v
+
+
+def _blocked(x: jax.Array, block_size: int) -> jax.Array:
+    # [..., slots, kvh, D] -> [kvh, ..., blocks, block_size, D]
+    *lead, slots, kvh, d = x.shape
+    if slots % block_size:
+        raise ValueError(f"{slots} slots are not a whole number of blocks of {block_size}")
+    x = x.reshape(*lead, slots // block_size, block_size, kvh, d)
+    n = len(lead)
+    return jnp.moveaxis(x, n + 2, 0)
+
+
+def keys_from_slots(x: jax.Array, block_size: int) -> jax.Array:
+    """Per-slot keys ``[..., slots, kv_heads, head_dim]`` -> ``k`` storage layout."""
+    return jnp.swapaxes(_blocked(x, block_size), -1, -2)
+
+
+def values_from_slots(x: jax.Array, block_size: int) -> jax.Array:
+    """Per-slot values ``[..., slots, kv_heads, head_dim]`` -> ``v`` storage layout."""
+    return _blocked(x, block_size)
+
+
+def values_to_slots(v: jax.Array) -> jax.Array:
+    """``v`` storage layout -> per-slot ``[..., slots, kv_heads, head_dim]``."""
+    kvh, *lead, nb, bs, d = v.shape
+    x = jnp.moveaxis(v, 0, -2)  # [..., nb, bs, kvh, d]
+    return x.reshape(*lead, nb * bs, kvh, d)
+
+
+def keys_to_slots(k: jax.Array) -> jax.Array:
+    """``k`` storage layout -> per-slot ``[..., slots, kv_heads, head_dim]``."""
+    return values_to_slots(jnp.swapaxes(k, -1, -2))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -103,10 +166,10 @@ class KVCache:
         """Zero-filled cache of ``num_blocks`` blocks (block 0 included)."""
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks (block 0 is the null block)")
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        k_shape, v_shape = cache_shapes(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         st = storage_dtype(dtype)
-        k = jnp.zeros(shape, st, device=sharding)
-        v = jnp.zeros(shape, st, device=sharding)
+        k = jnp.zeros(k_shape, st, device=sharding)
+        v = jnp.zeros(v_shape, st, device=sharding)
         return cls(k=k, v=v, block_size=block_size, dtype_name=jnp.dtype(dtype).name)
 
     @classmethod
@@ -114,33 +177,46 @@ class KVCache:
         cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
     ) -> "KVCache":
         """Shape-only cache (``jax.ShapeDtypeStruct`` leaves) for ``jit(...).lower``."""
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        s = jax.ShapeDtypeStruct(shape, storage_dtype(dtype))
-        return cls(k=s, v=s, block_size=block_size, dtype_name=jnp.dtype(dtype).name)
+        k_shape, v_shape = cache_shapes(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        st = storage_dtype(dtype)
+        return cls(
+            k=jax.ShapeDtypeStruct(k_shape, st),
+            v=jax.ShapeDtypeStruct(v_shape, st),
+            block_size=block_size,
+            dtype_name=jnp.dtype(dtype).name,
+        )
 
     @property
     def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def num_slots(self) -> int:
         return self.k.shape[1]
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1] // self.block_size
-
-    @property
-    def num_kv_heads(self) -> int:
         return self.k.shape[2]
 
     @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[0]
+
+    @property
     def head_dim(self) -> int:
-        return self.k.shape[3]
+        return self.v.shape[-1]
 
     @property
     def nbytes(self) -> int:
         return 2 * int(np.prod(self.k.shape)) * jnp.dtype(self.k.dtype).itemsize
+
+    def read_slots(self, layer: int, slots) -> tuple[jax.Array, jax.Array]:
+        """Keys and values ``[n, kv_heads, head_dim]`` (logical dtype) held at ``slots`` of ``layer``."""
+        slots = jnp.asarray(slots, jnp.int32)
+        blk, off = slots // self.block_size, slots % self.block_size
+        k = from_storage(self.k[:, layer, blk, :, off], self.dtype)  # [n, kvh, D]
+        v = from_storage(jnp.swapaxes(self.v[:, layer, blk, off], 0, 1), self.dtype)  # [kvh, n, D] -> [n, kvh, D]
+        return k, v
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> int:

@@ -12,16 +12,19 @@ softmax. The trip count is dynamic, ``ceil(max visible context /
 chunk_tokens)``, through ``lax.fori_loop``, so work follows the real context
 length of the step and the block-table width ``M`` needs no context-length
 shape bucket of its own (only its maximum matters). Per chunk, rows gather
-their sequence's block-table columns, turn them into slots and gather keys
-and values. A row is either a tile of consecutive tokens of one sequence
+their sequence's block-table columns and copy those whole blocks of keys and
+values out of the cache (``kv_cache.py`` explains the layout that makes
+this a copy of contiguous blocks followed by two transpose-free batched
+matmuls). A row is either a tile of consecutive tokens of one sequence
 (which then reads its context once for the whole tile) or a single
 "straggler" token (see ``paged_attention``). Grouped-query attention reshapes
 the query heads into ``[kv_heads, group]``. Scores, the running max, the
 normaliser and the accumulator are float32; the matmuls run in the cache
 dtype with float32 accumulation.
 
-The cache may be given per layer (``[slots, kv_heads, head_dim]``) or as the
-whole stacked cache (``[layers, slots, kv_heads, head_dim]``) with a (traced)
+The cache may be given per layer (``k`` ``[kv_heads, blocks, head_dim,
+block_size]``, ``v`` ``[kv_heads, blocks, block_size, head_dim]``) or as the
+whole stacked cache (a layer axis after the kv-head axis) with a (traced)
 ``layer`` index: the latter gathers and scatters straight into the big array,
 so that inside a ``scan`` over layers no per-layer copy of the cache is made.
 """
@@ -59,21 +62,27 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys/values ``[T, kv_heads, head_dim]`` into their slots.
 
-    ``k_cache``/``v_cache`` are storage arrays (see ``kv_cache.py``) of shape
-    ``[slots, kvh, hd]``, or ``[layers, slots, kvh, hd]`` with ``layer`` given;
+    ``k_cache``/``v_cache`` are storage arrays in the layout of
+    ``kv_cache.py``, per layer or stacked with ``layer`` given;
     ``cache_dtype`` is their logical dtype (default: bfloat16 for uint16
     storage, else the storage dtype). Slots out of range are dropped (padding
     may use either a block-0 slot or an out-of-range slot).
     """
     dtype = logical_dtype(k_cache, cache_dtype)
-
-    def scatter(cache, new):
-        new = to_storage(new, dtype)
-        if layer is None:
-            return cache.at[slot_mapping].set(new, mode="drop")
-        return cache.at[layer, slot_mapping].set(new, mode="drop")
-
-    return scatter(k_cache, k_new), scatter(v_cache, v_new)
+    block_size = v_cache.shape[-2]
+    blk = slot_mapping // block_size
+    off = slot_mapping % block_size
+    k_new = to_storage(k_new, dtype)  # [T, kvh, D]
+    v_new = jnp.swapaxes(to_storage(v_new, dtype), 0, 1)  # [kvh, T, D]
+    # numpy indexing rules: block and offset separated by the head_dim slice put
+    # the token axis first ([T, kvh, D]); adjacent ones keep it in place ([kvh, T, D])
+    if layer is None:
+        k_cache = k_cache.at[:, blk, :, off].set(k_new, mode="drop")
+        v_cache = v_cache.at[:, blk, off].set(v_new, mode="drop")
+    else:
+        k_cache = k_cache.at[:, layer, blk, :, off].set(k_new, mode="drop")
+        v_cache = v_cache.at[:, layer, blk, off].set(v_new, mode="drop")
+    return k_cache, v_cache
 
 
 def default_chunk_tokens(
@@ -107,9 +116,8 @@ def paged_attention(
 ) -> jax.Array:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged cache.
 
-    ``k_cache``/``v_cache`` are storage arrays (``[slots, kvh, hd]``, or
-    ``[layers, slots, kvh, hd]`` with ``layer``) of logical dtype
-    ``cache_dtype`` (see ``write_kv``). Returns ``[T, heads, head_dim]`` in
+    ``k_cache``/``v_cache`` are storage arrays (per layer, or stacked with
+    ``layer``; see ``write_kv``) of logical dtype ``cache_dtype``. Returns ``[T, heads, head_dim]`` in
     ``q.dtype``. The cache must already hold this step's keys/values (call
     ``write_kv`` first). Tokens with no visible key (padding) get zeros.
 
@@ -131,7 +139,7 @@ def paged_attention(
     ``query_tile=1`` always uses the per-token kernel.
     """
     T, H, D = q.shape
-    kvh = k_cache.shape[-2]
+    kvh = k_cache.shape[0]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     G = H // kvh
@@ -243,46 +251,45 @@ def _flash_rows(
     else:
         start = jnp.int32(0)
 
-    q2 = qr.reshape(R, kvh, Q * G, D)
-    offs = jnp.arange(block_size, dtype=jnp.int32)
+    # kv heads lead: [kvh, R, Q*G, D], the batch order of the gathered blocks
+    q2 = jnp.swapaxes(qr, 0, 1).reshape(kvh, R, Q * G, D)
     kpos_in_chunk = jnp.arange(C, dtype=jnp.int32)
 
-    def gather(cache, slots):
-        out = cache[slots] if layer is None else cache[layer, slots]
-        # [R, kvh, C, D]: kv heads next to the row batch dim, so both matmuls below are
-        # plain batched GEMMs (XLA CPU is several times slower on the [R, C, kvh, D] order)
-        return jnp.swapaxes(from_storage(out, cdtype), 1, 2)
+    def gather(cache, cols):
+        # [kvh, R, CB, ...]: whole blocks, the block axis right after the row axis
+        out = cache[:, cols] if layer is None else cache[:, layer, cols]
+        return from_storage(out, cdtype)
 
     def body(c, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(bt_rows, c * chunk_blocks, chunk_blocks, axis=1)  # [R, CB]
-        slots = (cols[:, :, None] * block_size + offs).reshape(R, C)
-        k = gather(k_cache, slots)
-        v = gather(v_cache, slots)
-        s = jnp.einsum("rkqd,rkcd->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
+        k = gather(k_cache, cols)  # [kvh, R, CB, D, BS]
+        v = gather(v_cache, cols).reshape(kvh, R, C, D)
+        s = jnp.einsum("krqd,krndc->krqnc", q2, k, preferred_element_type=jnp.float32).reshape(kvh, R, Q, G, C)
         kpos = c * C + kpos_in_chunk
         valid = kpos[None, None, :] < limit[:, :, None]
         if lower is not None:
             valid = valid & (kpos[None, None, :] >= lower[:, :, None])
-        valid = valid[:, None, :, None, :]  # [R, 1, Q, 1, C]
+        valid = valid[None, :, :, None, :]  # [1, R, Q, 1, C]
         s = jnp.where(valid, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            "rkqc,rkcd->rkqd", p.reshape(R, kvh, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
+            "krqc,krcd->krqd", p.reshape(kvh, R, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
         )
-        acc = acc * alpha[..., None] + pv.reshape(R, kvh, Q, G, D)
+        acc = acc * alpha[..., None] + pv.reshape(kvh, R, Q, G, D)
         return m_new, l, acc
 
     init = (
-        jnp.full((R, kvh, Q, G), _NEG, jnp.float32),
-        jnp.zeros((R, kvh, Q, G), jnp.float32),
-        jnp.zeros((R, kvh, Q, G, D), jnp.float32),
+        jnp.full((kvh, R, Q, G), _NEG, jnp.float32),
+        jnp.zeros((kvh, R, Q, G), jnp.float32),
+        jnp.zeros((kvh, R, Q, G, D), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(start, stop, body, init)
-    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
+    return jnp.swapaxes(out, 0, 1)
 
 
 def dense_causal_attention(
