@@ -235,6 +235,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxserve.engine.sampler import argmax as greedy_argmax
     from jaxserve.kernels.attention_metadata import AttentionMetadata
     from jaxserve.kernels.paged_attention import paged_attention, write_kv
 
@@ -243,7 +244,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     cfg = engine.model_config
     model = nnx.merge(runner.graphdef, runner.state)
     w = model.layers.stacked()
-    lm_head = model.lm_head[...]
+    lm_head = model.output_embedding()  # [vocab, hidden]
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     E = cfg.hidden_size
     layer_flops_per_token = 2 * sum(int(np.prod(w[k].shape[1:])) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
@@ -251,19 +252,20 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     out = {}
 
     def dense_layers(x, w):
+        # the model's orientation: weights [out, in], activations [features, T]
         def body(h, lw):
-            qkv = jnp.dot(h, lw["wqkv"])
-            o = jnp.dot(qkv[:, : H * D], lw["wo"])
+            qkv = jnp.dot(lw["wqkv"], h)
+            o = jnp.dot(lw["wo"], qkv[: H * D])
             h = h + o
-            g, u = jnp.split(jnp.dot(h, lw["w_gate_up"]), 2, axis=-1)
-            return h + jnp.dot(jax.nn.silu(g) * u, lw["w_down"]), None
+            g, u = jnp.split(jnp.dot(lw["w_gate_up"], h), 2, axis=0)
+            return h + jnp.dot(lw["w_down"], jax.nn.silu(g) * u), None
         h, _ = jax.lax.scan(body, x, {k: w[k] for k in ("wqkv", "wo", "w_gate_up", "w_down")})
         return h
 
     dense = jax.jit(dense_layers)
-    head = jax.jit(lambda x, wh: jnp.argmax(jnp.dot(x, wh), axis=-1))
+    head = jax.jit(lambda x, wh: greedy_argmax(jnp.dot(wh, x.T), axis=0))
     for t in (num_seqs, prefill_tokens):
-        x = jnp.ones((t, E), jnp.float32) * 0.01
+        x = jnp.ones((E, t), jnp.float32) * 0.01
         s = _median_time(lambda: dense(x, w).block_until_ready())
         out[f"dense_layers_T{t}_ms"] = round(1000 * s, 2)
         out[f"dense_layers_T{t}_gflop_s"] = round(t * layer_flops_per_token / s / 1e9, 1)

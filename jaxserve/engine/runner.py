@@ -38,7 +38,7 @@ from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import KVCache
-from jaxserve.models.functional import forward_fn, logits_fn
+from jaxserve.models.functional import forward_fn, logits_fn, logits_t_fn
 
 log = structlog.get_logger(__name__)
 
@@ -121,10 +121,11 @@ class ModelRunner:
 
     def _greedy_fn(self, state, hidden, *, num_rows: int):
         """All rows greedy and unpenalized: argmax and its log-probability,
-        with no sort, no penalty scatter and no random draws."""
-        logits = logits_fn(self.graphdef, state, hidden[:num_rows])
-        tokens = argmax(logits)
-        return tokens, chosen_logprobs(logits, tokens)
+        with no sort, no penalty scatter and no random draws, over logits in
+        the ``[vocab, rows]`` orientation (the faster vocabulary matmul)."""
+        logits_t = logits_t_fn(self.graphdef, state, hidden[:num_rows])
+        tokens = argmax(logits_t, axis=0)
+        return tokens, chosen_logprobs(logits_t, tokens, axis=0)
 
     def _sample_fn(self, state, hidden, tensors):
         num_rows = tensors.temperature.shape[0]

@@ -49,27 +49,28 @@ class SamplingTensors:
     num_prompt: jax.Array  # i32 [S]
 
 
-def argmax(logits: jax.Array) -> jax.Array:
-    """First index of the row maximum, ``i32[S]`` for ``logits [S, V]``.
+def argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
+    """First index of the maximum along ``axis`` (the vocabulary axis), int32.
 
     Same result as ``jnp.argmax`` for finite logits, written as a max and a
     min over an iota: XLA's CPU backend lowers ``argmax`` to a variadic
     (value, index) reduction that it does not vectorise, measured 6x slower
     here (4.6 ms vs 0.8 ms for 64 x 32000). A row holding NaN yields index 0.
     """
-    vocab = logits.shape[-1]
-    best = jnp.max(logits, axis=-1, keepdims=True)
-    ids = jnp.arange(vocab, dtype=jnp.int32)
-    first = jnp.min(jnp.where(logits == best, ids, vocab), axis=-1)
+    vocab = logits.shape[axis]
+    best = jnp.max(logits, axis=axis, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, axis % logits.ndim)
+    first = jnp.min(jnp.where(logits == best, ids, vocab), axis=axis)
     return jnp.where(first < vocab, first, 0)
 
 
-def chosen_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Log-probability of ``tokens[i]`` under ``softmax(logits[i])``, without
-    materialising the whole ``[S, V]`` log-softmax."""
-    best = jnp.max(logits, axis=-1, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1)) + best[:, 0]
-    return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+def chosen_logprobs(logits: jax.Array, tokens: jax.Array, axis: int = -1) -> jax.Array:
+    """Log-probability of each chosen token under the softmax along ``axis``,
+    without materialising the whole log-softmax."""
+    best = jnp.max(logits, axis=axis, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - best), axis=axis)) + jnp.squeeze(best, axis)
+    chosen = jnp.take_along_axis(logits, jnp.expand_dims(tokens, axis), axis=axis)
+    return jnp.squeeze(chosen, axis) - lse
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -50,6 +50,12 @@ def logits_fn(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> ja
     return model.compute_logits(hidden)
 
 
+def logits_t_fn(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
+    """Transposed float32 logits ``[V, N]`` (see ``LlamaForCausalLM.compute_logits_t``)."""
+    model = nnx.merge(graphdef, state)
+    return model.compute_logits_t(hidden)
+
+
 def step_fn(
     graphdef: nnx.GraphDef,
     state: nnx.State,

@@ -7,9 +7,17 @@ values with a scatter at ``[i, slot_mapping]`` and reads with a gather at
 ``[i, slots]`` straight from the stacked arrays, so with the cache donated to
 the jitted step the update is in place (no per-layer or per-step copy).
 
-Fused projections: ``wqkv`` is ``[L, hidden, (H + 2*KVH) * head_dim]`` (q, k, v
-columns in that order) and ``w_gate_up`` is ``[L, hidden, 2 * intermediate]``
-(gate then up). Linear weights are stored ``[in, out]`` (HF's transposed).
+Fused projections: ``wqkv`` is ``[L, (H + 2*KVH) * head_dim, hidden]`` (q, k, v
+rows in that order) and ``w_gate_up`` is ``[L, 2 * intermediate, hidden]``
+(gate then up). Linear weights are stored ``[out, in]``, as Hugging Face
+stores them, and ``lm_head`` is ``[vocab, hidden]`` like the embedding.
+
+Feature-major activations: inside the layers the residual stream is
+``[hidden, T]`` and every projection is ``W @ x`` (``[out, in] @ [in, T]``).
+On the CPU the matmul libraries run this orientation faster for the small
+token counts of decode steps (measured for llama-56m's 8 layers at 64 tokens:
+20.4 ms vs 23.2 ms for ``x @ W``; equal at 512 tokens). Attention, RoPE and
+the KV writes work on small ``[T, heads, head_dim]`` transposes.
 
 Numerics: weights in ``dtype`` (float32 or bfloat16); matmuls in that dtype
 with float32 accumulation; RMSNorm, RoPE, softmax and the residual stream in
@@ -33,16 +41,24 @@ from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 _INIT_STD = 0.02
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32; returns float32."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """RMSNorm over ``axis`` (the feature axis) in float32; returns float32."""
     x = x.astype(jnp.float32)
-    var = jnp.mean(x * x, axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+    var = jnp.mean(x * x, axis=axis, keepdims=True)
+    w = weight.astype(jnp.float32)
+    if axis == 0:
+        w = w[:, None]
+    return x * jax.lax.rsqrt(var + eps) * w
 
 
-def _mm(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` in the weight dtype with float32 accumulation; float32 result."""
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+def _mm(w: jax.Array, x: jax.Array) -> jax.Array:
+    """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
+    accumulation; float32 result."""
+    return jnp.dot(w, x.astype(w.dtype), preferred_element_type=jnp.float32)
+
+
+def _add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
+    return x if b is None else x + b.astype(jnp.float32)[:, None]
 
 
 def _param(rngs: nnx.Rngs | None, shape, dtype, init: str) -> nnx.Param:
@@ -62,14 +78,14 @@ class LlamaLayers(nnx.Module):
         qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         q_out = c.num_attention_heads * c.head_dim
         self.input_norm = _param(rngs, (L, E), dtype, "ones")
-        self.wqkv = _param(rngs, (L, E, qkv_out), dtype, "normal")
+        self.wqkv = _param(rngs, (L, qkv_out, E), dtype, "normal")
         self.bqkv = _param(rngs, (L, qkv_out), dtype, "zeros") if c.qkv_bias else None
-        self.wo = _param(rngs, (L, q_out, E), dtype, "normal")
+        self.wo = _param(rngs, (L, E, q_out), dtype, "normal")
         self.bo = _param(rngs, (L, E), dtype, "zeros") if c.o_bias else None
         self.post_norm = _param(rngs, (L, E), dtype, "ones")
-        self.w_gate_up = _param(rngs, (L, E, 2 * I), dtype, "normal")
+        self.w_gate_up = _param(rngs, (L, 2 * I, E), dtype, "normal")
         self.b_gate_up = _param(rngs, (L, 2 * I), dtype, "zeros") if c.mlp_bias else None
-        self.w_down = _param(rngs, (L, I, E), dtype, "normal")
+        self.w_down = _param(rngs, (L, E, I), dtype, "normal")
         self.b_down = _param(rngs, (L, E), dtype, "zeros") if c.mlp_bias else None
 
     def stacked(self) -> dict[str, jax.Array | None]:
@@ -99,7 +115,7 @@ class LlamaForCausalLM(nnx.Module):
         if c.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = _param(rngs, (c.hidden_size, c.vocab_size), self.dtype, "normal")
+            self.lm_head = _param(rngs, (c.vocab_size, c.hidden_size), self.dtype, "normal")
 
     def __call__(
         self,
@@ -121,19 +137,18 @@ class LlamaForCausalLM(nnx.Module):
 
         positions = positions.astype(jnp.int32)
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
-        h = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.float32)
+        h = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.float32).T  # [E, T]
+
+        def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, T] -> [T, n, D]
+            return jnp.transpose(x.reshape(n, D, T), (2, 0, 1))
 
         def layer(carry, w):
             h, k_all, v_all, i = carry
-            x = rms_norm(h, w["input_norm"], eps)
-            qkv = _mm(x, w["wqkv"])
-            if w["bqkv"] is not None:
-                qkv = qkv + w["bqkv"].astype(jnp.float32)
-            q = qkv[:, :q_size].reshape(T, H, D)
-            k = qkv[:, q_size : q_size + kv_size].reshape(T, KVH, D)
-            v = qkv[:, q_size + kv_size :].reshape(T, KVH, D)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            x = rms_norm(h, w["input_norm"], eps, axis=0)
+            qkv = _add_bias(_mm(w["wqkv"], x), w["bqkv"])
+            q = apply_rope(heads(qkv[:q_size], H), cos, sin)
+            k = apply_rope(heads(qkv[q_size : q_size + kv_size], KVH), cos, sin)
+            v = heads(qkv[q_size + kv_size :], KVH)
             k_all, v_all = write_kv(k_all, v_all, k, v, meta.slot_mapping, layer=i, cache_dtype=cache_dtype)
             attn = paged_attention(
                 q.astype(dtype),
@@ -147,36 +162,39 @@ class LlamaForCausalLM(nnx.Module):
                 sliding_window=window,
                 cache_dtype=cache_dtype,
             )
-            o = _mm(attn.reshape(T, q_size), w["wo"])
-            if w["bo"] is not None:
-                o = o + w["bo"].astype(jnp.float32)
-            h = h + o
-            x = rms_norm(h, w["post_norm"], eps)
-            gu = _mm(x, w["w_gate_up"])
-            if w["b_gate_up"] is not None:
-                gu = gu + w["b_gate_up"].astype(jnp.float32)
-            g, u = jnp.split(gu, 2, axis=-1)
-            a = jax.nn.silu(g) * u
-            d = _mm(a, w["w_down"])
-            if w["b_down"] is not None:
-                d = d + w["b_down"].astype(jnp.float32)
-            h = h + d
+            h = h + _add_bias(_mm(w["wo"], attn.reshape(T, q_size).T), w["bo"])
+            x = rms_norm(h, w["post_norm"], eps, axis=0)
+            gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
+            g, u = jnp.split(gu, 2, axis=0)
+            h = h + _add_bias(_mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
             return (h, k_all, v_all, i + 1), None
 
         (h, k_all, v_all, _), _ = jax.lax.scan(
             layer, (h, kv_cache.k, kv_cache.v, jnp.int32(0)), self.layers.stacked()
         )
-        h = rms_norm(h, self.norm[...], eps)
+        # Token-major for the caller. The barrier keeps XLA from folding this
+        # transpose into a later vocabulary matmul: a dot contracting its
+        # left operand's first dimension has no bfloat16 kernel on the CPU
+        # ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
+        h = jax.lax.optimization_barrier(rms_norm(h, self.norm[...], eps, axis=0).T)
         return h, kv_cache.replace(k=k_all, v=v_all)
+
+    def output_embedding(self) -> jax.Array:
+        """The ``[vocab, hidden]`` matrix of the vocabulary projection."""
+        return self.embed[...] if self.lm_head is None else self.lm_head[...]
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden_size]``."""
-        if self.lm_head is None:
-            emb = self.embed[...]
-            return jnp.einsum(
-                "ne,ve->nv", hidden.astype(emb.dtype), emb, preferred_element_type=jnp.float32
-            )
-        return _mm(hidden, self.lm_head[...])
+        w = self.output_embedding()
+        return jnp.einsum("ne,ve->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+    def compute_logits_t(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits *transposed*, ``[vocab, N]``: the orientation in which
+        the CPU runs the vocabulary matmul fastest for few rows (11.5 ms vs
+        13.5 ms for 64 x 512 x 32000 here); the greedy sampler reduces over
+        axis 0 directly."""
+        w = self.output_embedding()
+        return jnp.dot(w, hidden.astype(w.dtype).T, preferred_element_type=jnp.float32)
 
     # convenience -----------------------------------------------------------
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:

@@ -2,8 +2,8 @@
 
 Reads ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``. HF tensors are mapped into the stacked,
-fused parameters of ``jaxserve.models.llama`` (Linear weights transposed to
-``[in, out]``; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
+fused parameters of ``jaxserve.models.llama`` (Linear weights kept ``[out,
+in]`` as HF stores them; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
 model is built abstractly (``nnx.eval_shape``, no random init) and filled
 group by group on the host, so peak host memory is about one stacked
 parameter group on top of the open files.
@@ -162,15 +162,12 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
         assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
         param.set_value(jnp.asarray(arr))
 
-    def stacked(shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], bool, slice]]) -> np.ndarray:
-        """Fill ``[L, *shape]``: each part is (HF name template, HF shape, transpose, target columns)."""
+    def stacked(shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], slice]]) -> np.ndarray:
+        """Fill ``[L, *shape]``: each part is (HF name template, HF shape, target rows)."""
         out = np.empty((L, *shape), np_dtype)
         for i in range(L):
-            for tmpl, hf_shape, transpose, cols in parts:
-                t = src.get(tmpl.format(i=i), hf_shape)
-                if transpose:
-                    t = t.T
-                out[i, ..., cols] = t.astype(np_dtype, copy=False)
+            for tmpl, hf_shape, rows in parts:
+                out[i, rows] = src.get(tmpl.format(i=i), hf_shape).astype(np_dtype, copy=False)
         return out
 
     pre = "model.layers.{i}."
@@ -178,19 +175,19 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
     put(model.embed, src.get("model.embed_tokens.weight", (V, E)).astype(np_dtype, copy=False))
     put(model.norm, src.get("model.norm.weight", (E,)).astype(np_dtype, copy=False))
     if model.lm_head is not None:
-        put(model.lm_head, src.get("lm_head.weight", (V, E)).T.astype(np_dtype))
+        put(model.lm_head, src.get("lm_head.weight", (V, E)).astype(np_dtype, copy=False))
 
     ly = model.layers
-    put(ly.input_norm, stacked((E,), [(pre + "input_layernorm.weight", (E,), False, a)]))
-    put(ly.post_norm, stacked((E,), [(pre + "post_attention_layernorm.weight", (E,), False, a)]))
+    put(ly.input_norm, stacked((E,), [(pre + "input_layernorm.weight", (E,), a)]))
+    put(ly.post_norm, stacked((E,), [(pre + "post_attention_layernorm.weight", (E,), a)]))
     put(
         ly.wqkv,
         stacked(
-            (E, qs + 2 * kvs),
+            (qs + 2 * kvs, E),
             [
-                (pre + "self_attn.q_proj.weight", (qs, E), True, slice(0, qs)),
-                (pre + "self_attn.k_proj.weight", (kvs, E), True, slice(qs, qs + kvs)),
-                (pre + "self_attn.v_proj.weight", (kvs, E), True, slice(qs + kvs, qs + 2 * kvs)),
+                (pre + "self_attn.q_proj.weight", (qs, E), slice(0, qs)),
+                (pre + "self_attn.k_proj.weight", (kvs, E), slice(qs, qs + kvs)),
+                (pre + "self_attn.v_proj.weight", (kvs, E), slice(qs + kvs, qs + 2 * kvs)),
             ],
         ),
     )
@@ -200,22 +197,22 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
             stacked(
                 (qs + 2 * kvs,),
                 [
-                    (pre + "self_attn.q_proj.bias", (qs,), False, slice(0, qs)),
-                    (pre + "self_attn.k_proj.bias", (kvs,), False, slice(qs, qs + kvs)),
-                    (pre + "self_attn.v_proj.bias", (kvs,), False, slice(qs + kvs, qs + 2 * kvs)),
+                    (pre + "self_attn.q_proj.bias", (qs,), slice(0, qs)),
+                    (pre + "self_attn.k_proj.bias", (kvs,), slice(qs, qs + kvs)),
+                    (pre + "self_attn.v_proj.bias", (kvs,), slice(qs + kvs, qs + 2 * kvs)),
                 ],
             ),
         )
-    put(ly.wo, stacked((qs, E), [(pre + "self_attn.o_proj.weight", (E, qs), True, a)]))
+    put(ly.wo, stacked((E, qs), [(pre + "self_attn.o_proj.weight", (E, qs), a)]))
     if ly.bo is not None:
-        put(ly.bo, stacked((E,), [(pre + "self_attn.o_proj.bias", (E,), False, a)]))
+        put(ly.bo, stacked((E,), [(pre + "self_attn.o_proj.bias", (E,), a)]))
     put(
         ly.w_gate_up,
         stacked(
-            (E, 2 * I),
+            (2 * I, E),
             [
-                (pre + "mlp.gate_proj.weight", (I, E), True, slice(0, I)),
-                (pre + "mlp.up_proj.weight", (I, E), True, slice(I, 2 * I)),
+                (pre + "mlp.gate_proj.weight", (I, E), slice(0, I)),
+                (pre + "mlp.up_proj.weight", (I, E), slice(I, 2 * I)),
             ],
         ),
     )
@@ -225,14 +222,14 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
             stacked(
                 (2 * I,),
                 [
-                    (pre + "mlp.gate_proj.bias", (I,), False, slice(0, I)),
-                    (pre + "mlp.up_proj.bias", (I,), False, slice(I, 2 * I)),
+                    (pre + "mlp.gate_proj.bias", (I,), slice(0, I)),
+                    (pre + "mlp.up_proj.bias", (I,), slice(I, 2 * I)),
                 ],
             ),
         )
-    put(ly.w_down, stacked((I, E), [(pre + "mlp.down_proj.weight", (E, I), True, a)]))
+    put(ly.w_down, stacked((E, I), [(pre + "mlp.down_proj.weight", (E, I), a)]))
     if ly.b_down is not None:
-        put(ly.b_down, stacked((E,), [(pre + "mlp.down_proj.bias", (E,), False, a)]))
+        put(ly.b_down, stacked((E,), [(pre + "mlp.down_proj.bias", (E,), a)]))
 
 
 __all__ = ["LoadedModel", "load_model", "ModelLoadError"]
