@@ -171,7 +171,7 @@ def test_paged_matches_dense_mixed_batch(chunk_tokens):
     np.testing.assert_array_equal(out[n_real:], 0.0)
 
 
-@pytest.mark.parametrize("query_tile,straggler_group", [(1, 32), (4, 3), (32, 5)])
+@pytest.mark.parametrize("query_tile,straggler_group", [(1, 32), (4, 3), (32, 5), ((8, 4), 3), ((16, 8, 2), 4)])
 def test_query_tiles_and_straggler_groups(query_tile, straggler_group):
     """Every split between the tile pass and the straggler pass gives the same exact result."""
     case = _build(seed=6)
@@ -185,8 +185,9 @@ def test_query_tiles_and_straggler_groups(query_tile, straggler_group):
     np.testing.assert_array_equal(out[n_real:], 0.0)
 
 
-@pytest.mark.parametrize("query_tile,straggler_group", [(8, 2), (16, 32)])
+@pytest.mark.parametrize("query_tile,straggler_group", [(8, 2), (16, 32), ((16, 4), 2), ((8, 2), 32)])
 def test_prefill_heavy_step_uses_tiles(query_tile, straggler_group):
+    """Single tile sizes and candidate lists (the largest with few stragglers wins at run time)."""
     case = _build(seed=8, seqs=SEQS_PREFILL)
     out, _, _ = _step(
         case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],

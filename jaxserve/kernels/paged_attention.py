@@ -98,6 +98,14 @@ def default_chunk_tokens(
     return max(block_size, tokens // block_size * block_size)
 
 
+def default_query_tiles(num_tokens: int) -> tuple[int, ...]:
+    """Tile sizes tried for a step of ``num_tokens`` tokens: 64 then 16 for big
+    (prefill-sized) steps, 16 alone otherwise. Each candidate is one more
+    branch compiled into every program of that size, so the large tile is
+    offered only where long prefill chunks are likely."""
+    return (64, 16) if num_tokens >= 1024 else (16,)
+
+
 def paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -111,7 +119,7 @@ def paged_attention(
     sliding_window: int | None = None,
     chunk_tokens: int | None = None,
     cache_dtype=None,
-    query_tile: int = 16,
+    query_tile: int | tuple[int, ...] | None = None,
     straggler_group: int = 32,
 ) -> jax.Array:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged cache.
@@ -132,11 +140,17 @@ def paged_attention(
        groups of ``straggler_group`` tokens, each gathering its own
        sequence's keys; the number of groups is dynamic.
 
-    When more than half of the valid tokens would be stragglers (a
-    decode-heavy step), a ``lax.cond`` runs the plain per-token kernel on all
-    tokens instead. Results are exact for any token order; they are fastest
-    when each sequence's tokens are contiguous (the runner's natural layout).
-    ``query_tile=1`` always uses the per-token kernel.
+    ``query_tile`` may list several tile sizes, largest first (default:
+    ``default_query_tiles(T)``): at run time
+    (``lax.switch``) the step uses the largest one that leaves at most an
+    eighth of its valid tokens as stragglers, else the last one if it leaves
+    at most half, else the plain per-token kernel on all tokens (a
+    decode-heavy step). Big tiles read a long prefill chunk's context fewer
+    times (16 prompts x 128 tokens, 8 layers: 165 ms with tiles of 16, 98 ms
+    with 64), small ones lose fewer tokens to stragglers when prompts are
+    short. Results are exact for any token order and any choice; they are
+    fastest when each sequence's tokens are contiguous (the runner's natural
+    layout). ``query_tile=1`` always uses the per-token kernel.
     """
     T, H, D = q.shape
     kvh = k_cache.shape[0]
@@ -161,8 +175,11 @@ def paged_attention(
         cdtype=cdtype,
     )
 
-    Qt = max(1, min(query_tile, T))
-    if Qt == 1:
+    if query_tile is None:
+        query_tile = default_query_tiles(T)
+    tiles = (query_tile,) if isinstance(query_tile, int) else tuple(query_tile)
+    tiles = tuple(sorted({max(1, min(t, T)) for t in tiles} - {1}, reverse=True))
+    if not tiles:
         out = flash(qs[:, :, None], block_tables[token_seq], limit[:, None], None if lower is None else lower[:, None])
         return out[:, :, 0].reshape(T, H, D).astype(q.dtype)
 
@@ -170,18 +187,20 @@ def paged_attention(
         low = None if lower is None else lower[:, None]
         return flash(qs[:, :, None], block_tables[token_seq], limit[:, None], low)[:, :, 0]
 
-    # tile membership: does a token belong to the sequence of its tile's first token?
-    nT = -(-T // Qt)
-    pad = nT * Qt - T
-    seq_p = jnp.pad(token_seq, (0, pad))
-    lim_p = jnp.pad(limit, (0, pad))  # padding rows: limit 0, nothing visible
-    tile_seq = seq_p[::Qt]  # [nT]
-    member = seq_p.reshape(nT, Qt) == tile_seq[:, None]
-    strag = jnp.logical_not(member.reshape(-1)[:T]) & (limit > 0)
-    n_strag = jnp.sum(strag.astype(jnp.int32))
-    n_valid = jnp.sum((limit > 0).astype(jnp.int32))
+    def split(Qt):
+        """Tile membership for tiles of ``Qt``: does a token belong to the
+        sequence of its tile's first token? Returns (member, stragglers, count)."""
+        nT = -(-T // Qt)
+        seq_p = jnp.pad(token_seq, (0, nT * Qt - T))
+        member = seq_p.reshape(nT, Qt) == seq_p[::Qt][:, None]
+        strag = jnp.logical_not(member.reshape(-1)[:T]) & (limit > 0)
+        return member, strag, jnp.sum(strag.astype(jnp.int32))
 
-    def two_pass(_):
+    def two_pass(Qt, member, strag, n_strag):
+        nT = -(-T // Qt)
+        pad = nT * Qt - T
+        tile_seq = jnp.pad(token_seq, (0, pad))[::Qt]
+        lim_p = jnp.pad(limit, (0, pad))  # padding rows: limit 0, nothing visible
         # pass 1: query tiles
         q_tile = jnp.pad(qs, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(nT, Qt, kvh, G, D).transpose(0, 2, 1, 3, 4)
         low_tile = None if lower is None else jnp.pad(lower, (0, pad)).reshape(nT, Qt)
@@ -209,8 +228,17 @@ def paged_attention(
         out_b = jax.lax.fori_loop(0, n_groups, group, jnp.zeros((T, kvh, G, D), jnp.float32))
         return jnp.where(strag[:, None, None, None], out_b, out_a)
 
-    # Mostly stragglers (a decode-heavy step): the tile pass would only add work.
-    out = jax.lax.cond(n_strag * 2 > n_valid, per_token, two_pass, None)
+    n_valid = jnp.sum((limit > 0).astype(jnp.int32))
+    splits = [split(Qt) for Qt in tiles]
+    # the first tile size whose stragglers are few enough; the last may leave up to half
+    fits = [n_strag * (2 if i == len(tiles) - 1 else 8) <= n_valid for i, (_, _, n_strag) in enumerate(splits)]
+    choice = jnp.int32(len(tiles))  # per-token
+    for i in reversed(range(len(tiles))):
+        choice = jnp.where(fits[i], i, choice)
+    branches = [
+        (lambda _, Qt=Qt, sp=sp: two_pass(Qt, *sp)) for Qt, sp in zip(tiles, splits)
+    ] + [per_token]
+    out = jax.lax.switch(choice, branches, None)
     return out.reshape(T, H, D).astype(q.dtype)
 
 
@@ -335,5 +363,6 @@ __all__ = [
     "write_kv",
     "dense_causal_attention",
     "default_chunk_tokens",
+    "default_query_tiles",
     "make_slot_mapping",
 ]
