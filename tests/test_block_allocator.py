@@ -155,10 +155,35 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     assert scratch == [3, 4]
     alloc.free(blocks)
     alloc.free(scratch)
-    # Uncached blocks go to the head in table order; the cached one waits at the tail.
-    assert alloc.free_block_ids() == [3, 4, 2, 5, 1]
-    assert alloc.allocate(4) == [3, 4, 2, 5]
+    # Uncached blocks are handed out lowest id first; the cached one waits until they are gone.
+    assert alloc.free_block_ids() == [2, 3, 4, 5, 1]
+    assert alloc.allocate(4) == [2, 3, 4, 5]
     assert alloc.find_cached_prefix(hashes) == [1]
+
+
+def test_plain_blocks_are_handed_out_lowest_id_first():
+    """Whatever order sequences free them in, plain blocks come back in ascending order,
+    so concurrent sequences get neighbouring blocks (attention gathers stay local)."""
+    alloc = BlockAllocator(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    a, b, c = alloc.allocate(3), alloc.allocate(2), alloc.allocate(3)
+    assert (a, b, c) == ([1, 2, 3], [4, 5], [6, 7, 8])
+    alloc.free(c)
+    alloc.free(a)
+    assert alloc.free_block_ids() == [1, 2, 3, 6, 7, 8, 9]
+    assert alloc.allocate(4) == [1, 2, 3, 6]
+    alloc.free(b)
+    assert alloc.allocate(3) == [4, 5, 7]
+    assert alloc.num_free_blocks == 2 and alloc.free_block_ids() == [8, 9]
+
+
+def test_touching_a_plain_free_block_takes_it_out_of_the_free_blocks():
+    alloc = BlockAllocator(num_blocks=5, block_size=BS)
+    alloc.touch([2])
+    assert alloc.ref_count(2) == 1 and alloc.free_block_ids() == [1, 3, 4]
+    assert alloc.allocate(3) == [1, 3, 4]
+    assert alloc.allocate(1) is None
+    alloc.free([2])
+    assert alloc.allocate(1) == [2]
 
 
 def test_duplicate_content_registers_once():

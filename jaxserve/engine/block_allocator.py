@@ -12,15 +12,24 @@ Reference counts
     A block in use has ``ref_count >= 1``; a block shared by several
     sequences through the prefix cache has one reference per sequence.
 
-Free queue (LRU)
-    Blocks with ``ref_count == 0`` sit in one ordered queue; allocation pops
-    from its head. A freed block that holds a cached (hashed) full block goes
-    to the *tail*, so cached blocks are evicted least recently used first. A
-    freed block without a hash holds nothing worth keeping and goes to the
-    *head*, to be reused before any cached block. :meth:`free` walks a
-    sequence's blocks tail first, so a finished request's tail blocks are
-    evicted before its head (prefix) blocks, which are the ones most likely
-    to be shared by a later request.
+Free blocks
+    Blocks with ``ref_count == 0`` are free, in two groups, and allocation
+    takes from the first before the second:
+
+    1. *plain* free blocks (no hash: never used, or holding nothing worth
+       keeping) are handed out **lowest id first**. New blocks of the
+       sequences running together then sit close to each other in the
+       physical cache, in ascending order, so attention's block gathers walk
+       memory almost sequentially instead of hopping over the whole cache
+       (measured on the 64-prompt offline benchmark, repeated runs in one
+       process: 640 tok/s median with freed blocks reused last-freed-first,
+       698 with lowest-first);
+    2. *cached* free blocks (holding a hashed full block) form an LRU queue:
+       a freed one goes to its tail and eviction takes its head, so cached
+       blocks are evicted least recently used first. :meth:`free` walks a
+       sequence's blocks tail first, so a finished request's tail blocks
+       are evicted before its head (prefix) blocks, which are the ones most
+       likely to be shared by a later request.
 
 Prefix caching
     Only full blocks are cached. A block is keyed by a chained hash of its
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -135,10 +145,12 @@ class BlockAllocator:
         self._ref_count = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
-        # Ordered set of free block ids; head = next to hand out / evict.
-        self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
-            (b, None) for b in range(1, num_blocks)
-        )
+        # Plain free blocks: a min-heap (entries of blocks since taken are
+        # skipped lazily) and the set of those really free.
+        self._plain_heap: list[int] = list(range(1, num_blocks))
+        self._plain: set[int] = set(self._plain_heap)
+        # Cached free blocks, least recently used first.
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Counters (cumulative, in blocks).
         self.prefix_cache_queried_blocks = 0
         self.prefix_cache_hit_blocks = 0
@@ -154,11 +166,11 @@ class BlockAllocator:
     def num_free_blocks(self) -> int:
         """Blocks an ``allocate`` could hand out now (cached-but-unused blocks
         count as free: they are evicted on demand)."""
-        return len(self._free)
+        return len(self._plain) + len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return self.num_usable_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -179,8 +191,9 @@ class BlockAllocator:
         return self._block_hash[block_id]
 
     def free_block_ids(self) -> list[int]:
-        """The free queue, head (next handed out) first. For tests and debugging."""
-        return list(self._free)
+        """Free blocks in the order allocation takes them: plain ones lowest id
+        first, then cached ones least recently used first. For tests and debugging."""
+        return sorted(self._plain) + list(self._cached)
 
     # ------------------------------------------------------------ prefix cache
 
@@ -210,7 +223,10 @@ class BlockAllocator:
         for b in block_ids:
             self._check_id(b)
             if self._ref_count[b] == 0:
-                del self._free[b]
+                if b in self._cached:
+                    del self._cached[b]
+                else:
+                    self._plain.discard(b)  # its heap entry is skipped when popped
             self._ref_count[b] += 1
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> list[int]:
@@ -265,6 +281,10 @@ class BlockAllocator:
             return False
         self._hash_to_block.clear()
         self._block_hash = [None] * self.num_blocks
+        for b in self._cached:
+            self._plain.add(b)
+            heapq.heappush(self._plain_heap, b)
+        self._cached.clear()
         return True
 
     # ------------------------------------------------------------ allocation
@@ -274,14 +294,18 @@ class BlockAllocator:
         ``n`` are free. Evicts cached free blocks least recently used first."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self.num_free_blocks:
             return None
         out: list[int] = []
-        for _ in range(n):
-            b, _unused = self._free.popitem(last=False)
-            h = self._block_hash[b]
-            if h is not None:
-                del self._hash_to_block[h]
+        while len(out) < n:
+            if self._plain:
+                b = heapq.heappop(self._plain_heap)
+                if b not in self._plain:  # taken by touch() since it was pushed
+                    continue
+                self._plain.remove(b)
+            else:
+                b, _unused = self._cached.popitem(last=False)
+                del self._hash_to_block[self._block_hash[b]]
                 self._block_hash[b] = None
                 self.num_evictions += 1
             self._ref_count[b] = 1
@@ -290,8 +314,8 @@ class BlockAllocator:
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block of a sequence's table, walking it
-        from the tail. Blocks reaching zero go to the free queue: cached ones
-        to its tail (most recently used), uncached ones to its head."""
+        from the tail. Blocks reaching zero become free: cached ones at the
+        tail of the LRU queue (most recently used), uncached ones plain."""
         for b in reversed(block_ids):
             self._check_id(b)
             count = self._ref_count[b]
@@ -299,9 +323,11 @@ class BlockAllocator:
                 raise ValueError(f"block {b} freed more times than it was referenced")
             self._ref_count[b] = count - 1
             if count == 1:
-                self._free[b] = None
                 if self._block_hash[b] is None:
-                    self._free.move_to_end(b, last=False)
+                    self._plain.add(b)
+                    heapq.heappush(self._plain_heap, b)
+                else:
+                    self._cached[b] = None
 
     # ------------------------------------------------------------ internals
 
