@@ -175,31 +175,30 @@ def paged_attention(
         cdtype=cdtype,
     )
 
+    def per_token(_):
+        low = None if lower is None else lower[:, None]
+        return flash(qs[:, :, None], block_tables[token_seq], limit[:, None], low)[:, :, 0]
+
     if query_tile is None:
         query_tile = default_query_tiles(T)
     tiles = (query_tile,) if isinstance(query_tile, int) else tuple(query_tile)
     tiles = tuple(sorted({max(1, min(t, T)) for t in tiles} - {1}, reverse=True))
     if not tiles:
-        out = flash(qs[:, :, None], block_tables[token_seq], limit[:, None], None if lower is None else lower[:, None])
-        return out[:, :, 0].reshape(T, H, D).astype(q.dtype)
-
-    def per_token(_):
-        low = None if lower is None else lower[:, None]
-        return flash(qs[:, :, None], block_tables[token_seq], limit[:, None], low)[:, :, 0]
+        return per_token(None).reshape(T, H, D).astype(q.dtype)
 
     def split(Qt):
         """Tile membership for tiles of ``Qt``: does a token belong to the
-        sequence of its tile's first token? Returns (member, stragglers, count)."""
+        sequence of its tile's first token? Returns (tile_seq, member, stragglers, count)."""
         nT = -(-T // Qt)
         seq_p = jnp.pad(token_seq, (0, nT * Qt - T))
-        member = seq_p.reshape(nT, Qt) == seq_p[::Qt][:, None]
+        tile_seq = seq_p[::Qt]
+        member = seq_p.reshape(nT, Qt) == tile_seq[:, None]
         strag = jnp.logical_not(member.reshape(-1)[:T]) & (limit > 0)
-        return member, strag, jnp.sum(strag.astype(jnp.int32))
+        return tile_seq, member, strag, jnp.sum(strag.astype(jnp.int32))
 
-    def two_pass(Qt, member, strag, n_strag):
-        nT = -(-T // Qt)
+    def two_pass(Qt, tile_seq, member, strag, n_strag):
+        nT = tile_seq.shape[0]
         pad = nT * Qt - T
-        tile_seq = jnp.pad(token_seq, (0, pad))[::Qt]
         lim_p = jnp.pad(limit, (0, pad))  # padding rows: limit 0, nothing visible
         # pass 1: query tiles
         q_tile = jnp.pad(qs, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(nT, Qt, kvh, G, D).transpose(0, 2, 1, 3, 4)
@@ -231,7 +230,7 @@ def paged_attention(
     n_valid = jnp.sum((limit > 0).astype(jnp.int32))
     splits = [split(Qt) for Qt in tiles]
     # the first tile size whose stragglers are few enough; the last may leave up to half
-    fits = [n_strag * (2 if i == len(tiles) - 1 else 8) <= n_valid for i, (_, _, n_strag) in enumerate(splits)]
+    fits = [n_strag * (2 if i == len(tiles) - 1 else 8) <= n_valid for i, (*_, n_strag) in enumerate(splits)]
     choice = jnp.int32(len(tiles))  # per-token
     for i in reversed(range(len(tiles))):
         choice = jnp.where(fits[i], i, choice)
