@@ -71,7 +71,7 @@ def test_batched_chunked_prefix_cached_preempted_equals_alone(checkpoint, alone)
     # scheduler must preempt; a 16-token budget forces chunked prefill; the
     # shared 40-token prefix hits the prefix cache.
     engine = Engine(EngineArgs(
-        model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128,
+        model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, block_size=16,
         kv_cache_memory=16 * 8192, enable_prefix_caching=True,
     ))
     assert engine.num_blocks == 16

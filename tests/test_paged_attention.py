@@ -246,11 +246,11 @@ def test_sliding_window_matches_dense():
 
 
 def test_stacked_cache_with_layer_index():
-    """The model's form: whole stacked cache (layer axis after the kv heads) and a traced layer index."""
+    """The model's form: whole stacked cache (a leading layer axis) and a traced layer index."""
     case = _build(seed=4)
     # only layer 1 holds the real cached prefix; the others hold scaled garbage
-    kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)], axis=1)
-    vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)], axis=1)
+    kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)], axis=0)
+    vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)], axis=0)
     cache = KVCache(k=kc, v=vc, block_size=BS)
 
     @jax.jit
@@ -264,8 +264,8 @@ def test_stacked_cache_with_layer_index():
     np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
     # other layers untouched
     for layer in (0, 2):
-        np.testing.assert_array_equal(np.asarray(new_cache.k[:, layer]), np.asarray(kc[:, layer]))
-        np.testing.assert_array_equal(np.asarray(new_cache.v[:, layer]), np.asarray(vc[:, layer]))
+        np.testing.assert_array_equal(np.asarray(new_cache.k[layer]), np.asarray(kc[layer]))
+        np.testing.assert_array_equal(np.asarray(new_cache.v[layer]), np.asarray(vc[layer]))
     # layer 1 now holds this step's keys/values at their slots
     k1, v1 = new_cache.read_slots(1, case["meta"].slot_mapping[:n_real])
     np.testing.assert_array_equal(np.asarray(k1), np.asarray(case["k_new"][:n_real]))
@@ -303,13 +303,13 @@ def test_bfloat16_write_is_exact_and_in_place():
     got_k, got_v = c.read_slots(1, slots)
     np.testing.assert_array_equal(np.asarray(got_k), np.asarray(new.astype(jnp.bfloat16)))
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray((-new).astype(jnp.bfloat16)))
-    assert not np.any(np.asarray(c.k[:, 0])) and not np.any(np.asarray(c.v[:, 0]))
+    assert not np.any(np.asarray(c.k[0])) and not np.any(np.asarray(c.v[0]))
 
 
 def test_kv_cache_create_and_sizing():
     c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16)
-    # keys transposed inside a block, values row-major, kv heads leading
-    assert c.k.shape == (2, 2, 5, 8, 4) and c.v.shape == (2, 2, 5, 4, 8) and c.dtype == jnp.bfloat16
+    # layers, blocks, kv heads; keys transposed inside a block, values row-major
+    assert c.k.shape == (2, 5, 2, 8, 4) and c.v.shape == (2, 5, 2, 4, 8) and c.dtype == jnp.bfloat16
     assert c.num_blocks == 5 and c.block_size == 4 and c.num_slots == 20
     assert (c.num_layers, c.num_kv_heads, c.head_dim) == (2, 2, 8)
     assert bytes_per_block(2, 4, 2, 8, jnp.bfloat16) * 5 == c.nbytes
@@ -320,7 +320,7 @@ def test_kv_cache_create_and_sizing():
 
 
 def test_slot_form_round_trip_and_block_contents():
-    """Token at slot b*BS+o of layer l, head h: keys at k[h, l, b, :, o], values at v[h, l, b, o, :]."""
+    """Token at slot b*BS+o of layer l, head h: keys at k[l, b, h, :, o], values at v[l, b, h, o, :]."""
     L, nb = 3, 5
     x = jnp.asarray(np.random.default_rng(9).standard_normal((L, nb * BS, KVH, D)), jnp.float32)
     k, v = keys_from_slots(x, BS), values_from_slots(x, BS)
@@ -329,5 +329,5 @@ def test_slot_form_round_trip_and_block_contents():
     np.testing.assert_array_equal(np.asarray(values_to_slots(v)), np.asarray(x))
     layer, block, offset, head = 2, 3, 1, 1
     slot = block * BS + offset
-    np.testing.assert_array_equal(np.asarray(k[head, layer, block, :, offset]), np.asarray(x[layer, slot, head]))
-    np.testing.assert_array_equal(np.asarray(v[head, layer, block, offset, :]), np.asarray(x[layer, slot, head]))
+    np.testing.assert_array_equal(np.asarray(k[layer, block, head, :, offset]), np.asarray(x[layer, slot, head]))
+    np.testing.assert_array_equal(np.asarray(v[layer, block, head, offset, :]), np.asarray(x[layer, slot, head]))

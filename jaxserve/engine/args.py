@@ -30,6 +30,11 @@ class EngineArgs:
       a quarter of device memory.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
       restarted worker skips compiling (``""`` disables it).
+    - ``block_size``: tokens per KV block, also the prefix cache's unit of
+      sharing. 64 by default: paged attention reads a sequence's context one
+      block per loop iteration, and bigger blocks mean fewer, larger gathers
+      (64 x 193-token decode on a 2-core host: 12.3 ms with 64-token blocks,
+      14.9 ms with 32, 20.3 ms with 16). vLLM's CPU backend uses 128.
     """
 
     model: str = "tiny"
@@ -37,7 +42,7 @@ class EngineArgs:
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = 64
     kv_cache_memory: int | None = None
     memory_fraction: float | None = None
     policy: Literal["fcfs", "priority"] = "fcfs"

@@ -22,10 +22,9 @@ the query heads into ``[kv_heads, group]``. Scores, the running max, the
 normaliser and the accumulator are float32; the matmuls run in the cache
 dtype with float32 accumulation.
 
-The cache may be given per layer (``k`` ``[kv_heads, blocks, head_dim,
-block_size]``, ``v`` ``[kv_heads, blocks, block_size, head_dim]``) or as the
-whole stacked cache (a layer axis after the kv-head axis) with a (traced)
-``layer`` index: the latter gathers and scatters straight into the big array,
+The cache may be given per layer (``k`` ``[blocks, kv_heads, head_dim,
+block_size]``, ``v`` ``[blocks, kv_heads, block_size, head_dim]``) or as the
+whole stacked cache (a leading layer axis) with a (traced) ``layer`` index: the latter gathers and scatters straight into the big array,
 so that inside a ``scan`` over layers no per-layer copy of the cache is made.
 """
 
@@ -73,15 +72,12 @@ def write_kv(
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
     k_new = to_storage(k_new, dtype)  # [T, kvh, D]
-    v_new = jnp.swapaxes(to_storage(v_new, dtype), 0, 1)  # [kvh, T, D]
-    # numpy indexing rules: block and offset separated by the head_dim slice put
-    # the token axis first ([T, kvh, D]); adjacent ones keep it in place ([kvh, T, D])
-    if layer is None:
-        k_cache = k_cache.at[:, blk, :, off].set(k_new, mode="drop")
-        v_cache = v_cache.at[:, blk, off].set(v_new, mode="drop")
-    else:
-        k_cache = k_cache.at[:, layer, blk, :, off].set(k_new, mode="drop")
-        v_cache = v_cache.at[:, layer, blk, off].set(v_new, mode="drop")
+    v_new = to_storage(v_new, dtype)
+    # numpy indexing rules: block and offset indices separated by slices put the
+    # token axis first, so both updates are [T, kvh, D] as given
+    lead = () if layer is None else (layer,)
+    k_cache = k_cache.at[(*lead, blk, slice(None), slice(None), off)].set(k_new, mode="drop")
+    v_cache = v_cache.at[(*lead, blk, slice(None), off)].set(v_new, mode="drop")
     return k_cache, v_cache
 
 
@@ -153,7 +149,7 @@ def paged_attention(
     layout). ``query_tile=1`` always uses the per-token kernel.
     """
     T, H, D = q.shape
-    kvh = k_cache.shape[0]
+    kvh = k_cache.shape[-3]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     G = H // kvh
@@ -278,45 +274,46 @@ def _flash_rows(
     else:
         start = jnp.int32(0)
 
-    # kv heads lead: [kvh, R, Q*G, D], the batch order of the gathered blocks
-    q2 = jnp.swapaxes(qr, 0, 1).reshape(kvh, R, Q * G, D)
+    # per (row, kv head): [Q*G, D] queries against [D, C] keys and [C, D] values
+    q2 = qr.reshape(R, kvh, Q * G, D)
     kpos_in_chunk = jnp.arange(C, dtype=jnp.int32)
 
     def gather(cache, cols):
-        # [kvh, R, CB, ...]: whole blocks, the block axis right after the row axis
-        out = cache[:, cols] if layer is None else cache[:, layer, cols]
+        # whole blocks, all kv heads of a block at once: [R, CB, kvh, ...]
+        out = cache[cols] if layer is None else cache[layer, cols]
         return from_storage(out, cdtype)
 
     def body(c, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(bt_rows, c * chunk_blocks, chunk_blocks, axis=1)  # [R, CB]
-        k = gather(k_cache, cols)  # [kvh, R, CB, D, BS]
-        v = gather(v_cache, cols).reshape(kvh, R, C, D)
-        s = jnp.einsum("krqd,krndc->krqnc", q2, k, preferred_element_type=jnp.float32).reshape(kvh, R, Q, G, C)
+        # [R, CB, kvh, D, BS] -> [R, kvh, D, C] and [R, CB, kvh, BS, D] -> [R, kvh, C, D]: free
+        # reshapes for one block per chunk, a transpose fused into the gather otherwise
+        k = jnp.moveaxis(gather(k_cache, cols), 1, 3).reshape(R, kvh, D, C)
+        v = jnp.moveaxis(gather(v_cache, cols), 1, 2).reshape(R, kvh, C, D)
+        s = jnp.einsum("rkqd,rkdc->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
         kpos = c * C + kpos_in_chunk
         valid = kpos[None, None, :] < limit[:, :, None]
         if lower is not None:
             valid = valid & (kpos[None, None, :] >= lower[:, :, None])
-        valid = valid[None, :, :, None, :]  # [1, R, Q, 1, C]
+        valid = valid[:, None, :, None, :]  # [R, 1, Q, 1, C]
         s = jnp.where(valid, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
         pv = jnp.einsum(
-            "krqc,krcd->krqd", p.reshape(kvh, R, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
+            "rkqc,rkcd->rkqd", p.reshape(R, kvh, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
         )
-        acc = acc * alpha[..., None] + pv.reshape(kvh, R, Q, G, D)
+        acc = acc * alpha[..., None] + pv.reshape(R, kvh, Q, G, D)
         return m_new, l, acc
 
     init = (
-        jnp.full((kvh, R, Q, G), _NEG, jnp.float32),
-        jnp.zeros((kvh, R, Q, G), jnp.float32),
-        jnp.zeros((kvh, R, Q, G, D), jnp.float32),
+        jnp.full((R, kvh, Q, G), _NEG, jnp.float32),
+        jnp.zeros((R, kvh, Q, G), jnp.float32),
+        jnp.zeros((R, kvh, Q, G, D), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(start, stop, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]
-    return jnp.swapaxes(out, 0, 1)
+    return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
 
 
 def dense_causal_attention(
