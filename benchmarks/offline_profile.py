@@ -169,7 +169,7 @@ def _decode_work(num_seqs, context, block_size, first_block=1):
 
 def _greedy_row():
     return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "output_index": 0,
-            "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+            "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logprobs": False}
 
 
 def profile_programs(llm, num_seqs, contexts, prefill_tokens) -> dict:
@@ -220,7 +220,7 @@ def _host_only(runner, work):
     try:
         runner._forward = {t: (lambda *a: (None, kv)) for t in fwd}
         runner._sample = {s: (lambda *a, s=s: dummy[s]) for s in smp}
-        runner._greedy = {s: (lambda *a, s=s: dummy[s]) for s in grd}
+        runner._greedy = {key: (lambda *a, s=key[0]: dummy[s]) for key in grd}
         runner.execute(work)
     finally:
         runner._forward, runner._sample, runner._greedy = fwd, smp, grd
@@ -387,7 +387,7 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
 
     # (c) Greedy sampling: the engine's sample() (two lax.conds) vs argmax + the chosen logprob.
     rows = [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "output_index": 0,
-             "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}] * num_seqs
+             "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logprobs": False}] * num_seqs
     tensors = SamplingTensors(**{k: jnp.asarray(v) for k, v in host_sampling_tensors(rows, num_seqs, 256).items()})
     h, w = normal(num_seqs, E), normal(E, V)
 

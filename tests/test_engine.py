@@ -185,3 +185,34 @@ def test_abort_frees_blocks_and_stop_strings_end_requests(checkpoint):
     assert final.finish_reason == "stop"
     assert final.text == full.text[: full.text.index(stop)]
     assert streamed == final.text
+
+
+def test_greedy_logprobs_match_the_full_sampler(checkpoint):
+    """An all-greedy step runs the lean greedy program (with log-probabilities
+    only when a row asks for them); its log-probabilities equal those of the
+    full sampler, which a sampled neighbour in the batch forces."""
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
+                               max_model_len=128))
+    engine.warmup()
+    prompt = _prompts()[3]
+    wants = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+
+    def run(requests):
+        for rid, params in requests:
+            engine.add_request(rid, prompt, params)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return done
+
+    greedy_only = run([("a", wants), ("b", plain)])
+    mixed = run([("a", wants), ("c", sampled)])
+    assert greedy_only["b"].logprobs is None
+    assert greedy_only["a"].token_ids == mixed["a"].token_ids
+    lean, full = np.asarray(greedy_only["a"].logprobs), np.asarray(mixed["a"].logprobs)
+    assert lean.shape == (8,) and np.all(lean < 0)
+    np.testing.assert_allclose(lean, full, rtol=1e-4, atol=1e-5)

@@ -351,6 +351,7 @@ class Engine:
             "repetition_penalty": p.repetition_penalty,
             "frequency_penalty": p.frequency_penalty,
             "presence_penalty": p.presence_penalty,
+            "logprobs": p.logprobs,
         }
         if p.has_penalties:
             row["history"] = req.all_token_ids

@@ -5,7 +5,7 @@ nothing about requests, queues or scheduling policy. The engine hands it a
 list of :class:`SeqWork` (which tokens of which sequence to compute this
 step, where their blocks are) and gets back the sampled tokens.
 
-Two compiled programs per step:
+Two compiled programs per step (forward, then sampling):
 
 - ``forward`` for each token bucket ``T``: embeds the flat batch, runs every
   layer over the paged cache (donated, so updated in place) and returns the
@@ -14,8 +14,10 @@ Two compiled programs per step:
 - ``sample`` for each sequence bucket ``S``: takes the first ``S`` of those
   rows, computes their logits and samples on the device. Logits never travel
   to the host, and the vocabulary projection runs on ``S`` rows, not ``T``.
+  When every row is plain greedy, a leaner ``greedy`` program of the same
+  bucket runs instead (two variants: with and without log-probabilities).
 
-So the program count is ``len(token buckets) + len(sequence buckets)``.
+So the program count is ``len(token buckets) + 3 * len(sequence buckets)``.
 
 Everything is compiled in :meth:`ModelRunner.warmup`; calling the compiled
 executables directly (rather than a ``jax.jit`` wrapper) makes an unplanned
@@ -109,7 +111,7 @@ class ModelRunner:
         )
         self._forward: dict[int, Any] = {}
         self._sample: dict[int, Any] = {}
-        self._greedy: dict[int, Any] = {}
+        self._greedy: dict[tuple[int, bool], Any] = {}  # (seq bucket, with logprobs)
         self._no_history: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.compile_seconds = 0.0
 
@@ -119,12 +121,16 @@ class ModelRunner:
         hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta)
         return hidden[meta.logits_indices], kv_cache
 
-    def _greedy_fn(self, state, hidden, *, num_rows: int):
-        """All rows greedy and unpenalized: argmax and its log-probability,
-        with no sort, no penalty scatter and no random draws, over logits in
-        the ``[vocab, rows]`` orientation (the faster vocabulary matmul)."""
+    def _greedy_fn(self, state, hidden, *, num_rows: int, logprobs: bool):
+        """All rows greedy and unpenalized: argmax (and, with ``logprobs``, its
+        log-probability; zeros otherwise), with no sort, no penalty scatter and
+        no random draws, over logits in the ``[vocab, rows]`` orientation (the
+        faster vocabulary matmul). Skipping the log-softmax saves two passes
+        over the ``[vocab, rows]`` logits when no request asked for them."""
         logits_t = logits_t_fn(self.graphdef, state, hidden[:num_rows])
         tokens = argmax(logits_t, axis=0)
+        if not logprobs:
+            return tokens, jnp.zeros(tokens.shape, jnp.float32)
         return tokens, chosen_logprobs(logits_t, tokens, axis=0)
 
     def _sample_fn(self, state, hidden, tensors):
@@ -166,17 +172,20 @@ class ModelRunner:
             self._forward[t] = forward.lower(state_spec, ids, ids, cache_spec, self._abstract_meta(t)).compile()
         hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
-        greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows",))
+        greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows", "logprobs"))
         for s in self.buckets.seqs:
             if s not in self._sample:
                 self._sample[s] = sampler.lower(state_spec, hidden, self._abstract_tensors(s)).compile()
-                self._greedy[s] = greedy.lower(state_spec, hidden, num_rows=s).compile()
+                for with_logprobs in (False, True):
+                    self._greedy[s, with_logprobs] = greedy.lower(
+                        state_spec, hidden, num_rows=s, logprobs=with_logprobs
+                    ).compile()
         self.compile_seconds += time.perf_counter() - started
         log.info(
             "runner.compiled",
             token_buckets=list(self.buckets.tokens),
             seq_buckets=list(self.buckets.seqs),
-            programs=len(self._forward) + len(self._sample),
+            programs=len(self._forward) + len(self._sample) + len(self._greedy),
             seconds=round(self.compile_seconds, 2),
         )
 
@@ -198,36 +207,37 @@ class ModelRunner:
             raise ValueError(f"a step of {len(work)} sequences exceeds max_num_seqs={self.max_num_seqs}")
         t_bucket = self.buckets.token_bucket(num_tokens)
         bs = self.block_size
-        input_ids = np.zeros(t_bucket, np.int32)
-        positions = np.zeros(t_bucket, np.int32)
-        slot_mapping = np.zeros(t_bucket, np.int32)  # padding writes into block 0
-        # Padding tokens belong to the extra last row, whose context is empty:
-        # they attend to nothing and cost no attention work.
-        token_seq = np.full(t_bucket, self.max_num_seqs, np.int32)
+        rows = len(work)
+        counts = np.fromiter((len(w.token_ids) for w in work), np.int32, rows)
+        starts = np.fromiter((w.start_pos for w in work), np.int32, rows)
+        ends = np.cumsum(counts)
+        ctx = starts + counts
         block_tables = np.zeros((self.max_num_seqs + 1, self.max_blocks_per_seq), np.int32)
-        context_lens = np.zeros(self.max_num_seqs + 1, np.int32)
-        logits_rows: list[int] = []
-        sampling_rows: list[dict] = []
-        cursor = 0
         for row, w in enumerate(work):
-            n = len(w.token_ids)
-            end = cursor + n
-            pos = np.arange(w.start_pos, w.start_pos + n, dtype=np.int32)
-            blocks = np.asarray(w.block_ids, np.int32)
-            if len(blocks) * bs < w.start_pos + n:
-                raise ValueError(
-                    f"sequence {row} has {len(blocks)} blocks for {w.start_pos + n} tokens (block size {bs})"
-                )
-            input_ids[cursor:end] = w.token_ids
-            positions[cursor:end] = pos
-            slot_mapping[cursor:end] = blocks[pos // bs] * bs + pos % bs
-            token_seq[cursor:end] = row
-            block_tables[row, : len(blocks)] = blocks
-            context_lens[row] = w.start_pos + n
-            if w.sampling is not None:
-                logits_rows.append(end - 1)
-                sampling_rows.append(w.sampling)
-            cursor = end
+            block_tables[row, : len(w.block_ids)] = w.block_ids
+        num_blocks = np.fromiter((len(w.block_ids) for w in work), np.int32, rows)
+        short = np.flatnonzero(num_blocks * bs < ctx)
+        if short.size:
+            row = int(short[0])
+            raise ValueError(
+                f"sequence {row} has {num_blocks[row]} blocks for {ctx[row]} tokens (block size {bs})"
+            )
+        # Padding tokens (past num_tokens) write into block 0 and belong to the
+        # extra last row, whose context is empty: they attend to nothing.
+        input_ids = np.zeros(t_bucket, np.int32)
+        input_ids[:num_tokens] = [t for w in work for t in w.token_ids]
+        token_row = np.repeat(np.arange(rows, dtype=np.int32), counts)
+        positions = np.zeros(t_bucket, np.int32)
+        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(ends - counts - starts, counts)
+        slot_mapping = np.zeros(t_bucket, np.int32)
+        pos = positions[:num_tokens]
+        slot_mapping[:num_tokens] = block_tables[token_row, pos // bs] * bs + pos % bs
+        token_seq = np.full(t_bucket, self.max_num_seqs, np.int32)
+        token_seq[:num_tokens] = token_row
+        context_lens = np.zeros(self.max_num_seqs + 1, np.int32)
+        context_lens[:rows] = ctx
+        sampling_rows = [w.sampling for w in work if w.sampling is not None]
+        logits_rows = [int(e) - 1 for w, e in zip(work, ends) if w.sampling is not None]
         logits_indices = np.zeros(self.max_num_seqs, np.int32)
         logits_indices[: len(logits_rows)] = logits_rows
         meta = AttentionMetadata(
@@ -242,7 +252,8 @@ class ModelRunner:
             return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
         if all(_is_plain_greedy(r) for r in sampling_rows):
-            tokens, logprobs = self._greedy[s_bucket](self.state, hidden)
+            with_logprobs = any(r.get("logprobs", True) for r in sampling_rows)
+            tokens, logprobs = self._greedy[s_bucket, with_logprobs](self.state, hidden)
         else:
             tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
             tokens, logprobs = self._sample[s_bucket](self.state, hidden, tensors)
