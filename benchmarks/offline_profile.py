@@ -243,11 +243,12 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     runner = engine.runner
     cfg = engine.model_config
     model = nnx.merge(runner.graphdef, runner.state)
-    w = model.layers.stacked()
+    names = ("wqkv", "wo", "w_gate_up", "w_down")
+    w = {k: jnp.stack([layer.arrays()[k] for layer in model.layers]) for k in names}  # [L, ...] copies
     lm_head = model.output_embedding()  # [vocab, hidden]
     H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     E = cfg.hidden_size
-    layer_flops_per_token = 2 * sum(int(np.prod(w[k].shape[1:])) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
+    layer_flops_per_token = 2 * sum(int(np.prod(w[k].shape[1:])) for k in names)
     layer_flops_per_token *= cfg.num_hidden_layers
     out = {}
 
@@ -259,7 +260,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
             h = h + o
             g, u = jnp.split(jnp.dot(lw["w_gate_up"], h), 2, axis=0)
             return h + jnp.dot(lw["w_down"], jax.nn.silu(g) * u), None
-        h, _ = jax.lax.scan(body, x, {k: w[k] for k in ("wqkv", "wo", "w_gate_up", "w_down")})
+        h, _ = jax.lax.scan(body, x, w)
         return h
 
     dense = jax.jit(dense_layers)
@@ -301,7 +302,8 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
         return acc
 
     attn = jax.jit(attn_all_layers)
-    s = _median_time(lambda: attn(q, kv.k, kv.v, meta, jnp.asarray(positions)).block_until_ready())
+    k_all, v_all = kv.stacked()  # the gathering kernel over a stacked copy of the cache
+    s = _median_time(lambda: attn(q, k_all, v_all, meta, jnp.asarray(positions)).block_until_ready())
     out[f"paged_attention_all_layers_T{num_seqs}_ctx{context}_ms"] = round(1000 * s, 2)
 
     # The KV write carried through a scan over layers, cache donated: what the
@@ -317,7 +319,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
         return k_all, v_all
 
     write = jax.jit(write_all_layers, donate_argnums=(0, 1))
-    state = {"k": jnp.copy(kv.k), "v": jnp.copy(kv.v)}
+    state = {"k": k_all, "v": v_all}
 
     def do_write():
         state["k"], state["v"] = write(state["k"], state["v"], meta.slot_mapping)
@@ -325,7 +327,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
 
     s = _median_time(do_write)
     out[f"kv_write_all_layers_T{num_seqs}_ms"] = round(1000 * s, 3)
-    out["kv_cache_mib"] = round((kv.k.nbytes + kv.v.nbytes) / 2**20, 1)
+    out["kv_cache_mib"] = round(kv.nbytes / 2**20, 1)
     del state
     return out
 

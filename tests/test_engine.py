@@ -216,3 +216,17 @@ def test_greedy_logprobs_match_the_full_sampler(checkpoint):
     lean, full = np.asarray(greedy_only["a"].logprobs), np.asarray(mixed["a"].logprobs)
     assert lean.shape == (8,) and np.all(lean < 0)
     np.testing.assert_allclose(lean, full, rtol=1e-4, atol=1e-5)
+
+
+def test_block_major_decode_steps_equal_alone(checkpoint, alone):
+    """Four sequences decoding together fill a cache sized for them: decode
+    steps run block-major attention (every cache block against its owner's
+    query), and every output equals the request run alone."""
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=128,
+                               max_model_len=128, block_size=16, enable_prefix_caching=False))
+    engine.warmup()
+    picked = [0, 3, 5, 9]  # 3, 70, 51 and 40 prompt tokens
+    prompts = [_prompts()[i] for i in picked]
+    got = _run(engine, prompts, _greedy)
+    assert engine.runner.num_block_major_steps > 5
+    assert [got[f"r{j}"] for j in range(len(picked))] == [alone[f"r{i}"] for i in picked]

@@ -149,7 +149,7 @@ def test_bfloat16_close_to_float32_transformers(family, folders):
     folder = folders(family)
     loaded = load_model(folder, dtype="bfloat16")
     assert loaded.model.dtype == jnp.bfloat16
-    assert loaded.model.layers.wqkv[...].dtype == jnp.bfloat16
+    assert loaded.model.layers[0].wqkv[...].dtype == jnp.bfloat16
     ids = _prompt(64, seed=21)
     ours = _jax_logits(loaded.model, ids)
     assert ours.dtype == np.float32

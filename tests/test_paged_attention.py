@@ -3,6 +3,7 @@ padding writes to the null block, multi-chunk online softmax, sliding windows.""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from jaxserve.kernels.kv_cache import (
     KVCache,
     bytes_per_block,
     cache_shapes,
+    layer_shapes,
     keys_from_slots,
     keys_to_slots,
     to_storage,
@@ -251,21 +253,21 @@ def test_stacked_cache_with_layer_index():
     # only layer 1 holds the real cached prefix; the others hold scaled garbage
     kc = jnp.stack([case["kc"] * f for f in (7.0, 1.0, 3.0)], axis=0)
     vc = jnp.stack([case["vc"] * f for f in (5.0, 1.0, -2.0)], axis=0)
-    cache = KVCache(k=kc, v=vc, block_size=BS)
 
     @jax.jit
-    def step(cache, layer, q, k_new, v_new, meta, positions):
-        k, v = write_kv(cache.k, cache.v, k_new, v_new, meta.slot_mapping, layer=layer)
+    def step(k, v, layer, q, k_new, v_new, meta, positions):
+        k, v = write_kv(k, v, k_new, v_new, meta.slot_mapping, layer=layer)
         out = paged_attention(q, k, v, meta, positions, block_size=BS, scale=SCALE, layer=layer, chunk_tokens=3 * BS)
-        return out, KVCache(k=k, v=v, block_size=cache.block_size)
+        return out, k, v
 
-    out, new_cache = step(cache, jnp.int32(1), case["q"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    out, k, v = step(kc, vc, jnp.int32(1), case["q"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    new_cache = KVCache.from_stacked(k, v, BS)
     ref, n_real = _reference(case)
     np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
     # other layers untouched
     for layer in (0, 2):
-        np.testing.assert_array_equal(np.asarray(new_cache.k[layer]), np.asarray(kc[layer]))
-        np.testing.assert_array_equal(np.asarray(new_cache.v[layer]), np.asarray(vc[layer]))
+        np.testing.assert_array_equal(np.asarray(k[layer]), np.asarray(kc[layer]))
+        np.testing.assert_array_equal(np.asarray(v[layer]), np.asarray(vc[layer]))
     # layer 1 now holds this step's keys/values at their slots
     k1, v1 = new_cache.read_slots(1, case["meta"].slot_mapping[:n_real])
     np.testing.assert_array_equal(np.asarray(k1), np.asarray(case["k_new"][:n_real]))
@@ -287,17 +289,17 @@ def test_bfloat16_cache_close_to_dense():
 def test_bfloat16_write_is_exact_and_in_place():
     """bfloat16 caches live as uint16 bits; a donated write must not copy the cache."""
     c = KVCache.create(num_layers=2, num_blocks=8, block_size=BS, num_kv_heads=KVH, head_dim=D, dtype=jnp.bfloat16)
-    assert c.k.dtype == jnp.uint16 and c.dtype == jnp.bfloat16
+    assert c.k[1].dtype == jnp.uint16 and c.dtype == jnp.bfloat16
     new = jnp.asarray(np.random.default_rng(0).standard_normal((3, KVH, D)), jnp.float32)
     slots = jnp.asarray([5, 9, 30], jnp.int32)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def write(cache, new, slots):
-        k, v = write_kv(cache.k, cache.v, new, -new, slots, layer=1, cache_dtype=cache.dtype)
-        return cache.replace(k=k, v=v)
+        k, v = write_kv(cache.k[1], cache.v[1], new, -new, slots, cache_dtype=cache.dtype)
+        return cache.replace(k=(cache.k[0], k), v=(cache.v[0], v))
 
     hlo = write.lower(c, new, slots).compile().as_text()
-    for shape in cache_shapes(2, 8, BS, KVH, D):  # no float32 round trip of the whole cache
+    for shape in layer_shapes(8, BS, KVH, D):  # no float32 round trip of the layer's cache
         assert f"f32[{','.join(map(str, shape))}]" not in hlo
     c = write(c, new, slots)
     got_k, got_v = c.read_slots(1, slots)
@@ -308,13 +310,15 @@ def test_bfloat16_write_is_exact_and_in_place():
 
 def test_kv_cache_create_and_sizing():
     c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16)
-    # layers, blocks, kv heads; keys transposed inside a block, values row-major
-    assert c.k.shape == (2, 5, 2, 8, 4) and c.v.shape == (2, 5, 2, 4, 8) and c.dtype == jnp.bfloat16
+    # one array per layer: blocks, kv heads; keys transposed inside a block, values row-major
+    assert len(c.k) == len(c.v) == 2
+    assert c.k[1].shape == (5, 2, 8, 4) and c.v[1].shape == (5, 2, 4, 8) and c.dtype == jnp.bfloat16
+    assert tuple(x.shape for x in c.stacked()) == cache_shapes(2, 5, 4, 2, 8)
     assert c.num_blocks == 5 and c.block_size == 4 and c.num_slots == 20
     assert (c.num_layers, c.num_kv_heads, c.head_dim) == (2, 2, 8)
     assert bytes_per_block(2, 4, 2, 8, jnp.bfloat16) * 5 == c.nbytes
     leaves, treedef = jax.tree_util.tree_flatten(c)
-    assert len(leaves) == 2
+    assert len(leaves) == 4
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert back.block_size == 4 and back.dtype == jnp.bfloat16
 
@@ -331,3 +335,47 @@ def test_slot_form_round_trip_and_block_contents():
     slot = block * BS + offset
     np.testing.assert_array_equal(np.asarray(k[layer, block, head, :, offset]), np.asarray(x[layer, slot, head]))
     np.testing.assert_array_equal(np.asarray(v[layer, block, head, offset, :]), np.asarray(x[layer, slot, head]))
+
+
+# decode only: one token per sequence (block-major attention's precondition)
+SEQS_DECODE = [(36, 1), (4, 1), (44, 1), (0, 1), (17, 1), (7, 1)]
+
+
+def _with_owners(case, major: bool):
+    bt = np.asarray(case["meta"].block_tables)
+    pad_row = bt.shape[0] - 1
+    owner = np.full(NUM_BLOCKS, pad_row, np.int32)
+    index = np.zeros(NUM_BLOCKS, np.int32)
+    used = bt[:pad_row] > 0
+    owner[bt[:pad_row][used]] = np.nonzero(used)[0]
+    index[bt[:pad_row][used]] = np.nonzero(used)[1]
+    return dataclasses.replace(
+        case["meta"], block_owner=jnp.asarray(owner), block_index=jnp.asarray(index), block_major=jnp.asarray(major)
+    )
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_block_major_decode_matches_dense(sliding_window):
+    """Every block of the cache times its owner's query, partial softmaxes merged
+    per sequence: equal to dense attention, padding tokens get zeros, blocks
+    nobody owns (garbage-filled) are ignored."""
+    case = _build(seed=11, seqs=SEQS_DECODE)
+    ref, n_real = _reference(case, sliding_window=sliding_window)
+    for major in (True, False):
+        out, _, _ = _step(
+            case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], _with_owners(case, major),
+            case["positions"], sliding_window=sliding_window,
+        )
+        out = np.asarray(out)
+        np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+def test_block_major_is_compiled_only_with_owners():
+    case = _build(seed=12, seqs=SEQS_DECODE)
+    args = (case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"])
+    plain = _step.lower(*args, case["meta"], case["positions"]).as_text()
+    owned = _step.lower(*args, _with_owners(case, True), case["positions"]).as_text()
+    # the block-major scores: one matmul over all NUM_BLOCKS blocks of the cache
+    whole_cache = f"tensor<{NUM_BLOCKS}x{KVH}x{H // KVH}x{D}xf32>, tensor<{NUM_BLOCKS}x{KVH}x{D}x{BS}xf32>"
+    assert whole_cache not in plain and whole_cache in owned

@@ -38,6 +38,17 @@ class AttentionMetadata:
     - ``logits_indices`` int32 [S]  which token row of the step to sample for
       each sequence (its last scheduled token); padding rows point at 0
 
+    Optional, for the block-major decode attention (see ``paged_attention``;
+    absent, only the gathering kernel is compiled):
+
+    - ``block_owner`` int32 [num_blocks]  the row of ``block_tables`` holding
+      each physical block this step, or the padding row (``S``) for none
+    - ``block_index`` int32 [num_blocks]  that block's index in its row's table
+    - ``block_major`` bool []  run this step block-major: the host sets it
+      only when every row has exactly one token, no block is in two rows,
+      and enough of the cache is in use for a pass over all of it to beat
+      gathering the rows' blocks
+
     ``positions`` travel separately (the model needs them for RoPE too).
     """
 
@@ -46,3 +57,6 @@ class AttentionMetadata:
     block_tables: jax.Array
     context_lens: jax.Array
     logits_indices: jax.Array
+    block_owner: jax.Array | None = None
+    block_index: jax.Array | None = None
+    block_major: jax.Array | None = None

@@ -22,14 +22,24 @@ the query heads into ``[kv_heads, group]``. Scores, the running max, the
 normaliser and the accumulator are float32; the matmuls run in the cache
 dtype with float32 accumulation.
 
+Block-major decode: when every sequence of the step has exactly one token
+(and the metadata says so, see ``AttentionMetadata.block_major``), the
+layer's whole cache is used as a matmul operand in place: each physical
+block meets the query of the sequence owning it, the per-block partial
+softmax results are merged per sequence through the block tables. No copy
+of the context is made; the whole cache is read once, so the runner picks
+it when the step's sequences hold most of the cache (``runner.py``).
+
 The cache may be given per layer (``k`` ``[blocks, kv_heads, head_dim,
-block_size]``, ``v`` ``[blocks, kv_heads, block_size, head_dim]``) or as the
-whole stacked cache (a leading layer axis) with a (traced) ``layer`` index: the latter gathers and scatters straight into the big array,
-so that inside a ``scan`` over layers no per-layer copy of the cache is made.
+block_size]``, ``v`` ``[blocks, kv_heads, block_size, head_dim]``; the
+model's form) or as a stacked cache (a leading layer axis) with a (traced)
+``layer`` index, which gathers and scatters straight into the big array
+(tests and tools; block-major attention needs the per-layer form).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -147,6 +157,10 @@ def paged_attention(
     short. Results are exact for any token order and any choice; they are
     fastest when each sequence's tokens are contiguous (the runner's natural
     layout). ``query_tile=1`` always uses the per-token kernel.
+
+    With ``meta.block_owner`` given (and a per-layer cache whose storage is
+    its logical dtype), the program also holds the block-major decode kernel
+    and ``meta.block_major`` picks between the two at run time.
     """
     T, H, D = q.shape
     kvh = k_cache.shape[-3]
@@ -160,6 +174,23 @@ def paged_attention(
     limit = jnp.minimum(positions + 1, meta.context_lens[token_seq])  # keys at kpos < limit are visible
     lower = None if sliding_window is None else positions - (sliding_window - 1)  # and kpos >= lower
     qs = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
+
+    if meta.block_owner is not None and T <= 2 * block_tables.shape[0]:  # a bucket a decode step can use
+        gathered = functools.partial(
+            paged_attention, q, k_cache, v_cache, dataclasses.replace(meta, block_owner=None), positions,
+            block_size=block_size, scale=scale, layer=layer, sliding_window=sliding_window,
+            chunk_tokens=chunk_tokens, cache_dtype=cache_dtype, query_tile=query_tile,
+            straggler_group=straggler_group,
+        )
+        if layer is not None or jnp.dtype(k_cache.dtype) != cdtype:
+            # a stacked cache's layer, or a 16-bit cache viewed as floats, would be copied whole
+            return gathered()
+        major = functools.partial(
+            _block_major_decode, qs=qs, k_cache=k_cache, v_cache=v_cache, meta=meta, limit=limit, lower=lower,
+            block_size=block_size, cdtype=cdtype,
+        )
+        out = jax.lax.cond(meta.block_major, major, lambda: gathered().reshape(T, kvh, G, D).astype(jnp.float32))
+        return out.reshape(T, H, D).astype(q.dtype)
 
     flash = functools.partial(
         _flash_rows,
@@ -235,6 +266,56 @@ def paged_attention(
     ] + [per_token]
     out = jax.lax.switch(choice, branches, None)
     return out.reshape(T, H, D).astype(q.dtype)
+
+
+def _block_major_decode(
+    *, qs, k_cache, v_cache, meta: AttentionMetadata, limit, lower, block_size: int, cdtype
+) -> jax.Array:
+    """Decode attention that reads the layer's whole cache in place, block by block.
+
+    For steps where every sequence has exactly one token and no block
+    belongs to two sequences: each physical block is multiplied by the query
+    of the sequence owning it (``meta.block_owner``), giving per-block
+    partial softmax results (max, normaliser, weighted values), which are
+    then gathered through the block tables (small arrays) and merged per
+    sequence. Unowned blocks get the padding row's empty context and drop
+    out. The cache arrays are matmul operands as they are: no gathered copy
+    of the context is made, which halves the memory traffic of a step that
+    uses most of the cache. ``qs`` ``[T, kvh, G, D]`` (scaled); returns
+    float32 ``[T, kvh, G, D]``.
+    """
+    T, kvh, G, D = qs.shape
+    rows = meta.block_tables.shape[0]  # S + 1; the last row is padding
+    token_seq = meta.token_seq
+    # each row's (only) token; the padding row's limit stays 0
+    row_token = jnp.zeros(rows, jnp.int32).at[token_seq].set(jnp.arange(T, dtype=jnp.int32), mode="drop")
+    row_limit = jnp.zeros(rows, jnp.int32).at[token_seq].max(limit, mode="drop")
+    row_limit = row_limit.at[rows - 1].set(0)
+    owner = meta.block_owner
+    qb = qs[row_token[owner]]  # [NB, kvh, G, D]
+    k = from_storage(k_cache, cdtype)  # [NB, kvh, D, BS]
+    v = from_storage(v_cache, cdtype)  # [NB, kvh, BS, D]
+    s = jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32)
+    kpos = meta.block_index[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    valid = kpos < row_limit[owner][:, None]
+    if lower is not None:
+        row_lower = jnp.zeros(rows, jnp.int32).at[token_seq].set(lower, mode="drop")
+        valid = valid & (kpos >= row_lower[owner][:, None])
+    valid = valid[:, None, None, :]  # [NB, 1, 1, BS]
+    s = jnp.where(valid, s, _NEG)
+    m = jnp.max(s, axis=-1)  # [NB, kvh, G]
+    p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bkgc,bkcd->bkgd", p.astype(cdtype), v, preferred_element_type=jnp.float32)
+    # merge each row's blocks (null-block padding has l == 0 and drops out)
+    bt = meta.block_tables
+    m_r, l_r, o_r = m[bt], l[bt], o[bt]  # [S+1, M, kvh, G(, D)]
+    seen = l_r > 0.0
+    m_max = jnp.max(jnp.where(seen, m_r, _NEG), axis=1)
+    w = jnp.where(seen, jnp.exp(m_r - m_max[:, None]), 0.0)
+    l_tot = jnp.sum(w * l_r, axis=1)
+    o_tot = jnp.sum(w[..., None] * o_r, axis=1) / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None]
+    return o_tot[token_seq]
 
 
 def _flash_rows(

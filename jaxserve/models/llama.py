@@ -1,11 +1,13 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2) as a Flax NNX module over the paged KV cache.
 
-Per-layer weights are stacked along a leading layer axis (``[L, ...]``) and
-the layers run under ``jax.lax.scan``, so compile time does not grow with
-depth. The scan carries the whole KV cache; layer ``i`` writes its keys and
-values with a scatter at ``[i, slot_mapping]`` and reads with a gather at
-``[i, slots]`` straight from the stacked arrays, so with the cache donated to
-the jitted step the update is in place (no per-layer or per-step copy).
+Each layer has its own weight arrays and its own pair of KV cache arrays,
+and the forward pass is a Python loop over the layers (unrolled at trace
+time). A ``lax.scan`` over stacked ``[L, ...]`` weights and cache compiles
+faster but makes XLA copy each layer's slice of the stacked arrays before a
+matmul can use it (weights and, for the block-major decode attention, the
+layer's whole cache); per-layer arrays are read in place (see
+``kv_cache.py``). Compile time grows with depth instead (about 2-3x for 8
+layers), which the persistent compilation cache absorbs on restarts.
 
 Fused projections: ``wqkv`` is ``[L, (H + 2*KVH) * head_dim, hidden]`` (q, k, v
 rows in that order) and ``w_gate_up`` is ``[L, 2 * intermediate, hidden]``
@@ -69,27 +71,27 @@ def _param(rngs: nnx.Rngs | None, shape, dtype, init: str) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype))
 
 
-class LlamaLayers(nnx.Module):
-    """All decoder layers' weights, stacked along axis 0."""
+class LlamaDecoderLayer(nnx.Module):
+    """One decoder layer's weights."""
 
     def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
         c = config
-        L, E, I = c.num_hidden_layers, c.hidden_size, c.intermediate_size
+        E, I = c.hidden_size, c.intermediate_size
         qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
         q_out = c.num_attention_heads * c.head_dim
-        self.input_norm = _param(rngs, (L, E), dtype, "ones")
-        self.wqkv = _param(rngs, (L, qkv_out, E), dtype, "normal")
-        self.bqkv = _param(rngs, (L, qkv_out), dtype, "zeros") if c.qkv_bias else None
-        self.wo = _param(rngs, (L, E, q_out), dtype, "normal")
-        self.bo = _param(rngs, (L, E), dtype, "zeros") if c.o_bias else None
-        self.post_norm = _param(rngs, (L, E), dtype, "ones")
-        self.w_gate_up = _param(rngs, (L, 2 * I, E), dtype, "normal")
-        self.b_gate_up = _param(rngs, (L, 2 * I), dtype, "zeros") if c.mlp_bias else None
-        self.w_down = _param(rngs, (L, E, I), dtype, "normal")
-        self.b_down = _param(rngs, (L, E), dtype, "zeros") if c.mlp_bias else None
+        self.input_norm = _param(rngs, (E,), dtype, "ones")
+        self.wqkv = _param(rngs, (qkv_out, E), dtype, "normal")
+        self.bqkv = _param(rngs, (qkv_out,), dtype, "zeros") if c.qkv_bias else None
+        self.wo = _param(rngs, (E, q_out), dtype, "normal")
+        self.bo = _param(rngs, (E,), dtype, "zeros") if c.o_bias else None
+        self.post_norm = _param(rngs, (E,), dtype, "ones")
+        self.w_gate_up = _param(rngs, (2 * I, E), dtype, "normal")
+        self.b_gate_up = _param(rngs, (2 * I,), dtype, "zeros") if c.mlp_bias else None
+        self.w_down = _param(rngs, (E, I), dtype, "normal")
+        self.b_down = _param(rngs, (E,), dtype, "zeros") if c.mlp_bias else None
 
-    def stacked(self) -> dict[str, jax.Array | None]:
-        """The raw ``[L, ...]`` arrays (None for absent biases), for ``lax.scan``."""
+    def arrays(self) -> dict[str, jax.Array | None]:
+        """The raw weight arrays (None for absent biases)."""
         names = ("input_norm", "wqkv", "bqkv", "wo", "bo", "post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down")
         out = {}
         for n in names:
@@ -110,7 +112,7 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         c = config
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), self.dtype, "normal")
-        self.layers = LlamaLayers(c, dtype=self.dtype, rngs=rngs)
+        self.layers = nnx.List([LlamaDecoderLayer(c, dtype=self.dtype, rngs=rngs) for _ in range(c.num_hidden_layers)])
         self.norm = _param(rngs, (c.hidden_size,), self.dtype, "ones")
         if c.tie_word_embeddings:
             self.lm_head = None
@@ -142,23 +144,25 @@ class LlamaForCausalLM(nnx.Module):
         def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, T] -> [T, n, D]
             return jnp.transpose(x.reshape(n, D, T), (2, 0, 1))
 
-        def layer(carry, w):
-            h, k_all, v_all, i = carry
+        k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
+        for i, block in enumerate(self.layers):
+            w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
             qkv = _add_bias(_mm(w["wqkv"], x), w["bqkv"])
             q = apply_rope(heads(qkv[:q_size], H), cos, sin)
             k = apply_rope(heads(qkv[q_size : q_size + kv_size], KVH), cos, sin)
             v = heads(qkv[q_size + kv_size :], KVH)
-            k_all, v_all = write_kv(k_all, v_all, k, v, meta.slot_mapping, layer=i, cache_dtype=cache_dtype)
+            k_layers[i], v_layers[i] = write_kv(
+                k_layers[i], v_layers[i], k, v, meta.slot_mapping, cache_dtype=cache_dtype
+            )
             attn = paged_attention(
                 q.astype(dtype),
-                k_all,
-                v_all,
+                k_layers[i],
+                v_layers[i],
                 meta,
                 positions,
                 block_size=block_size,
                 scale=scale,
-                layer=i,
                 sliding_window=window,
                 cache_dtype=cache_dtype,
             )
@@ -167,17 +171,13 @@ class LlamaForCausalLM(nnx.Module):
             gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
             g, u = jnp.split(gu, 2, axis=0)
             h = h + _add_bias(_mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
-            return (h, k_all, v_all, i + 1), None
 
-        (h, k_all, v_all, _), _ = jax.lax.scan(
-            layer, (h, kv_cache.k, kv_cache.v, jnp.int32(0)), self.layers.stacked()
-        )
         # Token-major for the caller. The barrier keeps XLA from folding this
         # transpose into a later vocabulary matmul: a dot contracting its
         # left operand's first dimension has no bfloat16 kernel on the CPU
         # ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
         h = jax.lax.optimization_barrier(rms_norm(h, self.norm[...], eps, axis=0).T)
-        return h, kv_cache.replace(k=k_all, v=v_all)
+        return h, kv_cache.replace(k=k_layers, v=v_layers)
 
     def output_embedding(self) -> jax.Array:
         """The ``[vocab, hidden]`` matrix of the vocabulary projection."""

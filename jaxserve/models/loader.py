@@ -1,12 +1,12 @@
 """Load a Hugging Face Llama-family checkpoint folder into ``LlamaForCausalLM``.
 
 Reads ``config.json`` and either ``model.safetensors`` or a sharded
-``model.safetensors.index.json``. HF tensors are mapped into the stacked,
+``model.safetensors.index.json``. HF tensors are mapped into the per-layer,
 fused parameters of ``jaxserve.models.llama`` (Linear weights kept ``[out,
 in]`` as HF stores them; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
 model is built abstractly (``nnx.eval_shape``, no random init) and filled
-group by group on the host, so peak host memory is about one stacked
-parameter group on top of the open files.
+one parameter at a time on the host, so peak host memory is about one
+fused parameter on top of the open files.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
 
 
 def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype) -> None:
-    L, E, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    E, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qs, kvs = H * D, KVH * D
 
@@ -162,13 +162,18 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
         assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
         param.set_value(jnp.asarray(arr))
 
-    def stacked(shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], slice]]) -> np.ndarray:
-        """Fill ``[L, *shape]``: each part is (HF name template, HF shape, target rows)."""
-        out = np.empty((L, *shape), np_dtype)
-        for i in range(L):
+    def fused(name: str, shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], slice]]) -> None:
+        """Fill parameter ``name`` of every layer, ``shape`` each: a part is
+        (HF name template, HF shape, target rows). Absent parameters (biases
+        the config does not have) are skipped."""
+        for i, layer in enumerate(model.layers):
+            param = getattr(layer, name)
+            if param is None:
+                return
+            out = np.empty(shape, np_dtype)
             for tmpl, hf_shape, rows in parts:
-                out[i, rows] = src.get(tmpl.format(i=i), hf_shape).astype(np_dtype, copy=False)
-        return out
+                out[rows] = src.get(tmpl.format(i=i), hf_shape).astype(np_dtype, copy=False)
+            put(param, out)
 
     pre = "model.layers.{i}."
     a = slice(None)
@@ -177,59 +182,46 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
     if model.lm_head is not None:
         put(model.lm_head, src.get("lm_head.weight", (V, E)).astype(np_dtype, copy=False))
 
-    ly = model.layers
-    put(ly.input_norm, stacked((E,), [(pre + "input_layernorm.weight", (E,), a)]))
-    put(ly.post_norm, stacked((E,), [(pre + "post_attention_layernorm.weight", (E,), a)]))
-    put(
-        ly.wqkv,
-        stacked(
-            (qs + 2 * kvs, E),
-            [
-                (pre + "self_attn.q_proj.weight", (qs, E), slice(0, qs)),
-                (pre + "self_attn.k_proj.weight", (kvs, E), slice(qs, qs + kvs)),
-                (pre + "self_attn.v_proj.weight", (kvs, E), slice(qs + kvs, qs + 2 * kvs)),
-            ],
-        ),
+    fused("input_norm", (E,), [(pre + "input_layernorm.weight", (E,), a)])
+    fused("post_norm", (E,), [(pre + "post_attention_layernorm.weight", (E,), a)])
+    fused(
+        "wqkv",
+        (qs + 2 * kvs, E),
+        [
+            (pre + "self_attn.q_proj.weight", (qs, E), slice(0, qs)),
+            (pre + "self_attn.k_proj.weight", (kvs, E), slice(qs, qs + kvs)),
+            (pre + "self_attn.v_proj.weight", (kvs, E), slice(qs + kvs, qs + 2 * kvs)),
+        ],
     )
-    if ly.bqkv is not None:
-        put(
-            ly.bqkv,
-            stacked(
-                (qs + 2 * kvs,),
-                [
-                    (pre + "self_attn.q_proj.bias", (qs,), slice(0, qs)),
-                    (pre + "self_attn.k_proj.bias", (kvs,), slice(qs, qs + kvs)),
-                    (pre + "self_attn.v_proj.bias", (kvs,), slice(qs + kvs, qs + 2 * kvs)),
-                ],
-            ),
-        )
-    put(ly.wo, stacked((E, qs), [(pre + "self_attn.o_proj.weight", (E, qs), a)]))
-    if ly.bo is not None:
-        put(ly.bo, stacked((E,), [(pre + "self_attn.o_proj.bias", (E,), a)]))
-    put(
-        ly.w_gate_up,
-        stacked(
-            (2 * I, E),
-            [
-                (pre + "mlp.gate_proj.weight", (I, E), slice(0, I)),
-                (pre + "mlp.up_proj.weight", (I, E), slice(I, 2 * I)),
-            ],
-        ),
+    fused(
+        "bqkv",
+        (qs + 2 * kvs,),
+        [
+            (pre + "self_attn.q_proj.bias", (qs,), slice(0, qs)),
+            (pre + "self_attn.k_proj.bias", (kvs,), slice(qs, qs + kvs)),
+            (pre + "self_attn.v_proj.bias", (kvs,), slice(qs + kvs, qs + 2 * kvs)),
+        ],
     )
-    if ly.b_gate_up is not None:
-        put(
-            ly.b_gate_up,
-            stacked(
-                (2 * I,),
-                [
-                    (pre + "mlp.gate_proj.bias", (I,), slice(0, I)),
-                    (pre + "mlp.up_proj.bias", (I,), slice(I, 2 * I)),
-                ],
-            ),
-        )
-    put(ly.w_down, stacked((E, I), [(pre + "mlp.down_proj.weight", (E, I), a)]))
-    if ly.b_down is not None:
-        put(ly.b_down, stacked((E,), [(pre + "mlp.down_proj.bias", (E,), a)]))
+    fused("wo", (E, qs), [(pre + "self_attn.o_proj.weight", (E, qs), a)])
+    fused("bo", (E,), [(pre + "self_attn.o_proj.bias", (E,), a)])
+    fused(
+        "w_gate_up",
+        (2 * I, E),
+        [
+            (pre + "mlp.gate_proj.weight", (I, E), slice(0, I)),
+            (pre + "mlp.up_proj.weight", (I, E), slice(I, 2 * I)),
+        ],
+    )
+    fused(
+        "b_gate_up",
+        (2 * I,),
+        [
+            (pre + "mlp.gate_proj.bias", (I,), slice(0, I)),
+            (pre + "mlp.up_proj.bias", (I,), slice(I, 2 * I)),
+        ],
+    )
+    fused("w_down", (E, I), [(pre + "mlp.down_proj.weight", (E, I), a)])
+    fused("b_down", (E,), [(pre + "mlp.down_proj.bias", (E,), a)])
 
 
 __all__ = ["LoadedModel", "load_model", "ModelLoadError"]
