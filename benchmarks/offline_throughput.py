@@ -13,8 +13,11 @@ How: these machines are shared, and their speed moves by a factor of three
 within minutes, so the systems must be measured close together in time. For
 each N every system is started once, in ``--serve`` mode (``peers/``: loads,
 warms up, waits), and then ``--repeats`` rounds each time one run per system
-in turn (rotating order), only one system computing at a time; the idle
-peers' CPU use during each run is recorded to show they stay idle. Medians
+in turn (rotating order), only one system computing at a time: the idle
+peers are paused (SIGSTOP to their process trees, SIGCONT after the run;
+left running, vLLM's idle engine core used up to 0.6 CPU-seconds during a
+6-second run of another system), and their CPU use during each run is
+recorded to show it (``--no-pause-idle`` leaves them running). Medians
 are reported, and ratios both of medians and within each round. A 1 s numpy
 matmul probe before each run records how loaded the machine was.
 
@@ -51,6 +54,7 @@ import json
 import os
 import platform
 import queue
+import signal
 import statistics
 import subprocess
 import sys
@@ -223,8 +227,8 @@ def run_cli(cmd: list[str], timeout: float) -> dict:
     return {"ok": False, "returncode": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its descendants (Linux /proc)."""
+def _process_table() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Children of every process and each one's user + system CPU seconds (Linux /proc)."""
     children: dict[int, list[int]] = {}
     stats: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
@@ -238,12 +242,33 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         children.setdefault(int(fields[1]), []).append(int(entry))
         stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, [pid]
+    return children, stats
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    children, _ = _process_table()
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        total += stats.get(p, 0.0)
+        out.append(p)
         todo.extend(children.get(p, []))
-    return total
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its descendants (Linux /proc)."""
+    _, stats = _process_table()
+    return sum(stats.get(p, 0.0) for p in tree_pids(pid))
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` and its descendants (gone ones are skipped)."""
+    for p in tree_pids(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
 
 
 def matmul_probe(seconds: float = 1.0, n: int = 1024) -> float:
@@ -298,8 +323,15 @@ def run_prompt_count(n: int, args, folder: Path, prompts_file: Path, logdir: Pat
                 others = {s: tree_cpu_seconds(p.proc.pid) for s, p in peers.items() if s != system}
                 probe = matmul_probe() if args.probe else None
                 load = os.getloadavg()[0]
-                peers[system].send(f"run {inner}")
-                rec = peers[system].next_record(args.timeout)
+                paused = [peers[s].proc.pid for s in others] if args.pause_idle else []
+                for pid in paused:  # idle peers may still spin (vLLM's engine core polls)
+                    signal_tree(pid, signal.SIGSTOP)
+                try:
+                    peers[system].send(f"run {inner}")
+                    rec = peers[system].next_record(args.timeout)
+                finally:
+                    for pid in paused:
+                        signal_tree(pid, signal.SIGCONT)
                 idle_cpu = {s: round(tree_cpu_seconds(peers[s].proc.pid) - c, 2) for s, c in others.items()}
                 rec.update(system=system, num_prompts=n, round=rnd, ok=rec.get("event") == "result",
                            load_avg_1m_before=round(load, 2), probe_gflop_s_before=probe, idle_peers_cpu_s=idle_cpu)
@@ -424,6 +456,8 @@ def main() -> None:
     parser.add_argument("--no-cli", action="store_true", help="skip the `jaxserve bench offline` cross-check runs")
     parser.add_argument("--no-probe", dest="probe", action="store_false",
                         help="skip the 1 s matmul load probe before each timed run")
+    parser.add_argument("--no-pause-idle", dest="pause_idle", action="store_false",
+                        help="leave the idle peers running during a run (default: SIGSTOP them, SIGCONT after)")
     parser.add_argument("--skip-machine-rates", action="store_true")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/offline-<date>.json)")
     args = parser.parse_args()
