@@ -218,7 +218,7 @@ def _host_only(runner, work):
     kv = runner.kv_cache
     dummy = {s: (jnp.zeros(s, jnp.int32), jnp.zeros(s, jnp.float32)) for s in smp}
     try:
-        tokens = {t: jnp.zeros(min(t, runner.max_num_seqs), jnp.int32) for t in fwd}
+        tokens = {t: jnp.zeros(runner.max_num_seqs, jnp.int32) for t in fwd}
         runner._forward = {t: (lambda *a, t=t: (None, kv, tokens[t])) for t in fwd}
         runner._sample = {s: (lambda *a, s=s: dummy[s]) for s in smp}
         runner._greedy = {key: (lambda *a, s=key[0]: dummy[s]) for key in grd}

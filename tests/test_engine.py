@@ -230,3 +230,48 @@ def test_block_major_decode_steps_equal_alone(checkpoint, alone):
     got = _run(engine, prompts, _greedy)
     assert engine.runner.num_block_major_steps > 5
     assert [got[f"r{j}"] for j in range(len(picked))] == [alone[f"r{i}"] for i in picked]
+
+
+def test_async_scheduling_equals_sync(checkpoint):
+    """Launching step N+1 before fetching step N (tokens fed on the device)
+    changes nothing the caller sees: same tokens, texts and finish reasons,
+    with stop ids (the request computes one extra, dropped token), stop
+    strings, max_tokens, a sampled neighbour and prefix-cache hits; and the
+    blocks all come back."""
+    prompts = _prompts()
+    stop_id = alone_first = None
+
+    def params(i):
+        if i % 4 == 1:
+            return SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=(stop_id,))
+        if i % 4 == 2:
+            return SamplingParams(max_tokens=int(5 + i), temperature=0.0, ignore_eos=True)
+        if i == 7:
+            return SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    results = {}
+    for mode in (False, True):
+        engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
+                                   max_model_len=128, block_size=16, async_scheduling=mode))
+        engine.warmup()
+        if stop_id is None:  # a token request 1 really produces mid-stream
+            alone_first = _run(engine, [prompts[1]], lambda _i: SamplingParams(max_tokens=9, temperature=0.0))
+            stop_id = alone_first["r0"][4]
+        done = {}
+        pending = list(enumerate(prompts))
+        step = 0
+        while pending or engine.has_unfinished():
+            if pending and step % 2 == 0:
+                i, prompt = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, params(i))
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.text, out.finish_reason)
+            step += 1
+        assert engine.allocator.num_used_blocks == 0
+        results[mode] = (done, engine.num_overlapped_steps)
+    (sync, n_sync), (overlapped, n_async) = results[False], results[True]
+    assert n_sync == 0 and n_async > 10
+    assert overlapped == sync
+    assert sync["r1"][2] == "stop" and len(sync["r1"][0]) < 9

@@ -508,3 +508,28 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
             assert r.all_token_ids[i] == model_token(r.all_token_ids[:i])
     assert s.allocator.num_free_blocks == cfg.num_blocks - 1
     assert s.stats().num_preemptions > 0 and s.stats().prefix_cache_hits > 0
+
+
+def test_pending_token_is_hashed_only_once_known():
+    """A sampled token still on the device enters as a placeholder: the block
+    holding it gets no prefix-cache hash until the value is filled in, and
+    then the same hash as if it had been known all along."""
+    from jaxserve.engine.request import PENDING_TOKEN
+
+    prompt = list(range(10, 17))  # 7 tokens; the 8th (sampled) completes block 1 of 4
+    known = Request("known", prompt, SamplingParams(max_tokens=4))
+    known.enable_block_hashing(4)
+    known.append_output_token(99)
+    req = Request("pending", prompt, SamplingParams(max_tokens=4))
+    req.enable_block_hashing(4)
+    req.append_output_token(PENDING_TOKEN)
+    assert req.num_tokens == 8 and req.pending_index == 7
+    assert req.block_hashes == known.block_hashes[:1]
+    with pytest.raises(ValueError, match="already has a pending token"):
+        req.append_output_token(PENDING_TOKEN)
+    req.resolve_pending(99)
+    assert req.pending_index is None
+    assert req.all_token_ids == known.all_token_ids and req.output_token_ids == [99]
+    assert req.block_hashes == known.block_hashes and len(req.block_hashes) == 2
+    with pytest.raises(ValueError, match="no pending token"):
+        req.resolve_pending(5)

@@ -30,6 +30,11 @@ class EngineArgs:
       a quarter of device memory.
     - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
       restarted worker skips compiling (``""`` disables it).
+    - ``async_scheduling``: plan and launch step N+1 before waiting for
+      step N when N's tokens stay on the device (all-greedy decode steps),
+      so the host's planning overlaps the device's work (vLLM's async
+      scheduling). A request ending on a stop id then computes one extra,
+      discarded token.
     - ``block_size``: tokens per KV block, also the prefix cache's unit of
       sharing. 64 by default: paged attention reads a sequence's context one
       block per loop iteration, and bigger blocks mean fewer, larger gathers
@@ -53,6 +58,7 @@ class EngineArgs:
     max_num_waiting: int = 0
     seed: int = 0
     compilation_cache_dir: str | None = None
+    async_scheduling: bool = True
     served_model_name: str | None = None
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:

@@ -28,7 +28,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.output_processor import OutputState
-from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner, SeqWork
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
@@ -128,6 +128,8 @@ class Engine:
             set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
         )
         self.num_steps = 0
+        self.async_scheduling = args.async_scheduling
+        self.num_overlapped_steps = 0  # steps collected after the next one was launched
         concurrency = (self.num_blocks - 1) // self.scheduler_config.max_blocks_per_seq
         log.info(
             "engine.kv_cache",
@@ -221,13 +223,19 @@ class Engine:
         was already part of the new step: its extra token is dropped.
         """
         outputs = self._expire_waiting()
-        collected = self._collect()
-        self._dispatch()
+        if self.async_scheduling and self._in_flight is not None and self._in_flight[1].feedable:
+            collected = self._collect_overlapped()
+        else:
+            collected = self._collect()
+            self._dispatch()
         if collected is not None:
             outputs.extend(self._process(*collected))
         return outputs
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
+        """Plan and launch the next step. ``prev``: the in-flight step's device
+        tokens and each sampling request's row in them, for tokens still
+        pending (see ``_collect_overlapped``)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return
@@ -236,16 +244,55 @@ class Engine:
         for s in plan.scheduled:
             req = self.scheduler.get_request(s.request_id)
             self._metrics[s.request_id].setdefault("first_scheduled", now)
+            pending_row = None
+            if PENDING_TOKEN in s.token_ids:
+                if prev is None or s.num_scheduled_tokens != 1:
+                    raise RuntimeError(f"request {s.request_id!r} was planned with a pending token out of place")
+                pending_row = prev[1][s.request_id]
             work.append(
                 SeqWork(
                     token_ids=s.token_ids,
                     start_pos=s.start_position,
                     block_ids=s.block_ids,
                     sampling=self._sampling_row(req) if s.sample else None,
+                    pending_row=pending_row,
                 )
             )
-        self._in_flight = (plan, self.runner.execute(work))
+        self._in_flight = (plan, self.runner.execute(work, prev_tokens=None if prev is None else prev[0]))
         self.num_steps += 1
+
+    def _collect_overlapped(self):
+        """``_collect`` and ``_dispatch`` with the next step launched *before*
+        waiting for the in-flight one (vLLM's async scheduling).
+
+        The in-flight step's sampled tokens enter the scheduler as pending
+        placeholders; the next step is planned and launched at once, reading
+        those tokens on the device; only then does the host wait, fill the
+        placeholders in, and end requests that hit a stop id (they already
+        hold a row in the launched step, whose token for them is dropped, as
+        for stop strings). The device so never idles while the host plans.
+        Used when the in-flight step's tokens came from the forward program's
+        greedy pick (``StepResult.feedable``)."""
+        plan, result = self._in_flight
+        self._in_flight = None
+        self.num_overlapped_steps += 1
+        sampling = [s.request_id for s in plan.scheduled if s.sample]
+        requests = {rid: self.scheduler.get_request(rid) for rid in sampling}
+        placeholders = dict.fromkeys(sampling, PENDING_TOKEN)
+        finished_by_length = set(self.scheduler.update_from_output(plan, placeholders))
+        self._dispatch(prev=(result.tokens, {rid: i for i, rid in enumerate(sampling)}))
+        tokens, logprobs = result.fetch()
+        sampled: dict[str, int] = {}
+        sampled_logprobs: dict[str, float] = {}
+        for i, request_id in enumerate(sampling):
+            token = int(tokens[i])
+            sampled[request_id] = token
+            sampled_logprobs[request_id] = float(logprobs[i])
+            req = requests[request_id]
+            if req is not None and req.pending_index is not None:
+                req.resolve_pending(token)
+        self._finish_stopped(sampled, finished_by_length)
+        return sampled, sampled_logprobs, finished_by_length
 
     def _collect(self):
         """Wait for the in-flight step and apply its tokens to the scheduler."""
@@ -263,12 +310,15 @@ class Engine:
                 sampled_logprobs[s.request_id] = float(logprobs[i])
                 i += 1
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+        self._finish_stopped(sampled, finished_by_length)
+        return sampled, sampled_logprobs, finished_by_length
+
+    def _finish_stopped(self, sampled: dict[str, int], finished_by_length: set[str]) -> None:
+        # EOS / stop id: end it before the next plan, so it takes no slot there.
         for request_id, token in sampled.items():
             state = self._states.get(request_id)
             if state is not None and token in state.stop_ids and request_id not in finished_by_length:
-                # EOS / stop id: end it before the next plan, so it takes no slot there.
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        return sampled, sampled_logprobs, finished_by_length
 
     def _process(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
         """Detokenize collected tokens, apply stop strings, build outputs."""

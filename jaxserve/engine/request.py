@@ -17,6 +17,11 @@ from jaxserve.engine.block_allocator import BlockHash, hash_block_tokens
 from jaxserve.engine.types import FinishReason, RequestClass, RequestError, SamplingParams
 
 
+#: Stand-in for a sampled token whose value is still on the device (the
+#: engine plans the next step before fetching the previous one's tokens).
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.IntEnum):
     """Where a request is. ``PREEMPTED`` is a waiting request that lost its
     blocks and will be recomputed; every ``FINISHED_*`` is terminal."""
@@ -102,6 +107,8 @@ class Request:
         # once enable_block_hashing was called).
         self.block_hashes: list[BlockHash] = []
         self._hash_block_size: int | None = None
+        # index in all_token_ids of the one output token still on the device, if any
+        self.pending_index: int | None = None
 
         # Filled by the scheduler.
         self.seq_no = -1  # admission order, a tie-breaker after arrival_time
@@ -153,9 +160,27 @@ class Request:
     # ------------------------------------------------------------ mutation
 
     def append_output_token(self, token_id: int) -> None:
+        """Append a sampled token, or ``PENDING_TOKEN`` for one still on the
+        device (at most one; ``resolve_pending`` fills it in). Blocks holding
+        a pending token are not hashed until it is known."""
         token_id = int(token_id)
+        if token_id == PENDING_TOKEN:
+            if self.pending_index is not None:
+                raise ValueError(f"request {self.request_id!r} already has a pending token")
+            self.pending_index = len(self._all_token_ids)
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self._hash_block_size is not None:
+            self._extend_block_hashes()
+
+    def resolve_pending(self, token_id: int) -> None:
+        """Replace the pending token by its value."""
+        if self.pending_index is None:
+            raise ValueError(f"request {self.request_id!r} has no pending token")
+        token_id = int(token_id)
+        self._all_token_ids[self.pending_index] = token_id
+        self.output_token_ids[self.pending_index - self.num_prompt_tokens] = token_id
+        self.pending_index = None
         if self._hash_block_size is not None:
             self._extend_block_hashes()
 
@@ -171,7 +196,8 @@ class Request:
         bs = self._hash_block_size
         assert bs is not None
         tokens = self._all_token_ids
-        while (len(self.block_hashes) + 1) * bs <= len(tokens):
+        known = len(tokens) if self.pending_index is None else self.pending_index
+        while (len(self.block_hashes) + 1) * bs <= known:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
             self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], self.cache_salt))

@@ -452,7 +452,8 @@ class Scheduler:
     def _register_full_blocks(self, req: Request) -> None:
         if not self._prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        # blocks holding a token still on the device have no hash yet
+        full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         start = req.num_registered_blocks
         if full > start:
             self.allocator.cache_full_blocks(req.block_ids[start:full], req.block_hashes[start:full])
