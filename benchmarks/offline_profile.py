@@ -329,7 +329,6 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     s = _median_time(do_write)
     out[f"kv_write_all_layers_T{num_seqs}_ms"] = round(1000 * s, 3)
     out["kv_cache_mib"] = round(kv.nbytes / 2**20, 1)
-    del state
     return out
 
 

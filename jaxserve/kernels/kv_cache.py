@@ -213,7 +213,8 @@ class KVCache:
     @classmethod
     def from_stacked(cls, k: jax.Array, v: jax.Array, block_size: int, dtype=None) -> "KVCache":
         """From stacked ``[layers, ...]`` storage arrays (``cache_shapes``)."""
-        return cls(k=tuple(k), v=tuple(v), block_size=block_size, dtype_name=None if dtype is None else jnp.dtype(dtype).name)
+        name = None if dtype is None else jnp.dtype(dtype).name
+        return cls(k=tuple(k), v=tuple(v), block_size=block_size, dtype_name=name)
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """Stacked ``[layers, ...]`` copies of the key and value storage."""

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
 
 OutputsCallback = Callable[[Sequence[RequestOutput]], None]
 FailureCallback = Callable[[BaseException], None]
