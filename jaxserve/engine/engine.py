@@ -221,6 +221,10 @@ class Engine:
         then is the collected step detokenized and checked for stop strings,
         while the device runs the new one. A request that a stop string ends
         was already part of the new step: its extra token is dropped.
+
+        With ``async_scheduling``, when the in-flight step's tokens stay on
+        the device (all-greedy steps), the next step is launched before the
+        wait instead (``_collect_overlapped``).
         """
         outputs = self._expire_waiting()
         if self.async_scheduling and self._in_flight is not None and self._in_flight[1].feedable:
