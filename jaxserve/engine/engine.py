@@ -285,13 +285,8 @@ class Engine:
         placeholders = dict.fromkeys(sampling, PENDING_TOKEN)
         finished_by_length = set(self.scheduler.update_from_output(plan, placeholders))
         self._dispatch(prev=(result.tokens, {rid: i for i, rid in enumerate(sampling)}))
-        tokens, logprobs = result.fetch()
-        sampled: dict[str, int] = {}
-        sampled_logprobs: dict[str, float] = {}
-        for i, request_id in enumerate(sampling):
-            token = int(tokens[i])
-            sampled[request_id] = token
-            sampled_logprobs[request_id] = float(logprobs[i])
+        sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
+        for request_id, token in sampled.items():
             req = requests[request_id]
             if req is not None and req.pending_index is not None:
                 req.resolve_pending(token)
@@ -304,15 +299,8 @@ class Engine:
             return None
         plan, result = self._in_flight
         self._in_flight = None
-        tokens, logprobs = result.fetch()
-        sampled: dict[str, int] = {}
-        sampled_logprobs: dict[str, float] = {}
-        i = 0
-        for s in plan.scheduled:
-            if s.sample:
-                sampled[s.request_id] = int(tokens[i])
-                sampled_logprobs[s.request_id] = float(logprobs[i])
-                i += 1
+        sampling = [s.request_id for s in plan.scheduled if s.sample]
+        sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
         self._finish_stopped(sampled, finished_by_length)
         return sampled, sampled_logprobs, finished_by_length
@@ -411,3 +399,13 @@ class Engine:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
+
+
+def _by_request(
+    request_ids: list[str], tokens: np.ndarray, logprobs: np.ndarray
+) -> tuple[dict[str, int], dict[str, float]]:
+    """A step's sampled tokens and log-probabilities keyed by request, in
+    the order the plan's sampling requests were given."""
+    sampled = {rid: int(t) for rid, t in zip(request_ids, tokens)}
+    sampled_logprobs = {rid: float(lp) for rid, lp in zip(request_ids, logprobs)}
+    return sampled, sampled_logprobs

@@ -132,7 +132,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ jit
 
-    def _forward_fn(self, state, input_ids, positions, kv_cache, meta, greedy, prev_tokens, feed):
+    def _forward_fn(self, state, kv_cache, input_ids, positions, meta, greedy, prev_tokens, feed):
         """Forward pass; returns the sampling rows' hidden states, the cache and,
         in steps of at most ``max_num_seqs`` tokens when ``greedy`` is set, the
         greedy tokens of those rows (zeros otherwise). Decode steps of plain
@@ -207,16 +207,11 @@ class ModelRunner:
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
         state_spec = abstract(self.state)
         cache_spec = abstract(self.kv_cache)
-        forward = jax.jit(self._forward_fn, donate_argnums=(3,))
+        forward = jax.jit(self._forward_fn, donate_argnums=(1,))
         for t in self.buckets.tokens:
             if t in self._forward:
                 continue
-            ids = jax.ShapeDtypeStruct((t,), jnp.int32)
-            flag = jax.ShapeDtypeStruct((), jnp.bool_)
-            prev = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32)
-            self._forward[t] = forward.lower(
-                state_spec, ids, ids, cache_spec, self._abstract_meta(t), flag, prev, ids
-            ).compile()
+            self._forward[t] = forward.lower(state_spec, cache_spec, *self._abstract_forward_inputs(t)).compile()
         hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
         greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows", "logprobs"))
@@ -237,12 +232,18 @@ class ModelRunner:
         )
 
     def _hidden_spec(self) -> jax.ShapeDtypeStruct:
-        ids = jax.ShapeDtypeStruct((self.buckets.tokens[0],), jnp.int32)
         spec = jax.eval_shape(
-            self._forward_fn, self.state, ids, ids, self.kv_cache, self._abstract_meta(ids.shape[0]),
-            jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32), ids,
+            self._forward_fn, self.state, self.kv_cache, *self._abstract_forward_inputs(self.buckets.tokens[0])
         )
         return spec[0]
+
+    def _abstract_forward_inputs(self, num_tokens: int) -> tuple:
+        """Shapes of ``_forward_fn``'s per-step inputs after state and cache:
+        ids, positions, meta, greedy flag, previous tokens, feed."""
+        ids = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
+        flag = jax.ShapeDtypeStruct((), jnp.bool_)
+        prev = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32)
+        return ids, ids, self._abstract_meta(num_tokens), flag, prev, ids
 
     # ----------------------------------------------------------------- step
 
@@ -317,7 +318,7 @@ class ModelRunner:
         with_logprobs = greedy and any(r.get("logprobs", True) for r in sampling_rows)
         in_forward = greedy and not with_logprobs and self._greedy_in_forward(t_bucket)
         hidden, self.kv_cache, fwd_tokens = self._forward[t_bucket](
-            self.state, input_ids, positions, self.kv_cache, meta, np.asarray(in_forward), prev_tokens, feed
+            self.state, self.kv_cache, input_ids, positions, meta, np.asarray(in_forward), prev_tokens, feed
         )
         if not sampling_rows:
             return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
@@ -350,10 +351,10 @@ class ModelRunner:
         owner = np.full(self.num_blocks, self.max_num_seqs, np.int32)  # the padding row
         index = np.zeros(self.num_blocks, np.int32)
         table = block_tables[:rows]
-        used = table > 0
-        blocks = table[used]
-        owner[blocks] = np.nonzero(used)[0]
-        index[blocks] = np.nonzero(used)[1]
+        row, col = np.nonzero(table > 0)
+        blocks = table[row, col]
+        owner[blocks] = row
+        index[blocks] = col
         major = (
             bool(np.all(counts == 1))
             and blocks.size >= self.block_major_min_use * (self.num_blocks - 1)

@@ -175,16 +175,19 @@ def paged_attention(
     lower = None if sliding_window is None else positions - (sliding_window - 1)  # and kpos >= lower
     qs = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
 
-    if meta.block_owner is not None and T <= 2 * block_tables.shape[0]:  # a bucket a decode step can use
+    block_major_possible = (
+        meta.block_owner is not None
+        and T <= 2 * block_tables.shape[0]  # a bucket a decode step can use
+        # a stacked cache's layer, or a 16-bit cache viewed as floats, would be copied whole
+        and layer is None
+        and jnp.dtype(k_cache.dtype) == cdtype
+    )
+    if block_major_possible:
         gathered = functools.partial(
             paged_attention, q, k_cache, v_cache, dataclasses.replace(meta, block_owner=None), positions,
-            block_size=block_size, scale=scale, layer=layer, sliding_window=sliding_window,
-            chunk_tokens=chunk_tokens, cache_dtype=cache_dtype, query_tile=query_tile,
-            straggler_group=straggler_group,
+            block_size=block_size, scale=scale, sliding_window=sliding_window, chunk_tokens=chunk_tokens,
+            cache_dtype=cache_dtype, query_tile=query_tile, straggler_group=straggler_group,
         )
-        if layer is not None or jnp.dtype(k_cache.dtype) != cdtype:
-            # a stacked cache's layer, or a 16-bit cache viewed as floats, would be copied whole
-            return gathered()
         major = functools.partial(
             _block_major_decode, qs=qs, k_cache=k_cache, v_cache=v_cache, meta=meta, limit=limit, lower=lower,
             block_size=block_size, cdtype=cdtype,
