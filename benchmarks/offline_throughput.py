@@ -245,9 +245,10 @@ def _process_table() -> tuple[dict[int, list[int]], dict[int, float]]:
     return children, stats
 
 
-def tree_pids(pid: int) -> list[int]:
-    """``pid`` and its descendants."""
-    children, _ = _process_table()
+def tree_pids(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """``pid`` and its descendants (``children``: a ``_process_table`` already read)."""
+    if children is None:
+        children, _ = _process_table()
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -258,8 +259,8 @@ def tree_pids(pid: int) -> list[int]:
 
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its descendants (Linux /proc)."""
-    _, stats = _process_table()
-    return sum(stats.get(p, 0.0) for p in tree_pids(pid))
+    children, stats = _process_table()
+    return sum(stats.get(p, 0.0) for p in tree_pids(pid, children))
 
 
 def signal_tree(pid: int, sig: int) -> None:

@@ -163,7 +163,8 @@ class KVCache:
     dtype_name: str | None = dataclasses.field(metadata=dict(static=True), default=None)
 
     def __post_init__(self):
-        # lists (from tree_map, say) become tuples so the pytree structure is stable
+        # lists, generators or a stacked array's layers become tuples, so the
+        # pytree structure is stable
         object.__setattr__(self, "k", tuple(self.k))
         object.__setattr__(self, "v", tuple(self.v))
 
@@ -173,7 +174,7 @@ class KVCache:
         return logical_dtype(self.k[0], self.dtype_name)
 
     def replace(self, k, v) -> "KVCache":
-        return dataclasses.replace(self, k=tuple(k), v=tuple(v))
+        return dataclasses.replace(self, k=k, v=v)
 
     @classmethod
     def create(
@@ -214,7 +215,7 @@ class KVCache:
     def from_stacked(cls, k: jax.Array, v: jax.Array, block_size: int, dtype=None) -> "KVCache":
         """From stacked ``[layers, ...]`` storage arrays (``cache_shapes``)."""
         name = None if dtype is None else jnp.dtype(dtype).name
-        return cls(k=tuple(k), v=tuple(v), block_size=block_size, dtype_name=name)
+        return cls(k=k, v=v, block_size=block_size, dtype_name=name)
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """Stacked ``[layers, ...]`` copies of the key and value storage."""
