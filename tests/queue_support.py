@@ -3,8 +3,11 @@
 The BROKER is always the real RabbitMQ; only the engine is replaced, by
 :class:`EchoEngine`, a deterministic double with the real engine's interface
 (see ``jaxserve/worker/engine_thread.py``): its completion is derived from
-the prompt, it schedules interactive before batch within ``max_num_seqs``,
-it can be stalled, slowed, or made to burn CPU (holding the GIL in bursts).
+the prompt, it schedules interactive before batch within ``max_num_seqs`` and, within
+a class, the lower ``priority`` value first (the real scheduler's order); a
+prompt containing :data:`FAIL_MARKER` fails that request's step alone (the
+real engine's containment); it can be stalled, slowed, or made to burn CPU
+(holding the GIL in bursts).
 
 ``make_echo_engine`` is importable as ``tests.queue_support:make_echo_engine``
 for ``jaxserve worker --engine``; it reads ``JAXSERVE_ECHO_*`` environment
@@ -22,6 +25,7 @@ import uuid
 from typing import Any
 
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.worker.lifecycle import job_key_of
 
 
 class ByteTokenizer:
@@ -66,6 +70,10 @@ class _Req:
         self.full, self.reason = expected_completion(self.prompt_text, params.max_tokens, tuple(params.stop))
         self.pieces = [p for p in re.findall(r"\S*\s*", self.full) if p]
         self.pos = 0
+
+
+# A prompt containing this makes EchoEngine fail that request's step (alone).
+FAIL_MARKER = "<<fail-step>>"
 
 
 class EchoEngine:
@@ -124,12 +132,12 @@ class EchoEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError("context_length_exceeded", "too long")
-        self.add_count[request_id] += 1
+        self.add_count[job_key_of(request_id)] += 1  # counted per job key (the worker adds one id per run)
         self.waiting.append(_Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer))
 
     def abort(self, request_id: str) -> bool:
         self.thread_ids.add(threading.get_ident())
-        self.aborted.append(request_id)
+        self.aborted.append(job_key_of(request_id))
         if self.running.pop(request_id, None) is not None:
             return True
         for i, r in enumerate(self.waiting):
@@ -155,8 +163,9 @@ class EchoEngine:
             if r.deadline is not None and now >= r.deadline:
                 self.waiting.remove(r)
                 outs.append(RequestOutput(r.id, [], "", finished=True, finish_reason="error", error=RequestError("expired", "deadline passed while waiting")))
-        # admit: interactive first, then priority, then arrival
-        self.waiting.sort(key=lambda r: (int(r.rc), -r.priority, r.arrival))
+        # admit like the real scheduler's priority policy: interactive first,
+        # then the LOWER priority value, then arrival
+        self.waiting.sort(key=lambda r: (int(r.rc), r.priority, r.arrival))
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting.pop(0)
             self.running[r.id] = r
@@ -169,6 +178,13 @@ class EchoEngine:
             while time.perf_counter() < end:
                 x += 1
         for rid, r in list(self.running.items()):
+            if FAIL_MARKER in r.prompt_text:
+                # Like the real engine's containment: the request whose rows
+                # break the step fails alone, retryable.
+                del self.running[rid]
+                err = RequestError("internal", f"engine step failed for this request: injected ({FAIL_MARKER})", retryable=True)
+                outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="error", error=err))
+                continue
             delta = r.pieces[r.pos] if r.pos < len(r.pieces) else ""
             r.pos += 1
             if r.pos >= len(r.pieces):
@@ -239,7 +255,7 @@ async def delete_prefix(prefix: str) -> None:
     """Delete every queue of a test prefix (incl. reply queues) and its exchanges."""
     import aio_pika
 
-    from jaxserve.worker.topology import Topology, delete_topology
+    from jaxserve.wire.topology import Topology, delete_topology
 
     conn = await aio_pika.connect(AMQP_URL)
     try:
@@ -272,7 +288,7 @@ class WorkerHarness:
         self.workers: list = []
 
     async def start(self, engine: EchoEngine | None = None, store=None, **cfg):
-        from jaxserve.worker.topology import Topology
+        from jaxserve.wire.topology import Topology
         from jaxserve.worker.worker import Worker, WorkerConfig
 
         engine = engine or EchoEngine()

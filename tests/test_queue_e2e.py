@@ -152,7 +152,7 @@ async def test_cut_connection_during_stream_loses_nothing(harness, client, prefi
     assert "".join(got) == want == s.result.text
     r = await client.wait(other, timeout=30)
     assert r.ok and r.text == expected_completion("a plain job", 100)[0]
-    assert w.stats["reconnect_consume"] >= 1 and w.stats["reconnect_publish"] >= 1
+    assert w.stats["reconnect_interactive"] >= 1 and w.stats["reconnect_batch"] >= 1 and w.stats["reconnect_publish"] >= 1
     assert eng.add_count[s.key] == 1 and eng.add_count[other] == 1  # never run twice
     # the redeliveries were fenced and acked: nothing left in the queues
     await wait_until(lambda: not w.active, timeout=10)
@@ -239,11 +239,13 @@ async def test_real_engine_end_to_end(harness, client):
     w = await harness.start(eng)
     s = await client.stream("Hello, my name is", max_tokens=8, temperature=0.0, timeout=300)
     text = "".join([d async for d in s])
-    assert s.result.ok and text == s.result.text and s.result.usage["completion_tokens"] >= 1
+    assert s.result.ok and text == s.result.text and s.result.usage.completion_tokens >= 1
     r = await client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0, timeout=300)
     assert r.ok
-    again = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=4, timeout=60)
+    again = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=4, temperature=0.0, timeout=60)
     assert again.replayed and again.text == r.text
+    reused = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=5, timeout=60)
+    assert reused.error.code == "idempotency_key_reused"
     assert w.stats["done_ok"] == 2
     from prometheus_client import generate_latest
 

@@ -17,7 +17,7 @@ from typing import Any
 import click
 import orjson
 
-from jaxserve.worker.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
+from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
 _amqp_option = click.option(
     "--amqp-url", envvar="JAXSERVE_AMQP_URL", default=DEFAULT_AMQP_URL, show_default=True, help="RabbitMQ URL (env JAXSERVE_AMQP_URL)."
@@ -73,7 +73,10 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
               help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
-@click.option("--store", type=click.Choice(["memory", "redis"]), default="memory", show_default=True, help="Idempotency store.")
+@click.option("--store", type=click.Choice(["sqlite", "memory", "redis"]), default="sqlite", show_default=True,
+              help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None, envvar="JAXSERVE_STATE_DIR",
+              help="Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).")
 @click.option("--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
 @click.option("--heartbeat", type=int, default=30, show_default=True, help="AMQP heartbeat timeout (s).")
 @click.option("--interactive-prefetch", type=int, default=None, help="Default: engine max_num_seqs.")
@@ -84,7 +87,11 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--batch-max-length", type=int, default=1_000_000, show_default=True)
 @click.option("--interactive-ttl-ms", type=int, default=120_000, show_default=True, help="x-message-ttl of the interactive queue.")
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
-@click.option("--claim-lease", type=float, default=30.0, show_default=True, help="Redis store: lease (s) of a key in progress.")
+@click.option("--claim-lease", type=float, default=30.0, show_default=True, help="Lease (s) of a key in progress, renewed while it runs.")
+@click.option("--reply-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds a final reply may take to be confirmed; then the job is requeued (or acked if its destination cannot take it).")
+@click.option("--engine-hang-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True,
+              help="An engine step busy longer than this is a hung engine: requeue everything and exit 1.")
 @click.option("--declare/--no-declare", default=True, show_default=True, help="Declare the topology at start.")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", default="info", show_default=True)
@@ -105,6 +112,7 @@ def worker(
     policy: str | None,
     metrics_port: int | None,
     store: str,
+    state_dir: str | None,
     redis_url: str,
     heartbeat: int,
     interactive_prefetch: int | None,
@@ -116,6 +124,8 @@ def worker(
     interactive_ttl_ms: int,
     max_body_bytes: int,
     claim_lease: float,
+    reply_timeout: float,
+    engine_hang_timeout: float,
     declare: bool,
     log_format: str,
     log_level: str,
@@ -123,9 +133,9 @@ def worker(
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
     from jaxserve.worker.factory import load_factory, parse_engine_args
-    from jaxserve.worker.idempotency import make_store
+    from jaxserve.wire.topology import Topology, TopologyMismatch
     from jaxserve.worker.logs import configure_logging
-    from jaxserve.worker.topology import Topology, TopologyMismatch
+    from jaxserve.worker.store import make_store
     from jaxserve.worker.worker import Worker, WorkerConfig
 
     configure_logging(log_format, log_level)
@@ -155,24 +165,30 @@ def worker(
         drain_timeout=drain_timeout,
         max_body_bytes=max_body_bytes,
         claim_lease_s=claim_lease,
+        reply_timeout_s=reply_timeout,
+        engine_hang_timeout_s=engine_hang_timeout,
         log_text=log_text,
         declare=declare,
         metrics_port=metrics_port,
     )
 
-    async def main() -> None:
-        st = make_store(store, redis_url=redis_url, namespace=prefix)
-        w = Worker(lambda: factory(**kwargs), cfg, store=st)
+    async def main() -> int:
+        # Signals first: a SIGTERM during the engine build or warm-up stops
+        # the worker before it consumes anything.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await w.run(stop)
+        st = make_store(store, redis_url=redis_url, namespace=prefix, state_dir=state_dir)
+        w = Worker(lambda: factory(**kwargs), cfg, store=st)
+        return await w.run(stop)
 
     try:
-        asyncio.run(main())
+        code = asyncio.run(main())
     except TopologyMismatch as exc:
         raise click.ClickException(str(exc)) from None
+    if code:
+        sys.exit(code)
 
 
 # --------------------------------------------------------------------- submit
@@ -359,17 +375,17 @@ def batch(input_path: str, output_path: str, amqp_url: str, prefix: str, queue: 
         if not jobs:
             all_done.set()
 
-        async def on_final(msg: dict[str, Any]) -> None:
-            key = msg.get("id")
+        async def on_final(msg: Any) -> None:
+            key = msg.id
             if key not in pending:
                 return  # a duplicate (at-least-once) or a key of another run
             custom_id = pending.pop(key)
-            rec = dict(msg)
+            rec = msg.to_dict()
             if custom_id is not None:
                 rec["custom_id"] = custom_id
             out.write(orjson.dumps(rec) + b"\n")
             out.flush()
-            counts["ok" if msg.get("status") == "ok" else (msg.get("error") or {}).get("code", "unknown")] += 1
+            counts["ok" if msg.ok else (msg.error.code if msg.error else "unknown")] += 1
             last_result[0] = time.monotonic()
             bar.update(1)
             window.release()
@@ -379,8 +395,24 @@ def batch(input_path: str, output_path: str, amqp_url: str, prefix: str, queue: 
         client = AsyncClient(amqp_url, prefix=prefix, reply_queue=reply_queue, reply_queue_expires_ms=86_400_000, on_unclaimed=on_final, name="jaxserve-batch")
         await client.connect()
         try:
+            def idle() -> bool:
+                return time.monotonic() - last_result[0] > idle_timeout
+
+            async def take_slot() -> bool:
+                """A place in the in-flight window, unless results stop
+                coming for --idle-timeout (a full window must not hang)."""
+                while True:
+                    try:
+                        await asyncio.wait_for(window.acquire(), 1.0)
+                        return True
+                    except asyncio.TimeoutError:
+                        if idle():
+                            return False
+
             for key, body, _ in jobs:
-                await window.acquire()
+                if not await take_slot():
+                    click.echo(f"no result for {idle_timeout:g}s with {max_in_flight} jobs in flight; giving up", err=True)
+                    break
                 if key not in pending:  # answered by a leftover reply already
                     window.release()
                     continue
@@ -389,7 +421,7 @@ def batch(input_path: str, output_path: str, amqp_url: str, prefix: str, queue: 
                 try:
                     await asyncio.wait_for(all_done.wait(), 1.0)
                 except asyncio.TimeoutError:
-                    if time.monotonic() - last_result[0] > idle_timeout:
+                    if idle():
                         break
         finally:
             bar.close()

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import threading
 import time
@@ -25,7 +24,17 @@ import aio_pika
 import aiormq.exceptions
 import orjson
 
-from jaxserve.worker.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX, QUEUE_CLASSES, Topology
+from jaxserve.wire import (
+    DEFAULT_AMQP_URL,
+    DEFAULT_PREFIX,
+    QUEUE_CLASSES,
+    Cancel,
+    Chunk,
+    Result,
+    Topology,
+    WireDecodeError,
+    decode_reply,
+)
 
 T = TypeVar("T")
 
@@ -51,12 +60,12 @@ class NoRoute(QueueError):
 class JobError(QueueError):
     """A final result with ``status: error``."""
 
-    def __init__(self, result: "Result") -> None:
-        err = result.error or {}
-        super().__init__(f"{err.get('code')}: {err.get('message')}")
+    def __init__(self, result: Result) -> None:
+        err = result.error
+        super().__init__(f"{err.code}: {err.message}" if err is not None else "error result without an error")
         self.result = result
-        self.code = err.get("code")
-        self.retryable = bool(err.get("retryable"))
+        self.code = err.code if err is not None else None
+        self.retryable = bool(err is not None and err.retryable)
 
 
 class StreamDiverged(QueueError):
@@ -66,39 +75,6 @@ class StreamDiverged(QueueError):
     def __init__(self, result: "Result") -> None:
         super().__init__(f"stream of {result.id!r} diverged after a restart; use result.text")
         self.result = result
-
-
-@dataclasses.dataclass
-class Result:
-    raw: dict[str, Any]
-
-    @property
-    def id(self) -> str | None:
-        return self.raw.get("id")
-
-    @property
-    def ok(self) -> bool:
-        return self.raw.get("status") == "ok"
-
-    @property
-    def text(self) -> str:
-        return self.raw.get("text", "")
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.raw.get("finish_reason")
-
-    @property
-    def usage(self) -> dict[str, int]:
-        return self.raw.get("usage", {})
-
-    @property
-    def error(self) -> dict[str, Any] | None:
-        return self.raw.get("error")
-
-    @property
-    def replayed(self) -> bool:
-        return bool(self.raw.get("replayed"))
 
 
 def build_job(prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> dict[str, Any]:
@@ -152,7 +128,7 @@ class Stream:
     def text(self) -> str:
         return "".join(self._yielded)
 
-    def _deliver(self, msg: dict[str, Any]) -> None:
+    def _deliver(self, msg: Chunk | Result) -> None:
         self._inbox.put_nowait(msg)
 
     async def __aiter__(self) -> AsyncIterator[str]:
@@ -168,26 +144,23 @@ class Stream:
                     msg = await asyncio.wait_for(self._inbox.get(), wait)
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"no final result for {self.key!r} within {self.timeout}s") from None
-                if msg.get("type") == "chunk":
+                if isinstance(msg, Chunk):
                     self.chunks += 1
-                    mrun = msg.get("run")
                     if run is None:
-                        run = mrun
-                    elif mrun != run:
-                        if not self._yielded and msg.get("seq") == 0:
-                            run, expected, buffered = mrun, 0, {}
+                        run = msg.run
+                    elif msg.run != run:
+                        if not self._yielded and msg.seq == 0:
+                            run, expected, buffered = msg.run, 0, {}
                         else:
                             foreign_run = True  # a restart elsewhere: rely on the final
                             continue
-                    seq = int(msg.get("seq", -1))
-                    if seq < expected or seq in buffered:
+                    if msg.seq < expected or msg.seq in buffered:
                         self.duplicates += 1
                         continue
-                    if seq > expected:
+                    buffered[msg.seq] = msg.text
+                    if msg.seq > expected:
                         self.gaps += 1
-                        buffered[seq] = msg.get("text", "")
                         continue
-                    buffered[seq] = msg.get("text", "")
                     while expected in buffered:
                         delta = buffered.pop(expected)
                         expected += 1
@@ -195,23 +168,22 @@ class Stream:
                             self._yielded.append(delta)
                             yield delta
                     continue
-                if msg.get("type") == "result":
-                    self.result = Result(msg)
-                    if not self.result.ok:
-                        raise JobError(self.result)
-                    so_far = self.text
-                    full = self.result.text
-                    if buffered and not foreign_run:
-                        # chunks were lost in the middle: the final fills in
-                        self.gaps = max(self.gaps, 1)
-                    if full.startswith(so_far):
-                        rest = full[len(so_far):]
-                        if rest:
-                            self._yielded.append(rest)
-                            yield rest
-                    else:
-                        raise StreamDiverged(self.result)
-                    return
+                self.result = msg
+                if not msg.ok:
+                    raise JobError(msg)
+                so_far = self.text
+                full = msg.text or ""
+                if buffered and not foreign_run:
+                    # chunks were lost in the middle: the final fills in
+                    self.gaps = max(self.gaps, 1)
+                if full.startswith(so_far):
+                    rest = full[len(so_far):]
+                    if rest:
+                        self._yielded.append(rest)
+                        yield rest
+                else:
+                    raise StreamDiverged(msg)
+                return
         finally:
             self.client._streams.pop(self.key, None)
 
@@ -224,7 +196,7 @@ class AsyncClient:
         prefix: str = DEFAULT_PREFIX,
         reply_queue: str | None = None,
         reply_queue_expires_ms: int = 300_000,
-        on_unclaimed: Callable[[dict[str, Any]], Awaitable[None] | None] | None = None,
+        on_unclaimed: Callable[[Result], Awaitable[None] | None] | None = None,
         name: str = "jaxserve-client",
     ) -> None:
         self.url = url
@@ -279,21 +251,19 @@ class AsyncClient:
     # ---------------------------------------------------------- replies
     async def _on_reply(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         try:
-            msg = orjson.loads(message.body)
-        except orjson.JSONDecodeError:
-            await message.ack()
+            msg = decode_reply(message.body)
+        except WireDecodeError:
+            await message.ack()  # not ours to interpret
             return
-        key = msg.get("id") if isinstance(msg, dict) else None
-        if key is None and isinstance(msg, dict):
-            key = message.correlation_id
+        key = msg.id if msg.id is not None else message.correlation_id
         stream = self._streams.get(key) if key is not None else None
         if stream is not None:
             stream._deliver(msg)
-        if isinstance(msg, dict) and msg.get("type") == "result":
+        if isinstance(msg, Result):
             # The future stays until wait() takes it (it may be called late).
             fut = self._futures.get(key) if key is not None else None
             if fut is not None and not fut.done():
-                fut.set_result(Result(msg))
+                fut.set_result(msg)
             elif fut is None and stream is None and self.on_unclaimed is not None:
                 r = self.on_unclaimed(msg)
                 if asyncio.iscoroutine(r):
@@ -406,7 +376,7 @@ class AsyncClient:
         assert self._pub_ch is not None
         exch = await self._pub_ch.get_exchange(self.topo.control, ensure=False)
         await exch.publish(
-            aio_pika.Message(orjson.dumps({"type": "cancel", "id": key}), content_type="application/json"),
+            aio_pika.Message(Cancel(id=key).to_bytes(), content_type="application/json"),
             routing_key="",
             mandatory=False,
         )

@@ -1,7 +1,9 @@
 """jaxserve.worker: the RabbitMQ queue worker (see docs/protocol.md).
 
 Heavy imports live in submodules: ``jaxserve.worker.worker.Worker``,
+``jaxserve.worker.lifecycle`` (a job key's states and deliveries),
+``jaxserve.worker.replies`` (publishing with deadlines),
 ``jaxserve.worker.engine_thread.EngineThread``,
-``jaxserve.worker.idempotency`` (MemoryStore, RedisStore),
-``jaxserve.worker.topology`` (names and arguments, pure data).
+``jaxserve.worker.store`` (sqlite, memory and Redis idempotency stores).
+Names, messages and validation shared with producers are in ``jaxserve.wire``.
 """

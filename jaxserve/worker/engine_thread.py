@@ -5,6 +5,27 @@ asyncio code sends commands through a thread-safe queue and gets results as
 futures; step outputs are delivered to the event loop with
 ``loop.call_soon_threadsafe``. While the engine has work the thread loops
 ``step()``; when idle it blocks on the command queue.
+
+Failure handling:
+
+- A ``step()`` that raises is reported to ``on_step_error`` (on the loop) and
+  the thread carries on: the engine contains per-request failures itself,
+  so an exception out of ``step()`` means the step as a whole failed.
+- It is fatal when the engine says it cannot recover (``EngineBroken``) or
+  when ``max_consecutive_step_failures`` steps in a row failed (a success in
+  between resets the count): the thread stops and ``on_fatal(exc)`` is
+  called on the loop, after the ``on_step_error`` of that failure.
+- Whenever the thread has exited, for whatever reason, every command still
+  queued and every later one fails with :class:`EngineThreadDead`, so no
+  coroutine awaits a future that nothing will resolve. Any exit other than
+  :meth:`EngineThread.stop` (a fatal step failure, an exception escaping the
+  loop) also calls ``on_fatal``.
+- For a watchdog: ``busy_since_mono`` is the ``time.monotonic()`` at which
+  the step or command now running started (``None`` while the thread waits
+  for work, so an idle engine never looks hung), and ``last_progress_mono``
+  the time the last step or command completed. Busy for longer than a
+  step can take means hung; note that ``warmup`` is a command and may run
+  for minutes.
 """
 
 from __future__ import annotations
@@ -15,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput, SamplingParams
 
 OutputsCallback = Callable[[Sequence[RequestOutput]], None]
 FailureCallback = Callable[[BaseException], None]
@@ -23,7 +44,22 @@ FailureCallback = Callable[[BaseException], None]
 _STOP = object()
 
 
+class EngineThreadDead(RuntimeError):
+    """The engine thread has exited: a command sent to it will never run.
+    ``__cause__`` is what ended it (``None`` after :meth:`EngineThread.stop`)."""
+
+
 class EngineThread:
+    """Runs an engine on a thread of its own (see the module docstring).
+
+    ``on_fatal(exc)``: called on the loop once, when the thread dies for any
+    reason other than :meth:`stop`; ``exc`` is the ``EngineBroken`` that
+    ``step()`` raised, an ``EngineBroken`` naming the last of
+    ``max_consecutive_step_failures`` failed steps (its ``__cause__``), or
+    the exception that escaped the thread's loop. The engine must then be
+    considered lost (restart the process).
+    """
+
     def __init__(
         self,
         engine: Any,
@@ -32,19 +68,44 @@ class EngineThread:
         on_step_error: FailureCallback | None = None,
         *,
         on_step: Callable[[Any, Sequence[RequestOutput]], None] | None = None,
+        on_fatal: FailureCallback | None = None,
+        max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
     ) -> None:
+        if (
+            not isinstance(max_consecutive_step_failures, int)
+            or isinstance(max_consecutive_step_failures, bool)
+            or max_consecutive_step_failures < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_step_failures must be an integer >= 1, got {max_consecutive_step_failures!r}"
+            )
         self.engine = engine
         # Runs on the engine thread after every step (metrics); must be cheap.
         self.on_step = on_step
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
+        self.on_fatal = on_fatal
+        self.max_consecutive_step_failures = max_consecutive_step_failures
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
+        # Guards the hand-over between _call queueing a command and the dying
+        # thread draining the queue: a command is either queued before the
+        # drain (and failed by it) or sees _dead set (and fails at once).
+        self._lock = threading.Lock()
+        self._dead: tuple[str, BaseException | None] | None = None  # (message, cause) once exited
+        self._stop_requested = False
         self.steps = 0
         self.busy_s = 0.0
+        self.consecutive_step_failures = 0
+        #: what ended the thread, other than stop(); None while it lives
+        self.fatal_error: BaseException | None = None
+        #: time.monotonic() when the last step or command completed
+        self.last_progress_mono = time.monotonic()
+        #: time.monotonic() when the running step or command started; None when idle
+        self.busy_since_mono: float | None = None
 
     # ---- asyncio side -------------------------------------------------
     def start(self) -> None:
@@ -52,7 +113,12 @@ class EngineThread:
 
     def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
         fut = self.loop.create_future()
-        self._cmds.put((fn, fut))
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._cmds.put((fn, fut))
+        if dead is not None:
+            fut.set_exception(self._dead_error())
         return fut
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
@@ -72,7 +138,8 @@ class EngineThread:
         priority: int = 0,
         deadline: float | None = None,
     ) -> asyncio.Future:
-        """Future: None once admitted, or a :class:`RequestError`."""
+        """Future: None once admitted, or a :class:`RequestError`
+        (:class:`EngineThreadDead` if the thread is gone)."""
         return self._call(
             lambda: self.engine.add_request(
                 request_id, prompt, params, request_class=request_class, priority=priority, deadline=deadline
@@ -83,6 +150,9 @@ class EngineThread:
         return self._call(lambda: self.engine.abort(request_id))
 
     def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop after the command or step in progress; commands still queued
+        then fail with :class:`EngineThreadDead`. ``on_fatal`` is not called."""
+        self._stop_requested = True
         self._cmds.put(_STOP)
         self._thread.join(timeout)
 
@@ -91,6 +161,12 @@ class EngineThread:
         return self._thread.is_alive()
 
     # ---- engine thread -----------------------------------------------
+    def _dead_error(self) -> EngineThreadDead:
+        message, cause = self._dead  # type: ignore[misc]
+        err = EngineThreadDead(message)
+        err.__cause__ = cause
+        return err
+
     def _resolve(self, fut: asyncio.Future, result: Any = None, exc: BaseException | None = None) -> None:
         def done() -> None:
             if fut.done():
@@ -109,54 +185,119 @@ class EngineThread:
         if item is _STOP:
             return False
         fn, fut = item
+        self.busy_since_mono = time.monotonic()
+        result = error = None
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - forwarded to the awaiting coroutine
-            self._resolve(fut, exc=exc)
-        else:
-            self._resolve(fut, result)
+            error = exc
+        # Not busy any more before the caller can see the outcome.
+        self.last_progress_mono = time.monotonic()
+        self.busy_since_mono = None
+        self._resolve(fut, result, error)
         return True
 
     def _run(self) -> None:
-        engine = self.engine
+        escaped: BaseException | None = None
         try:
-            while True:
-                # Block when idle; otherwise drain pending commands and step.
-                if not engine.has_unfinished():
-                    if not self._run_cmd(self._cmds.get()):
-                        return
-                while True:
-                    try:
-                        item = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not self._run_cmd(item):
-                        return
-                if not engine.has_unfinished():
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    outputs = engine.step()
-                except Exception as exc:  # noqa: BLE001
-                    self.busy_s += time.perf_counter() - t0
-                    if self.on_step_error is not None:
-                        try:
-                            self.loop.call_soon_threadsafe(self.on_step_error, exc)
-                        except RuntimeError:
-                            return
-                    time.sleep(0.05)  # never spin hot on a broken engine
-                    continue
-                self.busy_s += time.perf_counter() - t0
-                self.steps += 1
-                if self.on_step is not None:
-                    try:
-                        self.on_step(engine, outputs)
-                    except Exception:  # noqa: BLE001 - metrics must never stop serving
-                        pass
-                if outputs:
-                    try:
-                        self.loop.call_soon_threadsafe(self.on_outputs, list(outputs))
-                    except RuntimeError:
-                        return
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the thread dies; see _exit
+            escaped = exc
         finally:
-            self._stopped.set()
+            self._exit(escaped)
+
+    def _loop(self) -> None:
+        """Serve commands and step the engine until stopped or fatal."""
+        engine = self.engine
+        while True:
+            # Block when idle; otherwise drain pending commands and step.
+            if not engine.has_unfinished():
+                if not self._run_cmd(self._cmds.get()):
+                    return
+            while True:
+                try:
+                    item = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._run_cmd(item):
+                    return
+            if not engine.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            self.busy_since_mono = time.monotonic()
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001
+                self.busy_s += time.perf_counter() - t0
+                self.busy_since_mono = None
+                if not self._step_failed(exc):
+                    return
+                time.sleep(0.05)  # never spin hot on a broken engine
+                continue
+            self.busy_s += time.perf_counter() - t0
+            self.steps += 1
+            self.consecutive_step_failures = 0
+            self.last_progress_mono = time.monotonic()
+            self.busy_since_mono = None
+            if self.on_step is not None:
+                try:
+                    self.on_step(engine, outputs)
+                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                    pass
+            if outputs:
+                try:
+                    self.loop.call_soon_threadsafe(self.on_outputs, list(outputs))
+                except RuntimeError:
+                    return
+
+    def _step_failed(self, exc: Exception) -> bool:
+        """Report a failed step; returns whether the thread may go on."""
+        if self.on_step_error is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.on_step_error, exc)
+            except RuntimeError:  # loop closed
+                return False
+        self.consecutive_step_failures += 1
+        if isinstance(exc, EngineBroken):
+            self.fatal_error = exc
+            return False
+        if self.consecutive_step_failures >= self.max_consecutive_step_failures:
+            fatal = EngineBroken(
+                f"{self.consecutive_step_failures} engine steps in a row failed; the last with {exc!r}"
+            )
+            fatal.__cause__ = exc
+            self.fatal_error = fatal
+            return False
+        return True
+
+    def _exit(self, escaped: BaseException | None) -> None:
+        """The thread is ending: fail every queued command (and, through
+        ``_dead``, every later one), and report a death other than stop()."""
+        self.busy_since_mono = None
+        if self.fatal_error is None and escaped is not None:
+            self.fatal_error = escaped
+        stopped = self._stop_requested
+        if stopped:
+            dead = ("the engine thread was stopped", None)
+        else:
+            cause = self.fatal_error
+            if cause is None:  # it returned because the event loop is closed
+                cause = self.fatal_error = RuntimeError("the event loop closed under the engine thread")
+            dead = (f"the engine thread died: {cause!r}", cause)
+        with self._lock:
+            self._dead = dead
+            pending = []
+            while True:
+                try:
+                    pending.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+        for item in pending:
+            if item is not _STOP:
+                self._resolve(item[1], exc=self._dead_error())
+        if not stopped and self.on_fatal is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.on_fatal, self.fatal_error)
+            except RuntimeError:  # loop closed
+                pass
+        self._stopped.set()

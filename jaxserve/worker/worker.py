@@ -1,20 +1,30 @@
 """The queue worker: RabbitMQ on asyncio, the engine on its own thread.
 
-Life of a job (see docs/protocol.md for the wire contract):
+Life of a job (the states are :mod:`jaxserve.worker.lifecycle`'s; the wire
+contract is ``docs/protocol.md``):
 
-1. A delivery arrives on the interactive or batch consumer. Each consumer has
-   its own channel and a prefetch tied to the engine's capacity: the prefetch
-   is the backpressure (batch never gets the interactive reserve).
-2. It is parsed and validated; a bad job gets its error reply and is acked.
-3. It is fenced by key: a key already running here attaches the delivery as a
-   waiter; a key with a stored final result is replayed; a key claimed by
-   another worker (Redis store) is held until that worker finishes or its
-   lease runs out.
+1. A delivery arrives on the interactive or batch consumer. Each consumer
+   has a connection and channel of its own and a prefetch tied to the
+   engine's capacity: the prefetch is the backpressure (batch never gets the
+   interactive reserve). Control (cancels) has its own connection too, and
+   replies go out over a publishing connection, so no consumer shares
+   another's fate.
+2. Properties that do not decode, a forbidden ``reply_to`` or a bad body get
+   an ``invalid_request`` result (``jaxserve.wire`` does every range check)
+   and are acked.
+3. The key is fenced: a key already here attaches the delivery to its job; a
+   key with a stored result is replayed (or refused as reused, if the body
+   differs); a key claimed by another worker is held until that claim ends.
 4. The engine thread runs it; text deltas are coalesced into ordered chunks
-   by a per-job sender; the final result is published with publisher
-   confirms, stored, and only then the delivery is acked on its own channel
-   (if that channel died meanwhile, it is not acked: the broker redelivers
-   and the redelivery is answered from the store without running again).
+   by a per-job sender; the final result is stored, published with
+   confirms, and only then is each delivery acked on its own channel.
+
+Faults: a store outage makes jobs wait (never an error they did not earn);
+an engine failure of one request is that request's (the engine contains
+it), a retryable internal error is requeued so ``x-delivery-limit`` ends a
+job that keeps failing; an engine thread that dies or hangs, or fails
+``max_consecutive_step_failures`` steps in a row, stops the worker: it
+requeues what it holds and exits non-zero for its supervisor to restart.
 """
 
 from __future__ import annotations
@@ -28,30 +38,45 @@ import uuid
 from typing import Any, Callable
 
 import aio_pika
-import aiormq.exceptions
 import structlog
 from yarl import URL
 
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
 from jaxserve.metrics import EngineMetrics
 from jaxserve.metrics import serve as serve_metrics
-from jaxserve.worker import protocol
+from jaxserve.wire import (
+    BATCH,
+    DEFAULT_AMQP_URL,
+    DEFAULT_MAX_BODY_BYTES,
+    INTERACTIVE,
+    Chunk,
+    JobLimits,
+    JobProperties,
+    Result,
+    Topology,
+    WireDecodeError,
+    check_reply_to,
+    decode_cancel,
+    parse_job,
+)
+from jaxserve.wire.topology import declare_topology
+from jaxserve.worker import amqp_compat
 from jaxserve.worker.engine_thread import EngineThread
-from jaxserve.worker.idempotency import MemoryStore
-from jaxserve.worker.topology import BATCH, DEFAULT_AMQP_URL, INTERACTIVE, Topology, declare_topology
+from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
+from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
+from jaxserve.worker.store import MemoryStore, Record, StoreUnavailable
 
 log = structlog.get_logger("jaxserve.worker")
 
-QUORUM_MAX_PREFETCH = 2000
+amqp_compat.install()
 
-_CONNECTION_ERRORS = (
-    aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.AMQPConnectionError,
-    aiormq.exceptions.ChannelClosed,
-    ConnectionError,
-    asyncio.TimeoutError,
-    RuntimeError,
-)
+QUORUM_MAX_PREFETCH = 2000
+_ADMISSION = frozenset({JobState.ADMITTING, JobState.HELD})
+
+
+class _Abandoned(Exception):
+    """The job left the phase a coroutine was serving (requeued, cancelled,
+    finished by someone else): that coroutine stops quietly."""
 
 
 @dataclasses.dataclass
@@ -63,91 +88,63 @@ class WorkerConfig:
     interactive_prefetch: int | None = None  # default: engine.max_num_seqs
     batch_prefetch: int | None = None  # default: max_num_seqs - interactive_reserved_seqs
     drain_timeout: float = 30.0
-    max_body_bytes: int = protocol.DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     claim_lease_s: float = 30.0
     claim_poll_s: float = 0.5
-    cancel_ttl_s: float = 600.0
+    # Cancels outlive any wait a job can have in the broker by default.
+    cancel_ttl_s: float = 86400.0
+    # Every final reply ends within this (then: requeue or, for a destination
+    # that can never take it, ack); chunks get the shorter chunk_timeout_s.
+    reply_timeout_s: float = 60.0
+    chunk_timeout_s: float = 10.0
+    store_retry_max_s: float = 5.0  # backoff cap while the store is unreachable
+    engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
+    max_consecutive_step_failures: int = 5
     log_text: bool = False
     declare: bool = True
     metrics_port: int | None = None  # serve Prometheus /metrics here when set
     worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
-@dataclasses.dataclass
-class Delivery:
-    message: aio_pika.abc.AbstractIncomingMessage
-    reply_to: str
-    correlation_id: str | None
-
-    @property
-    def dest(self) -> str:
-        return f"{self.reply_to}|{self.correlation_id or ''}"
-
-
-class ActiveJob:
-    """One key being served by this worker."""
-
-    def __init__(self, key: str, delivery: Delivery, queue_class: str, received_at: float) -> None:
-        self.key = key
-        self.primary = delivery
-        self.waiters: list[Delivery] = []
-        self.queue_class = queue_class
-        self.job: protocol.Job | None = None
-        self.run = uuid.uuid4().hex[:12]
-        self.received_at = received_at
-        self.received_mono = time.monotonic()
-        self.admitted_mono: float | None = None
-        self.first_token_mono: float | None = None
-        self.in_engine = False
-        self.seq = 0
-        self.pending_text: list[str] = []
-        self.text_parts: list[str] = []
-        self.outbox_event = asyncio.Event()
-        self.final: dict[str, Any] | None = None
-        self.done = asyncio.Event()
-        self.sender: asyncio.Task | None = None
-        self.deadline_handle: asyncio.TimerHandle | None = None
-        self.requeue = False
-        self.client_gone = False
-        self.stop_outputs = False
-
-
-def _published_at(message: aio_pika.abc.AbstractIncomingMessage) -> float | None:
+def _published_at(message: Any) -> float | None:
     """When the producer published: header ``x-published-at-ms`` (epoch
     milliseconds, integer), else the AMQP ``timestamp`` (whole seconds)."""
     hdr = (message.headers or {}).get("x-published-at-ms")
     try:
-        if hdr is not None:
+        if hdr is not None and not isinstance(hdr, bool):
             return int(hdr) / 1000.0
         if message.timestamp is not None:
             return message.timestamp.timestamp()
-    except (TypeError, ValueError, OverflowError, AttributeError):
+    except (TypeError, ValueError, OverflowError, AttributeError, OSError):
         pass
     return None
 
 
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
 class Worker:
-    def __init__(
-        self,
-        engine_factory: Callable[[], Any],
-        config: WorkerConfig | None = None,
-        store: Any = None,
-    ) -> None:
+    def __init__(self, engine_factory: Callable[[], Any], config: WorkerConfig | None = None, store: Any = None) -> None:
         self.engine_factory = engine_factory
         self.cfg = config or WorkerConfig()
         self.topo = self.cfg.topology
         self.store = store if store is not None else MemoryStore()
         self.engine: Any = None
         self.engine_thread: EngineThread | None = None
-        self.active: dict[str, ActiveJob] = {}
+        self.active: dict[str, KeyJob] = {}
+        self._by_rid: dict[str, KeyJob] = {}  # engine request id -> job
+        self._cancelled_here: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
-        self._consume_conn: aio_pika.abc.AbstractRobustConnection | None = None
-        self._publish_conn: aio_pika.abc.AbstractRobustConnection | None = None
+        self._conns: dict[str, aio_pika.abc.AbstractRobustConnection] = {}
         self._channels: dict[str, aio_pika.abc.AbstractRobustChannel] = {}
         self._queues: dict[str, aio_pika.abc.AbstractRobustQueue] = {}
         self._consumer_tags: dict[str, str] = {}
-        self._pub_channel: aio_pika.abc.AbstractRobustChannel | None = None
+        self.publisher: ReplyPublisher | None = None
+        self.limits = JobLimits(max_body_bytes=self.cfg.max_body_bytes)
         self._closing = False
+        self._fatal = asyncio.Event()
+        self.fatal_error: str | None = None
         self.ready = asyncio.Event()
         self.stats: collections.Counter = collections.Counter()
         self.prefetch: dict[str, int] = {}
@@ -155,27 +152,70 @@ class Worker:
 
     # ------------------------------------------------------------------ life
     def _url(self) -> URL:
-        url = URL(self.cfg.amqp_url)
-        return url.update_query(heartbeat=str(int(self.cfg.heartbeat)))
+        return URL(self.cfg.amqp_url).update_query(heartbeat=str(int(self.cfg.heartbeat)))
 
-    async def start(self) -> None:
-        """Build and compile the engine, connect, declare, then consume."""
+    @staticmethod
+    async def _unless_stopped(awaitable: Any, stop: asyncio.Event | None) -> tuple[bool, Any]:
+        """Await ``awaitable``: (True, its value), or (False, None) when
+        ``stop`` is set first (it is left to finish on its own)."""
+        fut = asyncio.ensure_future(awaitable)
+        if stop is None:
+            return True, await fut
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({fut, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if fut.done():
+            return True, fut.result()
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return False, None
+
+    async def start(self, stop: asyncio.Event | None = None) -> bool:
+        """Build and compile the engine, connect, declare, then consume.
+        Returns False, without consuming, when ``stop`` is set first."""
+        if not await self.start_engine(stop) or (stop is not None and stop.is_set()):
+            return False
+        await self._connect()
+        self._spawn(self._renew_loop())
+        self._spawn(self._watchdog_loop())
+        self.ready.set()
+        return True
+
+    async def start_engine(self, stop: asyncio.Event | None = None) -> bool:
+        """Build the engine, start its thread, compile every bucket; no AMQP
+        yet. False when ``stop`` is set first."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        self.engine = await asyncio.to_thread(self.engine_factory)
+        built, self.engine = await self._unless_stopped(asyncio.to_thread(self.engine_factory), stop)
+        if not built:
+            log.info("worker_stopped_before_consuming", phase="engine_build")
+            return False
         self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
         if self.cfg.metrics_port is not None:
             serve_metrics(self.metrics, self.cfg.metrics_port)
         record = self.metrics.record_step if hasattr(self.engine, "scheduler") else None
         self.engine_thread = EngineThread(
-            self.engine, loop, self._on_outputs, self._on_step_error, on_step=record
+            self.engine,
+            loop,
+            self._on_outputs,
+            self._on_step_error,
+            on_step=record,
+            on_fatal=self._on_engine_fatal,
+            max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
         )
         self.engine_thread.start()
         # Compile every shape bucket before taking any job (no AMQP yet, so
         # nothing can miss a heartbeat while compilation holds the GIL).
-        await self.engine_thread.warmup()
+        if not (await self._unless_stopped(self.engine_thread.warmup(), stop))[0]:
+            log.info("worker_stopped_before_consuming", phase="warmup")
+            return False
         log.info("engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
-
+        self.limits = JobLimits(
+            max_body_bytes=self.cfg.max_body_bytes,
+            vocab_size=self._vocab_size(),
+            max_model_len=getattr(self.engine, "max_model_len", None),
+        )
         max_seqs = int(getattr(self.engine, "max_num_seqs", 8))
         reserved = int(getattr(self.engine, "interactive_reserved_seqs", 0))
         reserved = min(max(reserved, 0), max(max_seqs - 1, 0))
@@ -183,34 +223,48 @@ class Worker:
             INTERACTIVE: min(QUORUM_MAX_PREFETCH, self.cfg.interactive_prefetch or max_seqs),
             BATCH: min(QUORUM_MAX_PREFETCH, self.cfg.batch_prefetch or max(1, max_seqs - reserved)),
         }
+        return True
 
-        url = self._url()
-        kw = {"reconnect_interval": self.cfg.reconnect_interval, "client_properties": {"connection_name": f"jaxserve-worker-consume {self.cfg.worker_id}"}}
-        self._consume_conn = await aio_pika.connect_robust(url, **kw)
-        kw["client_properties"] = {"connection_name": f"jaxserve-worker-publish {self.cfg.worker_id}"}
-        self._publish_conn = await aio_pika.connect_robust(url, **kw)
-        for conn, name in ((self._consume_conn, "consume"), (self._publish_conn, "publish")):
-            conn.reconnect_callbacks.add(self._make_reconnect_cb(name))
-            conn.close_callbacks.add(self._make_close_cb(name))
+    def _vocab_size(self) -> int | None:
+        cfg = getattr(self.engine, "model_config", None)
+        size = getattr(cfg, "vocab_size", None) or getattr(self.engine, "vocab_size", None)
+        return int(size) if isinstance(size, int) else None
+
+    async def _open(self, name: str) -> aio_pika.abc.AbstractRobustConnection:
+        conn = await aio_pika.connect_robust(
+            self._url(),
+            reconnect_interval=self.cfg.reconnect_interval,
+            client_properties={"connection_name": f"jaxserve-worker-{name} {self.cfg.worker_id}"},
+        )
+        conn.reconnect_callbacks.add(self._make_reconnect_cb(name))
+        conn.close_callbacks.add(self._make_close_cb(name))
+        self._conns[name] = conn
+        return conn
+
+    async def _connect(self) -> None:
+        self.publisher = ReplyPublisher(
+            self._url(), name=self.cfg.worker_id, reconnect_interval=self.cfg.reconnect_interval, stats=self.stats
+        )
+        pub = await self.publisher.start()
+        pub.reconnect_callbacks.add(self._make_reconnect_cb("publish"))
+        pub.close_callbacks.add(self._make_close_cb("publish"))
+        control = await self._open("control")
         if self.cfg.declare:
-            await declare_topology(self._consume_conn, self.topo)
-        self._pub_channel = await self._publish_conn.channel(publisher_confirms=True, on_return_raises=True)
-
+            await declare_topology(control, self.topo)
         # Control first, so a cancel for a job we are about to take is seen.
-        ctl = await self._consume_conn.channel()
+        ctl = await control.channel()
         self._channels["control"] = ctl
         ctl_ex = await ctl.declare_exchange(self.topo.control, aio_pika.ExchangeType.FANOUT, durable=True)
         ctl_q = await ctl.declare_queue("", exclusive=True, auto_delete=True)
         await ctl_q.bind(ctl_ex)
         self._queues["control"] = ctl_q
         self._consumer_tags["control"] = await ctl_q.consume(self._on_control, no_ack=True)
-
         for qc in (INTERACTIVE, BATCH):
-            ch = await self._consume_conn.channel()
+            conn = await self._open(qc)
+            ch = await conn.channel()
             await ch.set_qos(prefetch_count=self.prefetch[qc])
             self._channels[qc] = ch
-            name = self.topo.queue_for(qc)
-            q = await ch.declare_queue(name, durable=True, arguments=self.topo.job_queue_arguments(qc))
+            q = await ch.declare_queue(self.topo.queue_for(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
             self._queues[qc] = q
             self._consumer_tags[qc] = await q.consume(self._make_job_cb(qc), no_ack=False)
         log.info(
@@ -221,8 +275,6 @@ class Worker:
             prefetch=self.prefetch,
             heartbeat=self.cfg.heartbeat,
         )
-        self._spawn(self._renew_loop())
-        self.ready.set()
 
     def _make_reconnect_cb(self, name: str) -> Callable:
         def cb(*_: Any) -> None:
@@ -239,11 +291,18 @@ class Worker:
 
         return cb
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Start, serve until ``stop`` is set, then drain and close."""
-        await self.start()
-        await stop.wait()
-        await self.shutdown()
+    async def run(self, stop: asyncio.Event) -> int:
+        """Start, serve until ``stop`` is set or the engine fails for good,
+        then drain and close. Returns the process exit status: 0, or 1 after
+        a fatal engine failure (the supervisor should restart the worker)."""
+        if await self.start(stop):
+            stopper = asyncio.ensure_future(stop.wait())
+            fatal = asyncio.ensure_future(self._fatal.wait())
+            await asyncio.wait({stopper, fatal}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            fatal.cancel()
+        await self.shutdown(drain_timeout=0.0 if self._fatal.is_set() else None)
+        return 1 if self._fatal.is_set() else 0
 
     async def stop_consuming(self) -> None:
         for qc in (INTERACTIVE, BATCH):
@@ -251,12 +310,12 @@ class Worker:
             if q is not None and tag is not None:
                 try:
                     await q.cancel(tag)
-                except _CONNECTION_ERRORS as exc:
+                except Exception as exc:  # noqa: BLE001 - a dead channel consumes nothing anyway
                     log.warning("cancel_consumer_failed", queue=qc, error=str(exc))
 
     async def shutdown(self, drain_timeout: float | None = None) -> None:
-        """Drain: stop consuming, let in-flight jobs finish within the
-        deadline, requeue the rest, close everything."""
+        """Drain: stop consuming, let held jobs finish within the deadline,
+        requeue the rest, close everything."""
         timeout = self.cfg.drain_timeout if drain_timeout is None else drain_timeout
         log.info("worker_draining", in_flight=len(self.active), timeout_s=timeout)
         await self.stop_consuming()
@@ -264,13 +323,15 @@ class Worker:
         while self.active and time.monotonic() < t_end:
             await asyncio.sleep(0.05)
         leftover = list(self.active.values())
-        for aj in leftover:
-            await self._requeue_job(aj)
+        for kj in leftover:
+            await self._requeue(kj, "drain")
         self._closing = True
         for t in list(self._tasks):
             t.cancel()
-        for conn in (self._consume_conn, self._publish_conn):
-            if conn is not None and not conn.is_closed:
+        if self.publisher is not None:
+            await self.publisher.close()
+        for conn in self._conns.values():
+            if not conn.is_closed:
                 try:
                     await conn.close()
                 except Exception:  # noqa: BLE001
@@ -281,7 +342,7 @@ class Worker:
             await self.store.close()
         except Exception:  # noqa: BLE001
             pass
-        log.info("worker_stopped", requeued=len(leftover), stats=dict(self.stats))
+        log.info("worker_stopped", requeued=len(leftover), fatal=self.fatal_error, stats=dict(self.stats))
 
     # ------------------------------------------------------------- helpers
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -293,64 +354,58 @@ class Worker:
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
+            self.stats["worker_task_failed"] += 1
             log.error("worker_task_failed", error=repr(task.exception()), exc_info=task.exception())
 
-    async def _settle(self, message: aio_pika.abc.AbstractIncomingMessage, *, requeue: bool | None = None) -> bool:
-        """Ack (requeue None) or nack on the delivery's own channel. If that
-        channel is gone, do nothing: the broker has requeued it already."""
-        try:
-            if requeue is None:
-                await message.ack()
-                self.stats["acked"] += 1
-            else:
-                await message.nack(requeue=requeue)
-                self.stats["nacked"] += 1
-            return True
-        except (aiormq.exceptions.ChannelInvalidStateError, aiormq.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
-            self.stats["settle_skipped"] += 1
-            log.warning("settle_skipped_channel_closed", message_id=message.message_id, error=type(exc).__name__)
-            return False
+    def _forget(self, kj: KeyJob) -> None:
+        """Remove ``kj`` from the active table, only if it is still the one
+        serving its key."""
+        if self.active.get(kj.key) is kj:
+            del self.active[kj.key]
+        if self._by_rid.get(kj.request_id) is kj:
+            del self._by_rid[kj.request_id]
 
-    async def _publish(self, routing_key: str, payload: dict[str, Any], *, correlation_id: str | None, message_id: str | None, deadline: float | None = None) -> str:
-        """Publish a reply with confirms. Retries through reconnects.
-        Returns 'ok', 'unroutable' or 'failed'."""
-        body = protocol.dumps(payload)
-        msg = aio_pika.Message(
-            body,
-            content_type="application/json",
-            correlation_id=correlation_id,
-            message_id=message_id,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            timestamp=time.time(),
-        )
-        delay = 0.05
-        nacks = 0
+    async def _store(self, kj: KeyJob | None, fn: Callable, *args: Any) -> Any:
+        """Call the store, waiting out outages with backoff. While the job
+        waits in admission it is HELD. Raises :class:`_Abandoned` when the
+        job leaves the phase it was in meanwhile."""
+        phase = None if kj is None else (_ADMISSION if kj.state in _ADMISSION else frozenset({kj.state}))
+        delay, warned = 0.1, False
         while True:
-            ch = self._pub_channel
             try:
-                if ch is None:
-                    raise aiormq.exceptions.ChannelInvalidStateError("no publish channel")
-                await ch.default_exchange.publish(msg, routing_key=routing_key, mandatory=True, timeout=10)
-                return "ok"
-            except aiormq.exceptions.PublishError:
-                self.stats["reply_unroutable"] += 1
-                log.warning("reply_unroutable", reply_to=routing_key, message_id=message_id)
-                return "unroutable"
-            except aiormq.exceptions.DeliveryError:
-                nacks += 1
-                if nacks >= 5:
-                    log.error("reply_nacked", reply_to=routing_key, message_id=message_id)
-                    return "failed"
-            except _CONNECTION_ERRORS as exc:
-                self.stats["publish_retry"] += 1
-                log.debug("publish_retry", error=type(exc).__name__)
-            if self._closing or (deadline is not None and time.monotonic() > deadline):
-                return "failed"
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+                value = await fn(*args)
+            except StoreUnavailable as exc:
+                self.stats["store_unavailable"] += 1
+                if not warned:
+                    log.warning("store_unavailable_waiting", key=None if kj is None else kj.key, error=str(exc))
+                    warned = True
+                if kj is not None and kj.state is JobState.ADMITTING:
+                    kj.to(JobState.HELD)
+                if self._closing:
+                    raise _Abandoned from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.cfg.store_retry_max_s)
+                if kj is not None and kj.state not in phase:
+                    raise _Abandoned from None
+                continue
+            if kj is not None:
+                if kj.state not in phase:
+                    raise _Abandoned
+                if kj.state is JobState.HELD:
+                    kj.to(JobState.ADMITTING)
+            return value
 
-    async def _reply_final(self, d: Delivery, result: dict[str, Any]) -> str:
-        return await self._publish(d.reply_to, result, correlation_id=d.correlation_id, message_id=result.get("id"))
+    async def _best_effort(self, what: str, fn: Callable, *args: Any) -> None:
+        """A store write whose loss costs nothing but efficiency."""
+        try:
+            await fn(*args)
+        except StoreUnavailable as exc:
+            self.stats["store_write_skipped"] += 1
+            log.warning("store_write_skipped", what=what, error=str(exc))
+
+    def _count_job(self, queue_class: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.job(queue_class, outcome)
 
     # ---------------------------------------------------------- deliveries
     def _make_job_cb(self, queue_class: str) -> Callable:
@@ -364,140 +419,190 @@ class Worker:
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage, queue_class: str) -> None:
         received_at = time.time()
         self.stats["received"] += 1
-        d = Delivery(message, message.reply_to or self.topo.results, message.correlation_id)
-        key = message.message_id if isinstance(message.message_id, str) and message.message_id else None
+        key = _text(message.message_id)
+        reply_to = _text(message.reply_to) or self.topo.results
+        bad = amqp_compat.undecodable_properties(message)
+        if bad:
+            if "reply_to" in bad:
+                reply_to = self.topo.results
+            d = Delivery(message, queue_class, reply_to, _text(message.correlation_id), self.stats)
+            err = RequestError("invalid_request", f"AMQP properties that do not decode: {', '.join(bad)}")
+            await self._refuse(d, key, err, len(message.body))
+            return
+        d = Delivery(message, queue_class, reply_to, _text(message.correlation_id), self.stats)
         try:
-            job = protocol.parse_job(
+            check_reply_to(message.reply_to, self.topo.reserved_names())
+        except RequestError as err:
+            d.reply_to = self.topo.results  # never into the worker's own queues
+            await self._refuse(d, key, err, len(message.body))
+            return
+        try:
+            job = parse_job(
                 message.body,
-                message_id=key,
-                expiration=message.expiration,
-                timestamp=_published_at(message),
-                priority=message.priority,
-                content_type=message.content_type,
-                max_body_bytes=self.cfg.max_body_bytes,
+                JobProperties(
+                    message_id=message.message_id,
+                    reply_to=message.reply_to,
+                    correlation_id=message.correlation_id,
+                    content_type=message.content_type,
+                    expiration=message.expiration,
+                    published_at=_published_at(message),
+                    priority=message.priority,
+                ),
+                self.limits,
                 received_at=received_at,
             )
         except RequestError as err:
-            await self._reject_invalid(d, key, err, queue_class, len(message.body))
+            await self._refuse(d, key, err, len(message.body))
             return
 
         existing = self.active.get(job.key)
         if existing is not None:
-            # Redelivery (our channel died) or a duplicate publish: never
-            # run a key twice; answer it when the running one finishes.
-            existing.waiters.append(d)
+            if existing.job.fingerprint != job.fingerprint:
+                await self._refuse(d, job.key, self._reused(job.key), len(message.body))
+                return
+            # A redelivery (our channel died) or a duplicate publish: never
+            # run a key twice; the running job answers it when it ends.
+            existing.attach(d)
             self.stats["fenced"] += 1
-            log.info("job_fenced", key=job.key, redelivered=message.redelivered)
+            log.info("job_fenced", key=job.key, redelivered=d.redelivered, state=existing.state.value)
             return
-        aj = ActiveJob(job.key, d, queue_class, received_at)
-        aj.job = job
-        self.active[job.key] = aj
+        kj = KeyJob(job.key, job, d, received_at)
+        self.active[job.key] = kj
         try:
-            await self._admit(aj)
-        except Exception as exc:  # noqa: BLE001 - never lose a delivery on a bug
+            await self._admit(kj)
+        except _Abandoned:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a worker bug: give the job back, never lose it
+            self.stats["admit_failed"] += 1
             log.error("job_admit_failed", key=job.key, error=repr(exc), exc_info=exc)
-            if not aj.done.is_set():
-                await self._finish(aj, protocol.result_error(job.key, "internal", f"worker error: {exc!r}", True))
+            await self._requeue(kj, f"worker error: {exc!r}")
 
-    def _count_job(self, queue_class: str, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.job(queue_class, outcome)
+    @staticmethod
+    def _reused(key: str) -> RequestError:
+        return RequestError(
+            "idempotency_key_reused",
+            f"key {key!r} was already used for a different job body; use a new message_id for a new job",
+        )
 
-    async def _reject_invalid(self, d: Delivery, key: str | None, err: RequestError, queue_class: str, size: int) -> None:
+    async def _refuse(self, d: Delivery, key: str | None, err: RequestError, size: int) -> None:
+        """Answer a delivery that never becomes a job, then settle it."""
         self.stats["invalid"] += 1
-        self._count_job(queue_class, err.code)
-        log.info("job_invalid", key=key, queue=queue_class, bytes=size, code=err.code, reason=err.message)
-        result = protocol.result_error(key, err.code, err.message, err.retryable)
-        await self._reply_final(d, result)
-        await self._settle(d.message)
+        self._count_job(d.queue_class, err.code)
+        log.info("job_invalid", key=key, queue=d.queue_class, bytes=size, code=err.code, reason=err.message)
+        result = Result.failure(key, err.code, err.message, err.retryable)
+        outcome = await self._publish_final(d, result)
+        await d.settle(Settlement.ACK if outcome is PublishOutcome.CONFIRMED or outcome.undeliverable else Settlement.REQUEUE)
 
-    async def _answered_from_store(self, aj: ActiveJob, key: str) -> bool:
-        """Answer the job from the shared store when its key already has a
-        final result (replay) or was cancelled; returns whether it did."""
-        rec = await self.store.get(key)
+    async def _publish_final(self, d: Delivery, result: Result) -> PublishOutcome:
+        assert self.publisher is not None
+        return await self.publisher.publish(
+            d.reply_to, result.to_bytes(), correlation_id=d.correlation_id, message_id=result.id, timeout_s=self.cfg.reply_timeout_s
+        )
+
+    def _cancelled_locally(self, key: str) -> bool:
+        expires = self._cancelled_here.get(key)
+        return expires is not None and expires > time.monotonic()
+
+    def _remember_cancel(self, key: str) -> None:
+        now = time.monotonic()
+        self._cancelled_here[key] = now + self.cfg.cancel_ttl_s
+        self._cancelled_here.move_to_end(key)
+        while self._cancelled_here:
+            oldest, expires = next(iter(self._cancelled_here.items()))
+            if expires > now and len(self._cancelled_here) <= 100_000:
+                break
+            del self._cancelled_here[oldest]
+
+    async def _admit(self, kj: KeyJob) -> None:
+        job, key = kj.job, kj.key
+        kj.to(JobState.ADMITTING)
+        if self._cancelled_locally(key):
+            await self._finish(kj, Result.failure(key, "cancelled", "the job was cancelled"))
+            return
+        rec = await self._store(kj, self.store.get, key)
         if rec is not None:
-            await self._replay(aj, rec)
-            return True
-        if await self.store.is_cancelled(key):
-            await self._finish(aj, protocol.result_error(key, "cancelled", "the job was cancelled"))
-            return True
-        return False
-
-    async def _admit(self, aj: ActiveJob) -> None:
-        job = aj.job
-        assert job is not None
-        key = job.key
-        if await self._answered_from_store(aj, key):
+            await self._answer_from_record(kj, rec)
+            return
+        if await self._store(kj, self.store.is_cancelled, key):
+            await self._finish(kj, Result.failure(key, "cancelled", "the job was cancelled"))
             return
         if job.deadline is not None and time.time() >= job.deadline:
-            await self._finish(aj, protocol.result_error(key, "expired", "the job's deadline passed before it started"))
+            await self._finish(kj, Result.failure(key, "expired", "the job's deadline passed before it started"))
             return
-        # Claim the key (shared store: not started on two workers at once).
+        if job.deadline is not None:
+            remaining = job.deadline - time.time()
+            kj.deadline_handle = asyncio.get_running_loop().call_later(max(0.0, remaining), self._on_deadline, kj)
+        # Claim the key (a shared store: never started on two workers at once).
         while True:
-            owner = await self.store.claim(key, self.cfg.worker_id, self.cfg.claim_lease_s)
+            owner = await self._store(kj, self.store.claim, key, self.cfg.worker_id, self.cfg.claim_lease_s)
             if owner is None:
                 break
             self.stats["held_for_other_worker"] += 1
             log.info("job_held_claimed_elsewhere", key=key, owner=owner)
+            kj.to(JobState.HELD)
             await asyncio.sleep(self.cfg.claim_poll_s)
-            if aj.requeue or self._closing:
+            if kj.state is not JobState.HELD:
                 return
-            if await self._answered_from_store(aj, key):
+            kj.to(JobState.ADMITTING)
+            rec = await self._store(kj, self.store.get, key)
+            if rec is not None:
+                await self._answer_from_record(kj, rec)
                 return
-        if aj.done.is_set() or aj.requeue:
-            return
-
-        # Build the prompt and check it against the engine's limits.
+        kj.claimed = True
         try:
             prompt_ids = self._prepare_prompt(job)
         except RequestError as err:
             self.stats["invalid"] += 1
             log.info("job_invalid", key=key, code=err.code, reason=err.message)
-            await self._finish(aj, protocol.result_error(key, err.code, err.message, err.retryable))
+            await self._finish(kj, Result.failure(key, err.code, err.message, err.retryable))
             return
+        self._log_start(kj, len(prompt_ids))
+        if job.stream:
+            kj.sender = self._spawn(self._sender(kj))
+        deadline_mono = None if job.deadline is None else time.monotonic() + (job.deadline - time.time())
+        rc = RequestClass.INTERACTIVE if kj.queue_class == INTERACTIVE else RequestClass.BATCH
+        assert self.engine_thread is not None
+        kj.to(JobState.RUNNING)
+        kj.in_engine = True
+        self._by_rid[kj.request_id] = kj
+        try:
+            await self.engine_thread.add_request(
+                kj.request_id, prompt_ids, job.params, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
+            )
+        except RequestError as err:
+            kj.in_engine = False
+            if kj.state is JobState.RUNNING:
+                await self._finish(kj, Result.failure(key, err.code, err.message, err.retryable))
+            return
+        except Exception as exc:  # noqa: BLE001 - the engine thread is gone
+            kj.in_engine = False
+            await self._requeue(kj, f"engine unavailable: {exc!r}")
+            return
+        kj.admitted_mono = time.monotonic()
 
-        log_kw: dict[str, Any] = dict(
-            key=key,
-            queue=aj.queue_class,
+    def _log_start(self, kj: KeyJob, prompt_tokens: int) -> None:
+        job = kj.job
+        kw: dict[str, Any] = dict(
+            key=kj.key,
+            queue=kj.queue_class,
             bytes=job.body_bytes,
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=prompt_tokens,
             max_tokens=job.params.max_tokens,
             stream=job.stream,
-            redelivered=aj.primary.message.redelivered,
+            priority=job.priority,
+            redelivered=kj.primary.redelivered,
             tenant=job.tenant,
         )
         if self.cfg.log_text:
-            log_kw["prompt"] = job.prompt if job.prompt is not None else job.messages
-        log.info("job_start", **log_kw)
+            kw["prompt"] = job.prompt if job.prompt is not None else job.messages
+        log.info("job_start", **kw)
 
-        if job.stream:
-            aj.sender = self._spawn(self._sender(aj))
-        deadline_mono = None
-        if job.deadline is not None:
-            remaining = job.deadline - time.time()
-            deadline_mono = time.monotonic() + remaining
-            aj.deadline_handle = asyncio.get_running_loop().call_later(max(0.0, remaining), self._on_deadline, aj)
-        rc = RequestClass.INTERACTIVE if aj.queue_class == INTERACTIVE else RequestClass.BATCH
-        assert self.engine_thread is not None
-        try:
-            aj.in_engine = True
-            await self.engine_thread.add_request(
-                key, prompt_ids, job.params, request_class=rc, priority=job.priority, deadline=deadline_mono
-            )
-        except RequestError as err:
-            aj.in_engine = False
-            await self._finish(aj, protocol.result_error(key, err.code, err.message, err.retryable))
-            return
-        aj.admitted_mono = time.monotonic()
-
-    def _prepare_prompt(self, job: protocol.Job) -> list[int]:
+    def _prepare_prompt(self, job: Any) -> list[int]:
         eng = self.engine
         name = getattr(eng, "model_name", None)
         if job.model is not None and name is not None and job.model not in (name, os.path.basename(str(name).rstrip("/"))):
             raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {name!r}")
         max_len = int(getattr(eng, "max_model_len", 1 << 30))
-        if job.params.max_tokens > max_len:
-            raise RequestError("invalid_request", f"max_tokens {job.params.max_tokens} exceeds max_model_len {max_len}")
         tok = eng.tokenizer
         if job.messages is not None:
             try:
@@ -522,223 +627,278 @@ class Worker:
             )
         return ids
 
-    async def _replay(self, aj: ActiveJob, rec: dict[str, Any]) -> None:
+    async def _answer_from_record(self, kj: KeyJob, rec: Record) -> None:
+        if rec.fingerprint is not None and rec.fingerprint != kj.job.fingerprint:
+            self.stats["key_reused"] += 1
+            await self._finish(kj, Result.failure(kj.key, "idempotency_key_reused", self._reused(kj.key).message))
+            return
         self.stats["replayed"] += 1
-        self._count_job(aj.queue_class, "replayed")
-        result = dict(rec["result"])
-        deliveries = [aj.primary, *aj.waiters]
-        aj.waiters = []
-        for d in deliveries:
-            if d.message.redelivered and d.dest in rec.get("delivered", ()):
-                # This very message was answered already (its ack was lost).
-                await self._settle(d.message)
-                continue
-            status = await self._reply_final(d, {**result, "replayed": True})
-            if status == "failed":
-                await self._settle(d.message, requeue=True)
-                continue
-            if status == "ok":
-                await self.store.mark_delivered(aj.key, d.dest)
-            await self._settle(d.message)
-        log.info("job_replayed", key=aj.key, deliveries=len(deliveries))
-        self.active.pop(aj.key, None)
-        aj.done.set()
+        await self._finish(kj, Result.model_validate(rec.result), record=rec)
 
     # -------------------------------------------------------- engine side
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            aj = self.active.get(out.request_id)
-            if aj is None or aj.final is not None or aj.stop_outputs:
+            kj = self._by_rid.get(out.request_id)
+            if kj is None or kj.state is not JobState.RUNNING:
                 continue
             if out.new_text:
-                if aj.first_token_mono is None:
-                    aj.first_token_mono = time.monotonic()
-                    if aj.deadline_handle is not None:
-                        aj.deadline_handle.cancel()
-                aj.text_parts.append(out.new_text)
-                if aj.job is not None and aj.job.stream:
-                    aj.pending_text.append(out.new_text)
-                    aj.outbox_event.set()
-            elif out.new_token_ids and aj.first_token_mono is None:
-                aj.first_token_mono = time.monotonic()
+                if kj.first_token_mono is None:
+                    self._first_token(kj)
+                kj.text_parts.append(out.new_text)
+                if kj.job.stream:
+                    kj.pending_text.append(out.new_text)
+                    kj.outbox.set()
+            elif out.new_token_ids and kj.first_token_mono is None:
+                self._first_token(kj)
             if out.finished:
-                aj.in_engine = False
-                self._spawn(self._finish(aj, self._final_from_output(aj, out)))
+                kj.in_engine = False
+                result = self._final_from_output(kj, out)
+                if result.error is not None and result.error.code == "internal" and result.error.retryable:
+                    self._spawn(self._requeue(kj, f"engine: {result.error.message}"))
+                else:
+                    self._spawn(self._finish(kj, result))
 
-    def _final_from_output(self, aj: ActiveJob, out: RequestOutput) -> dict[str, Any]:
+    def _first_token(self, kj: KeyJob) -> None:
+        """From its first token on, a job's deadline no longer applies."""
+        kj.first_token_mono = time.monotonic()
+        if kj.deadline_handle is not None:
+            kj.deadline_handle.cancel()
+
+    def _final_from_output(self, kj: KeyJob, out: RequestOutput) -> Result:
         if out.error is not None:
-            return protocol.result_error(aj.key, out.error.code, out.error.message, out.error.retryable)
+            return Result.failure(kj.key, out.error.code, out.error.message, out.error.retryable)
         reason = out.finish_reason
         if reason in ("stop", "length"):
-            text = out.text if (out.text or not aj.text_parts) else "".join(aj.text_parts)
-            return protocol.result_ok(aj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(aj))
+            text = out.text if (out.text or not kj.text_parts) else "".join(kj.text_parts)
+            return Result.success(kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj))
         if reason == "abort":
-            return protocol.result_error(aj.key, "cancelled", "the job was aborted")
-        return protocol.result_error(aj.key, "internal", f"the engine failed the request (finish_reason={reason!r})", True)
+            return Result.failure(kj.key, "cancelled", "the job was aborted")
+        return Result.failure(kj.key, "internal", f"the engine failed the request (finish_reason={reason!r})", True)
 
-    def _timings(self, aj: ActiveJob) -> dict[str, float]:
+    def _timings(self, kj: KeyJob) -> dict[str, float]:
         now = time.monotonic()
-        t: dict[str, float] = {"total_s": round(now - aj.received_mono, 6)}
-        if aj.admitted_mono is not None:
-            t["admit_s"] = round(aj.admitted_mono - aj.received_mono, 6)
-        if aj.first_token_mono is not None:
-            t["ttft_s"] = round(aj.first_token_mono - aj.received_mono, 6)
-        ts = _published_at(aj.primary.message)
+        t: dict[str, float] = {"total_s": round(now - kj.received_mono, 6)}
+        if kj.admitted_mono is not None:
+            t["admit_s"] = round(kj.admitted_mono - kj.received_mono, 6)
+        if kj.first_token_mono is not None:
+            t["ttft_s"] = round(kj.first_token_mono - kj.received_mono, 6)
+        ts = _published_at(kj.primary.message)
         if ts is not None:
-            t["queue_s"] = round(max(0.0, aj.received_at - ts), 6)
+            t["queue_s"] = round(max(0.0, kj.received_at - ts), 6)
         return t
 
     def _on_step_error(self, exc: BaseException) -> None:
+        """A step the engine could not pin on one request: its requests go
+        back to the broker (they run again; a job that keeps causing this
+        is dead-lettered by the delivery limit)."""
         self.stats["engine_step_errors"] += 1
         log.error("engine_step_failed", error=repr(exc), running=len(self.active))
-        for aj in list(self.active.values()):
-            if aj.in_engine and aj.final is None:
-                self._spawn(self._abort_with(aj, "internal", f"engine step failed: {exc!r}", True))
+        for kj in list(self.active.values()):
+            if kj.in_engine and kj.state is JobState.RUNNING:
+                self._spawn(self._requeue(kj, f"engine step failed: {exc!r}"))
 
-    def _on_deadline(self, aj: ActiveJob) -> None:
-        if aj.final is None and aj.first_token_mono is None and self.active.get(aj.key) is aj:
-            self._spawn(self._abort_with(aj, "expired", "the job's deadline passed while it waited"))
-
-    async def _abort_with(self, aj: ActiveJob, code: str, message: str, retryable: bool | None = None) -> None:
-        if aj.final is not None or aj.stop_outputs:
+    def _on_engine_fatal(self, exc: BaseException) -> None:
+        if self._fatal.is_set():
             return
-        result = protocol.result_error(aj.key, code, message, retryable)
-        aj.stop_outputs = True  # later engine outputs no longer count
-        if aj.in_engine and self.engine_thread is not None:
-            aj.in_engine = False
+        self.stats["engine_fatal"] += 1
+        self.fatal_error = repr(exc)
+        log.error("engine_fatal", error=repr(exc), held=len(self.active))
+        self._fatal.set()
+
+    def _on_deadline(self, kj: KeyJob) -> None:
+        if kj.first_token_mono is None and self.active.get(kj.key) is kj and kj.state in (*_ADMISSION, JobState.RUNNING):
+            self._spawn(self._abort_with(kj, "expired", "the job's deadline passed while it waited"))
+
+    async def _abort_with(self, kj: KeyJob, code: str, message: str) -> None:
+        """End a job that has not finished with an error result."""
+        if kj.state not in (*_ADMISSION, JobState.RUNNING):
+            return
+        result = Result.failure(kj.key, code, message)
+        if kj.in_engine and self.engine_thread is not None:
+            kj.in_engine = False
             try:
-                await self.engine_thread.abort(aj.key)
+                await self.engine_thread.abort(kj.request_id)
             except Exception as exc:  # noqa: BLE001
-                log.warning("engine_abort_failed", key=aj.key, error=repr(exc))
-        await self._finish(aj, result)
+                log.warning("engine_abort_failed", key=kj.key, error=repr(exc))
+        await self._finish(kj, result)
 
     # ------------------------------------------------------------ replies
-    async def _sender(self, aj: ActiveJob) -> None:
+    async def _sender(self, kj: KeyJob) -> None:
         """Publish this job's chunks in order, coalescing deltas that pile
         up while a confirm is pending."""
+        assert self.publisher is not None
         while True:
-            await aj.outbox_event.wait()
-            aj.outbox_event.clear()
-            while aj.pending_text:
-                text = "".join(aj.pending_text)
-                aj.pending_text.clear()
-                seq = aj.seq
-                aj.seq += 1
-                status = await self._publish(
-                    aj.primary.reply_to,
-                    protocol.chunk(aj.key, seq, text, aj.run),
-                    correlation_id=aj.primary.correlation_id,
+            await kj.outbox.wait()
+            kj.outbox.clear()
+            while kj.pending_text:
+                text = "".join(kj.pending_text)
+                kj.pending_text.clear()
+                chunk = Chunk(id=kj.key, seq=kj.seq, text=text, run=kj.run)
+                kj.seq += 1
+                outcome = await self.publisher.publish(
+                    kj.primary.reply_to,
+                    chunk.to_bytes(),
+                    correlation_id=kj.primary.correlation_id,
                     message_id=None,
+                    timeout_s=self.cfg.chunk_timeout_s,
                 )
                 self.stats["chunks"] += 1
-                if status == "unroutable" and aj.primary.reply_to != self.topo.results and not aj.client_gone:
+                if outcome.undeliverable and kj.primary.reply_to != self.topo.results and not kj.client_gone:
                     # The requester's reply queue is gone: stop generating.
-                    aj.client_gone = True
-                    self._spawn(self._abort_with(aj, "cancelled", "the reply queue disappeared (client gone)"))
-            if aj.final is not None or aj.done.is_set():
+                    kj.client_gone = True
+                    self._spawn(self._abort_with(kj, "cancelled", "the reply queue disappeared (client gone)"))
+            if kj.state is not JobState.RUNNING:
                 return
 
-    async def _finish(self, aj: ActiveJob, result: dict[str, Any]) -> None:
-        """Publish the final reply (after every chunk), store, then ack."""
-        if aj.final is not None or aj.done.is_set():
+    async def _finish(self, kj: KeyJob, result: Result, record: Record | None = None) -> None:
+        """Store a fresh ok result, then answer every delivery of the key
+        (those that arrive meanwhile too) and settle each once."""
+        if kj.state not in (*_ADMISSION, JobState.RUNNING):
             return
-        aj.final = result
-        if aj.deadline_handle is not None:
-            aj.deadline_handle.cancel()
-        if aj.requeue:
-            return
-        # Let the sender flush every chunk first.
-        if aj.sender is not None:
-            aj.outbox_event.set()
+        kj.to(JobState.FINISHING)
+        kj.result = result
+        if kj.deadline_handle is not None:
+            kj.deadline_handle.cancel()
+        if kj.sender is not None:  # every chunk goes out before the final
+            kj.outbox.set()
             try:
-                await aj.sender
+                await kj.sender
             except asyncio.CancelledError:
-                if aj.requeue:
-                    return
-        ok = result["status"] == "ok"
-        if ok:
-            await self.store.put(aj.key, result, delivered=[])
-        primary_status = "skipped"
-        if not aj.client_gone:
-            primary_status = await self._reply_final(aj.primary, result)
-        if primary_status == "failed" and not ok:
-            # Could not tell the requester (broker gone for good): requeue.
-            await self._requeue_job(aj)
+                pass
+        try:
+            delivered = set(record.delivered) if record is not None else set()
+            if result.ok and record is None:
+                await self._store(kj, self.store.put, kj.key, Record(result.to_dict(), [], kj.job.fingerprint))
+            elif not result.ok and kj.claimed:
+                await self._best_effort("release", self.store.release, kj.key, self.cfg.worker_id)
+        except _Abandoned:
             return
-        if ok and primary_status == "ok":
-            await self.store.mark_delivered(aj.key, aj.primary.dest)
-        if not ok:
-            await self.store.release(aj.key, self.cfg.worker_id)
-        await self._settle(aj.primary.message)
-        for d in aj.waiters:
-            if d.message.redelivered and d.dest == aj.primary.dest and primary_status == "ok":
-                await self._settle(d.message)
+        replies: collections.Counter = collections.Counter()
+        while (d := kj.next_unsettled()) is not None:
+            if kj.state is not JobState.FINISHING:
+                return
+            if result.ok and d.redelivered and d.dest in delivered:
+                await d.settle(Settlement.ACK)  # this very message was answered already (its ack was lost)
+                replies["already"] += 1
                 continue
-            extra = {"replayed": True} if ok else {}
-            st = await self._reply_final(d, {**result, **extra})
-            if ok and st == "ok":
-                await self.store.mark_delivered(aj.key, d.dest)
-            await self._settle(d.message)
-        aj.waiters = []
-        self.active.pop(aj.key, None)
-        aj.done.set()
-        self.stats["done_" + result["status"]] += 1
-        self._count_job(aj.queue_class, "ok" if ok else result["error"]["code"])
-        kw: dict[str, Any] = dict(key=aj.key, queue=aj.queue_class, status=result["status"], reply=primary_status)
-        if ok:
-            kw.update(result["usage"], finish_reason=result["finish_reason"], **result["timings"], chunks=aj.seq)
+            if d is kj.primary and kj.client_gone:
+                outcome = PublishOutcome.UNROUTABLE
+            else:
+                replayed = result.ok and (record is not None or d is not kj.primary)
+                outcome = await self._publish_final(d, result.model_copy(update={"replayed": True}) if replayed else result)
+            replies[outcome.value] += 1
+            if d.settled is not None:  # requeued by a drain while we published
+                continue
+            if outcome is PublishOutcome.CONFIRMED:
+                if result.ok:
+                    delivered.add(d.dest)
+                    await self._best_effort("mark_delivered", self.store.mark_delivered, kj.key, d.dest)
+                await d.settle(Settlement.ACK)
+            elif outcome.undeliverable:
+                self.stats["reply_undeliverable"] += 1
+                await d.settle(Settlement.ACK)  # nobody can take it; a resubmission is answered from the store
+            else:
+                await d.settle(Settlement.REQUEUE)  # answered from the store on redelivery
+        if kj.state is not JobState.FINISHING:
+            return
+        kj.to(JobState.SETTLED)
+        self._forget(kj)
+        self._log_done(kj, result, record is not None, replies)
+
+    def _log_done(self, kj: KeyJob, result: Result, replayed: bool, replies: collections.Counter) -> None:
+        outcome = "ok" if result.ok else result.error.code  # type: ignore[union-attr]
+        if not replayed:
+            self.stats["done_" + result.status] += 1
+        self._count_job(kj.queue_class, "replayed" if replayed else outcome)
+        kw: dict[str, Any] = dict(key=kj.key, queue=kj.queue_class, status=result.status, replies=dict(replies))
+        if replayed:
+            log.info("job_replayed", deliveries=len(kj.deliveries), **kw)
+            return
+        if result.ok:
+            assert result.usage is not None
+            kw.update(result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq)
             if self.cfg.log_text:
-                kw["text"] = result["text"]
+                kw["text"] = result.text
         else:
-            kw.update(code=result["error"]["code"])
+            kw.update(code=outcome)
         log.info("job_done", **kw)
 
-    async def _requeue_job(self, aj: ActiveJob) -> None:
-        """Give the job back to the broker (drain deadline or lost broker)."""
-        if aj.done.is_set():
+    async def _requeue(self, kj: KeyJob, reason: str) -> None:
+        """Give the job back to the broker: every unsettled delivery is
+        nacked with requeue (drain, lost lease, retryable failure)."""
+        if kj.terminal:
             return
-        aj.requeue = True
-        if aj.deadline_handle is not None:
-            aj.deadline_handle.cancel()
-        if aj.in_engine and self.engine_thread is not None:
-            aj.in_engine = False
+        kj.to(JobState.REQUEUED)
+        self._forget(kj)
+        if kj.deadline_handle is not None:
+            kj.deadline_handle.cancel()
+        if kj.sender is not None:
+            kj.sender.cancel()
+        if kj.in_engine and self.engine_thread is not None:
+            kj.in_engine = False
             try:
-                await self.engine_thread.abort(aj.key)
-            except Exception:  # noqa: BLE001
+                await self.engine_thread.abort(kj.request_id)
+            except Exception:  # noqa: BLE001 - a dead engine holds nothing
                 pass
-        if aj.sender is not None:
-            aj.sender.cancel()
-        await self.store.release(aj.key, self.cfg.worker_id)
-        for d in (aj.primary, *aj.waiters):
-            await self._settle(d.message, requeue=True)
-        self.active.pop(aj.key, None)
-        aj.done.set()
+        for d in kj.unsettled():
+            await d.settle(Settlement.REQUEUE)
+        if kj.claimed:
+            await self._best_effort("release", self.store.release, kj.key, self.cfg.worker_id)
         self.stats["requeued"] += 1
-        log.info("job_requeued", key=aj.key, queue=aj.queue_class)
+        self._count_job(kj.queue_class, "requeued")
+        log.info("job_requeued", key=kj.key, queue=kj.queue_class, reason=reason, deliveries=len(kj.deliveries))
 
     # ------------------------------------------------------------ control
     async def _on_control(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        if amqp_compat.undecodable_properties(message):
+            log.warning("control_message_invalid", error="properties do not decode")
+            return
         try:
-            data = protocol.orjson.loads(message.body)
-            if not isinstance(data, dict) or data.get("type") != "cancel" or not isinstance(data.get("id"), str):
-                raise ValueError("not a cancel message")
-        except Exception as exc:  # noqa: BLE001
+            key = decode_cancel(message.body).id
+        except WireDecodeError as exc:
             log.warning("control_message_invalid", error=str(exc))
             return
-        key = data["id"]
         self.stats["cancel_received"] += 1
-        await self.store.mark_cancelled(key, self.cfg.cancel_ttl_s)
-        aj = self.active.get(key)
-        log.info("cancel_received", key=key, running_here=aj is not None)
-        if aj is not None and aj.final is None:
-            await self._abort_with(aj, "cancelled", "the job was cancelled")
+        # Locally first: a store outage must not delay or lose the cancel.
+        self._remember_cancel(key)
+        kj = self.active.get(key)
+        log.info("cancel_received", key=key, running_here=kj is not None)
+        if kj is not None:
+            self._spawn(self._abort_with(kj, "cancelled", "the job was cancelled"))
+        await self._best_effort("mark_cancelled", self.store.mark_cancelled, key, self.cfg.cancel_ttl_s)
 
     async def _renew_loop(self) -> None:
+        """Keep the claims of running jobs alive; a claim found taken by
+        another worker means that worker runs the key now: give ours back."""
         period = max(0.2, self.cfg.claim_lease_s / 3)
         while True:
             await asyncio.sleep(period)
-            for key in list(self.active):
+            for kj in list(self.active.values()):
+                if not kj.claimed or kj.state is not JobState.RUNNING:
+                    continue
                 try:
-                    await self.store.renew(key, self.cfg.worker_id, self.cfg.claim_lease_s)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("claim_renew_failed", key=key, error=repr(exc))
+                    if await self.store.renew(kj.key, self.cfg.worker_id, self.cfg.claim_lease_s):
+                        continue
+                    owner = await self.store.claim(kj.key, self.cfg.worker_id, self.cfg.claim_lease_s)
+                except StoreUnavailable as exc:
+                    log.warning("claim_renew_failed", key=kj.key, error=str(exc))
+                    continue
+                if owner is not None and kj.state is JobState.RUNNING:
+                    self.stats["lease_lost"] += 1
+                    log.warning("claim_lost", key=kj.key, owner=owner)
+                    kj.claimed = False
+                    await self._requeue(kj, f"lease lost to {owner}")
+
+    async def _watchdog_loop(self) -> None:
+        """An engine thread that died or is stuck in one step is fatal."""
+        et = self.engine_thread
+        assert et is not None
+        while True:
+            await asyncio.sleep(1.0)
+            if not et.alive:
+                self._on_engine_fatal(RuntimeError("the engine thread died"))
+                return
+            since = et.busy_since_mono
+            if since is not None and time.monotonic() - since > self.cfg.engine_hang_timeout_s:
+                self._on_engine_fatal(RuntimeError(f"the engine has been busy in one call for over {self.cfg.engine_hang_timeout_s:g}s"))
+                return

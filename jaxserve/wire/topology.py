@@ -1,8 +1,8 @@
 """Queue topology: names and arguments of every exchange and queue.
 
 Pure data plus one coroutine that declares it; importing this module pulls in
-nothing heavy, so producers (``jaxserve.client``) share the names with the
-worker.
+nothing heavy, so producers (``jaxserve.client``) and the worker share the
+names through ``jaxserve.wire``.
 
 With the default prefix ``jaxserve`` the topology is::
 
@@ -69,6 +69,12 @@ class Topology:
     @property
     def control(self) -> str:
         return f"{self.prefix}.control"
+
+    def reserved_names(self) -> frozenset[str]:
+        """The worker's own queues and exchanges: a job's ``reply_to`` must
+        not name any of them (a reply there would be consumed as a job, show
+        up as a dead letter or reach every worker as a control message)."""
+        return frozenset({self.interactive, self.batch, self.dead, self.dlx, self.control})
 
     def queue_for(self, queue_class: str) -> str:
         if queue_class == INTERACTIVE:

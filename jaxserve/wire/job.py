@@ -1,0 +1,348 @@
+"""A job as it arrives: the body's model, and the single translation of a
+delivery into an engine request.
+
+Every range check of the contract lives here, so a value that could break
+the engine (a seed outside 64 bits, a top_k beyond the vocabulary, a NaN)
+is refused at the door with ``invalid_request`` naming the field and the
+value, and never reaches a batch shared with other jobs. Ranges follow
+OpenAI where OpenAI defines the field (temperature 0-2, top_p in (0, 1],
+penalties -2..2, seed a 64-bit integer); the rest are documented in
+``docs/protocol.md``.
+
+:class:`JobBody` is also the source of ``queues/schemas/job.schema.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+import time
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxserve.engine.types import RequestError, SamplingParams
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+PRIORITY_MAX = 255  # AMQP's priority property is an octet
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
+
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (``name`` ...) are kept for the chat template.
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    role: str
+    content: str | list[TextPart] = Field(description="A string, or OpenAI content parts of type text.")
+
+
+class JobBody(BaseModel):
+    """The JSON body of a job (OpenAI completions / chat completions names)."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        allow_inf_nan=False,
+        title="jaxserve job (message body)",
+        json_schema_extra={
+            "description": "Body of a job published to <prefix>.interactive or <prefix>.batch through the default "
+            "exchange. AMQP properties: message_id (required, the idempotency key), correlation_id (echoed on "
+            "every reply), reply_to (default <prefix>.results; never one of the worker's own queues or exchanges), "
+            "expiration (ms string), priority (0-255, higher first), content_type application/json. Field names "
+            "and meanings follow OpenAI's completions/chat completions API. Unknown fields are ignored.",
+            "oneOf": [
+                {"required": ["prompt"], "not": {"required": ["messages"]}},
+                {"required": ["messages"], "not": {"required": ["prompt"]}},
+            ],
+        },
+    )
+
+    prompt: str | None = Field(default=None, description="Raw prompt text.")
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        default=None, description="Chat messages, rendered with the model's chat template (add_generation_prompt)."
+    )
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = Field(
+        default=None, description="Completion length limit (default 16); prompt + max_tokens must fit max_model_len."
+    )
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = Field(
+        default=None, description="OpenAI's newer name; wins over max_tokens."
+    )
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(default=None, description="0 is greedy (default 1).")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = Field(
+        default=None, description="0 disables top-k; at most the model's vocabulary size."
+    )
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = Field(
+        default=None,
+        description="A 64-bit integer; makes sampling reproducible. Without one the worker derives the seed "
+        "from the job's key, so a recomputed job reproduces its text.",
+    )
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)]
+        | None
+    ) = None
+    stream: bool | None = Field(default=None, description="Send chunk messages before the final result.")
+    n: Literal[1] | None = Field(default=None, description="Only 1: one completion per job.")
+    model: str | None = Field(default=None, description="Must name the served model if given (else unknown_model).")
+    tenant: Annotated[str, Field(max_length=256)] | None = Field(default=None, description="Opaque tenant id, logged.")
+    deadline: float | None = Field(
+        default=None,
+        description="Unix time (seconds): not started after it (expired); with the AMQP expiration the earlier "
+        "wins. Once a job has produced its first token its deadline no longer applies.",
+    )
+    priority: Annotated[int, Field(ge=0, le=PRIORITY_MAX)] | None = Field(
+        default=None, description="0-255, higher runs earlier within its queue; wins over the AMQP priority."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobProperties:
+    """The AMQP properties of a delivery that the contract reads."""
+
+    message_id: Any = None
+    reply_to: Any = None
+    correlation_id: Any = None
+    content_type: Any = None
+    expiration: Any = None
+    published_at: float | None = None  # header x-published-at-ms, else timestamp (epoch seconds)
+    priority: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobLimits:
+    """What the serving side adds to the ranges: the body size limit and
+    the engine's vocabulary and context length (None: unknown)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+
+
+@dataclasses.dataclass
+class Job:
+    """A validated job, ready for the engine."""
+
+    key: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: SamplingParams
+    stream: bool
+    model: str | None
+    tenant: str | None
+    deadline: float | None  # epoch seconds
+    priority: int  # 0-255, higher first (the wire's sense)
+    body_bytes: int
+    fingerprint: str  # identifies the job's effect; a key reused with another one is refused
+    seed_given: bool
+
+    @property
+    def engine_priority(self) -> int:
+        """The engine's scheduler serves the *lower* value first (as vLLM)."""
+        return -self.priority
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError("invalid_request", message)
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'content', 'str')`` -> ``messages[0].content``: the
+    union member tags pydantic adds (``str``, ``list[...]``) are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _FIELD.match(part) and part not in ("str", "int", "float", "bool", "list"):
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def _explain(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    # The deepest location names the most specific problem (for unions).
+    err = max(errors, key=lambda e: len(e["loc"]))
+    return f"{_path(tuple(err['loc']))}: {err['msg']} (got {_show(err.get('input'))})"
+
+
+def derive_seed(key: str) -> int:
+    """The sampling seed of a job that gives none: a 64-bit hash of its key.
+    A job run again (redelivered after a crash) reproduces its text, and
+    different jobs, in any process, draw different seeds."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def fingerprint(body: JobBody, max_tokens: int) -> str:
+    """What determines a job's result, hashed: a key seen again with another
+    fingerprint is a reused key, not a redelivery."""
+    fields = body.model_dump(
+        include={
+            "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
+            "frequency_penalty", "presence_penalty", "stop", "model",
+        },
+        exclude_none=True,
+    )  # fmt: skip
+    fields["max_tokens"] = max_tokens
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    return hashlib.sha256(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+
+
+def check_reply_to(reply_to: Any, reserved: frozenset[str]) -> None:
+    """Refuse a ``reply_to`` that names one of the worker's own queues or
+    exchanges (``Topology.reserved_names``)."""
+    if reply_to is None or reply_to == "":
+        return
+    if not isinstance(reply_to, str):
+        raise _bad(f"reply_to must be a UTF-8 queue name, got {_show(reply_to)}")
+    if reply_to in reserved:
+        raise _bad(f"reply_to {reply_to!r} names one of the worker's own queues or exchanges; use a reply queue of your own")
+
+
+def parse_expiration(value: Any) -> float | None:
+    """AMQP ``expiration`` -> seconds. On the wire it is a string of
+    milliseconds; aio-pika hands it over already decoded to float seconds."""
+    if value is None or value == "":
+        return None
+    try:
+        if hasattr(value, "total_seconds"):
+            seconds = float(value.total_seconds())
+        elif isinstance(value, (str, bytes)):
+            seconds = float(value) / 1000.0
+        else:
+            seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def parse_job(
+    body: bytes,
+    props: JobProperties,
+    limits: JobLimits = JobLimits(),
+    *,
+    received_at: float | None = None,
+) -> Job:
+    """Validate one delivery and translate it into engine terms. Raises
+    :class:`RequestError` (``invalid_request``) naming the field and value."""
+    now = time.time() if received_at is None else received_at
+    key = props.message_id
+    if not isinstance(key, str) or not key:
+        raise _bad("message_id (the AMQP property, the job's idempotency key) is required and must be UTF-8 text")
+    if len(body) > limits.max_body_bytes:
+        raise _bad(f"body is {len(body)} bytes; the limit is {limits.max_body_bytes}")
+    ctype = props.content_type
+    if ctype not in (None, "") and (not isinstance(ctype, str) or ctype.split(";")[0].strip().lower() != "application/json"):
+        raise _bad(f"content_type must be application/json, got {_show(ctype)}")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"body is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _bad(f"body must be a JSON object, got {type(data).__name__}")
+    try:
+        job_body = JobBody.model_validate(data)
+    except ValidationError as exc:
+        raise _bad(_explain(exc)) from None
+    return _translate(job_body, key, props, limits, now, len(body))
+
+
+def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits, now: float, size: int) -> Job:
+    if (body.prompt is None) == (body.messages is None):
+        raise _bad("exactly one of 'prompt' (string) and 'messages' (chat list) is required")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    mt_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if limits.max_model_len is not None and max_tokens > limits.max_model_len:
+        raise _bad(f"{mt_name} {max_tokens} exceeds max_model_len {limits.max_model_len}")
+    top_k = body.top_k or 0
+    if limits.vocab_size is not None and top_k > limits.vocab_size:
+        raise _bad(f"top_k must be in [0, {limits.vocab_size}] (the vocabulary size), got {top_k}")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    seed = body.seed
+    if seed is None and temperature > 0.0:
+        seed = derive_seed(key)
+    stop = body.stop or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        seed=seed,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        stop=stop,
+    )
+    params.validate()
+    messages = None
+    if body.messages is not None:
+        messages = []
+        for m in body.messages:
+            msg = m.model_dump()
+            if not isinstance(m.content, str):
+                msg["content"] = "".join(part.text for part in m.content)
+            messages.append(msg)
+    return Job(
+        key=key,
+        prompt=body.prompt,
+        messages=messages,
+        params=params,
+        stream=bool(body.stream),
+        model=body.model,
+        tenant=body.tenant,
+        deadline=_deadline(body, props, now),
+        priority=_priority(body, props),
+        body_bytes=size,
+        fingerprint=fingerprint(body, max_tokens),
+        seed_given=body.seed is not None,
+    )
+
+
+def _deadline(body: JobBody, props: JobProperties, now: float) -> float | None:
+    deadline = None
+    ttl = parse_expiration(props.expiration)
+    if ttl is not None:
+        start = now
+        ts = props.published_at
+        if ts is not None and math.isfinite(ts):
+            start = min(ts, now)  # trust the producer's clock only when it is not in the future
+        deadline = start + ttl
+    if body.deadline is not None:
+        deadline = body.deadline if deadline is None else min(deadline, body.deadline)
+    return deadline
+
+
+def _priority(body: JobBody, props: JobProperties) -> int:
+    if body.priority is not None:
+        return body.priority
+    p = props.priority
+    if isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= PRIORITY_MAX:
+        return p
+    return 0

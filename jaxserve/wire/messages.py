@@ -1,0 +1,188 @@
+"""Typed replies and control messages of the queue contract.
+
+The worker builds every reply through these models and the client decodes
+every reply into them, so both sides share one definition; the JSON Schemas
+under ``queues/schemas/`` are generated from them (``jaxserve.wire.schemas``).
+
+Replies are forward compatible for readers: fields a newer worker adds are
+kept (``extra="allow"``) rather than refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from jaxserve.wire.errors import ERROR_CODES, is_retryable
+
+ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
+FinishReason = Literal["stop", "length"]
+
+
+class WireDecodeError(ValueError):
+    """A message body that is not a valid message of the contract."""
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    prompt_tokens: Annotated[int, Field(ge=0)]
+    completion_tokens: Annotated[int, Field(ge=0)]
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    code: ErrorCode = Field(description="One of the contract's error codes (docs/protocol.md).")
+    message: str = Field(description="What was wrong, naming the offending field and value where there is one.")
+    retryable: bool = Field(description="Whether resubmitting the same job later may succeed.")
+
+
+class Chunk(_Reply):
+    """A text delta of a streaming job. ``seq`` counts 0, 1, 2, ... within one
+    ``run`` (one execution of the job); the texts of a run concatenate to
+    the final result's text."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        title="jaxserve stream chunk",
+        json_schema_extra={
+            "description": "Sent to reply_to (correlation_id echoed) while a job with stream=true runs. seq counts "
+            "0, 1, 2, ... per run; chunks of one run arrive in order; concatenated texts equal the final result's "
+            "text. A chunk may carry several tokens. A job restarted after a crash starts a new run (new run id) "
+            "at seq 0."
+        },
+    )
+
+    type: Literal["chunk"] = "chunk"
+    id: str = Field(description="The job's key (its message_id).")
+    seq: Annotated[int, Field(ge=0)]
+    text: str = Field(description="Text delta (never splits a UTF-8 character).")
+    run: str | None = Field(default=None, description="Id of this execution of the job.")
+
+
+class Result(_Reply):
+    """The one final reply of a job: ``status`` ok (text, finish_reason,
+    usage, timings) or error (``error``)."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        title="jaxserve final result",
+        json_schema_extra={
+            "description": "Exactly one per job (at-least-once delivery: deduplicate by id), sent to reply_to "
+            "with AMQP message_id = the job's key and its correlation_id. replayed=true when answered from the "
+            "idempotency store without running the model.",
+            "oneOf": [
+                {"properties": {"status": {"const": "ok"}}, "required": ["text", "finish_reason", "usage", "timings"]},
+                {"properties": {"status": {"const": "error"}}, "required": ["error"]},
+            ],
+        },
+    )
+
+    type: Literal["result"] = "result"
+    id: str | None = Field(description="The job's key; null only when the job had no usable message_id.")
+    status: Literal["ok", "error"]
+    text: str | None = Field(default=None, description="The whole completion (stop strings removed).")
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: dict[str, float] | None = Field(
+        default=None,
+        description="Seconds, measured by the worker from receipt: total_s, admit_s, ttft_s; queue_s from the "
+        "producer's x-published-at-ms header (or timestamp).",
+    )
+    error: ErrorInfo | None = None
+    replayed: bool | None = Field(default=None, description="Answered from the idempotency store, not run again.")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.setdefault("id", None)  # null, not absent, for a job without a key
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The message as a plain dict (what went over the wire)."""
+        return self.to_dict()
+
+    @classmethod
+    def success(
+        cls,
+        key: str,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timings: dict[str, float],
+    ) -> "Result":
+        return cls(
+            id=key,
+            status="ok",
+            text=text,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+            usage=Usage(prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens)),
+            timings=timings,
+        )
+
+    @classmethod
+    def failure(cls, key: str | None, code: str, message: str, retryable: bool | None = None) -> "Result":
+        if retryable is None:
+            retryable = is_retryable(code)
+        return cls(id=key, status="error", error=ErrorInfo(code=code, message=message, retryable=bool(retryable)))  # type: ignore[arg-type]
+
+    @property
+    def retryable_error(self) -> bool:
+        return self.error is not None and self.error.retryable
+
+
+class Cancel(_Reply):
+    """Published to the fanout exchange ``<prefix>.control``: the worker
+    running the job aborts it and answers it ``cancelled``."""
+
+    model_config = ConfigDict(
+        extra="allow",
+        title="jaxserve cancel",
+        json_schema_extra={
+            "description": "Published to the fanout exchange <prefix>.control (any routing key). Every worker "
+            "receives it; the one running the job aborts it, frees its KV blocks and answers it with error code "
+            "cancelled. A job that has not been delivered yet is answered cancelled when it arrives (workers "
+            "remember cancels for 24 hours by default; with the Redis store, across workers)."
+        },
+    )
+
+    type: Literal["cancel"] = "cancel"
+    id: Annotated[str, Field(min_length=1, description="The job's key.")]
+
+
+_REPLY = TypeAdapter(Annotated[Union[Chunk, Result], Field(discriminator="type")])
+_CANCEL = TypeAdapter(Cancel)
+
+
+def decode_reply(body: bytes) -> Chunk | Result:
+    """A reply body as a :class:`Chunk` or :class:`Result`; raises
+    :class:`WireDecodeError` naming what is wrong."""
+    try:
+        return _REPLY.validate_json(body)
+    except ValidationError as exc:
+        raise WireDecodeError(f"not a jaxserve reply: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
+
+
+def decode_cancel(body: bytes) -> Cancel:
+    try:
+        return _CANCEL.validate_json(body)
+    except ValidationError as exc:
+        raise WireDecodeError(f"not a cancel message: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
