@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import tempfile
 import threading
 import time
 import uuid
@@ -216,6 +217,70 @@ def make_echo_engine(**kwargs: Any) -> EchoEngine:
         else:
             cfg[k] = v
     return EchoEngine(**cfg)
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Subprocess workers keep their default sqlite store here, not in ~/.local.
+STATE_DIR = os.path.join(tempfile.gettempdir(), f"jaxserve-test-state-{os.getpid()}")
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """Environment for a ``jaxserve`` subprocess run from the repository."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("JAXSERVE_STATE_DIR", STATE_DIR)
+    env.update(extra)
+    return env
+
+
+def start_worker_process(prefix: str, log_path, *extra: str, engine: str | None = "tests.queue_support:make_echo_engine", env: dict | None = None):
+    """``jaxserve worker`` as a subprocess (EchoEngine unless ``engine`` is
+    None: then the real engine and its default model), JSON logs to
+    ``log_path``."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "jaxserve.worker", "--amqp-url", AMQP_URL, "--prefix", prefix, "--heartbeat", "5", "--log-format", "json"]
+    if engine is not None:
+        cmd += ["--engine", engine]
+    return subprocess.Popen([*cmd, *extra], cwd=REPO, env=env or worker_env(), stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+
+
+def wait_log(log_path, needle: str, timeout: float = 30.0) -> None:
+    from pathlib import Path
+
+    log_path = Path(log_path)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if log_path.exists() and needle in log_path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else "(no log)"
+    raise AssertionError(f"{needle!r} not in {log_path}:\n{tail}")
+
+
+def read_jsonl(path) -> list[dict]:
+    import orjson
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def stop_process(proc, timeout: float = 15.0) -> None:
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def unique_prefix() -> str:

@@ -10,16 +10,19 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
-import orjson
 import pytest
 from click.testing import CliRunner
 
 from queue_support import (  # noqa: F401 - fixtures
     AMQP_URL,
     EchoEngine,
+    read_jsonl as _lines,
+    start_worker_process as _start_worker,
+    stop_process as _stop,
+    wait_log as _wait_log,
+    worker_env as _env,
     client,
     expected_completion,
     harness,
@@ -30,52 +33,6 @@ from queue_support import (  # noqa: F401 - fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(180)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _start_worker(prefix: str, log_path: Path, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "jaxserve.worker",
-        "--amqp-url", AMQP_URL, "--prefix", prefix,
-        "--engine", "tests.queue_support:make_echo_engine",
-        "--heartbeat", "5", "--log-format", "json", *extra,
-    ]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
-
-
-def _wait_log(log_path: Path, needle: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if log_path.exists() and needle in log_path.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{needle!r} not in {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}")
-
-
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_bytes().splitlines():
-        if line.strip():
-            out.append(orjson.loads(line))
-    return out
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 @pytest.mark.slow

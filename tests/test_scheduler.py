@@ -533,3 +533,83 @@ def test_pending_token_is_hashed_only_once_known():
     assert req.block_hashes == known.block_hashes and len(req.block_hashes) == 2
     with pytest.raises(ValueError, match="no pending token"):
         req.resolve_pending(5)
+
+
+# ---------------------------------------------------------------- recovery
+
+
+def test_a_deadline_stops_applying_at_the_first_output_token():
+    r = Request("d", [1, 2, 3], SamplingParams(max_tokens=4), deadline=10.0)
+    assert not r.is_expired(9.9) and r.is_expired(10.0)
+    r.append_output_token(7)
+    assert not r.is_expired(10.0) and not r.is_expired(1e9)
+    s = make(num_blocks=7, max_model_len=24)
+    s.add_request(req("old", 8, max_tokens=8, arrival=0))
+    late = req("new", 8, max_tokens=8, arrival=1)
+    late.deadline = 100.0
+    s.add_request(late)
+    assert s.expired_request_ids(100.0) == ["new"]
+    run_two_until_preemption(s)
+    assert late.status == RequestStatus.PREEMPTED and late.num_output_tokens == 5
+    assert s.expired_request_ids(100.0) == []  # waiting again, but it has produced tokens
+
+
+def test_reset_for_recompute_keeps_delivered_tokens_only():
+    s = make(num_blocks=32, enable_prefix_caching=True)
+    a, b = req("a", 6, max_tokens=6, arrival=0), req("b", 5, max_tokens=3, arrival=1)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(3):
+        step(s)
+    assert b.status == RequestStatus.FINISHED_LENGTH and s.get_request("b") is None
+    assert a.output_token_ids == [1000, 1001, 1002] and len(a.block_ids) == 2
+    free_before = s.allocator.num_free_blocks
+    s.reset_for_recompute(a, 1)
+    assert (a.status, a.num_computed_tokens, a.block_ids, a.output_token_ids) == (
+        RequestStatus.PREEMPTED, 0, [], [1000])
+    assert a.all_token_ids == list(range(6)) + [1000]
+    assert len(a.block_hashes) == 1 and s.allocator.num_free_blocks == free_before + 2
+    # b finished in the failed step: it is brought back, and no plan reports it finished
+    s.reset_for_recompute(b, 2)
+    assert b.status == RequestStatus.PREEMPTED and s.get_request("b") is b and b.output_token_ids == [1000, 1001]
+    out = s.schedule()
+    assert out.finished_req_ids == []
+    # both are recomputed from scratch, their shared first block from the
+    # prefix cache; each went to the front of the queue (b last, so first)
+    assert plan(out) == [("b", 4, 3, True), ("a", 4, 3, True)]
+    assert [x.token_ids for x in out.scheduled] == [[4, 1000, 1001], [4, 5, 1000]]
+    c = req("c", 3)
+    c.append_output_token(9)
+    with pytest.raises(ValueError, match="has 1 output tokens; cannot keep 5"):
+        c.truncate_output(5)
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        s.reset_for_recompute(c, 0)  # not in this scheduler
+
+
+def test_reset_for_recompute_refuses_an_aborted_request():
+    s = make()
+    r = req("a", 4)
+    s.add_request(r)
+    step(s)
+    s.abort("a")
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        s.reset_for_recompute(r, 0)
+
+
+def test_schedule_isolated_plans_one_request_and_makes_room_whatever_the_ranks():
+    # 8 usable blocks; 'i' (interactive, best ranked) and 'b' (batch) hold
+    # 3 blocks each; a batch request isolated alone preempts both to be admitted.
+    s = make(num_blocks=9, max_model_len=24, max_num_seqs=2)
+    s.add_request(req("i", 12, max_tokens=8, arrival=0))
+    s.add_request(req("b", 12, max_tokens=8, cls="batch", arrival=1))
+    step(s)
+    s.add_request(req("x", 20, max_tokens=3, cls="batch", arrival=2))
+    out = s.schedule_isolated("i")  # running: just its decode, nobody else
+    assert plan(out) == [("i", 12, 1, True)] and out.preempted_req_ids == []
+    s.update_from_output(out, {"i": 1001})
+    out = s.schedule_isolated("x")  # waiting: needs a slot and 5 blocks
+    assert out.preempted_req_ids == ["b", "i"]  # worst first, until it fits
+    assert plan(out) == [("x", 0, 20, True)] and out.get("x").is_new
+    assert s.num_running == 1 and s.get_request("i").status == RequestStatus.PREEMPTED
+    with pytest.raises(ValueError, match="no unfinished request 'nope'"):
+        s.schedule_isolated("nope")

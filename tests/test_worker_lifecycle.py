@@ -20,7 +20,7 @@ import pytest
 from jaxserve.wire import Result
 from jaxserve.worker.lifecycle import Delivery, IllegalTransition, JobState, KeyJob, Settlement
 from jaxserve.worker.replies import PublishOutcome
-from jaxserve.worker.store import MemoryStore, Record, StoreUnavailable
+from jaxserve.worker.store import MemoryStore, StoreUnavailable
 from jaxserve.worker.worker import Worker, WorkerConfig
 from queue_support import FAIL_MARKER, EchoEngine, expected_completion
 

@@ -1,1 +1,5 @@
 """jaxserve.engine"""
+
+from jaxserve.engine.types import EngineBroken
+
+__all__ = ["EngineBroken"]

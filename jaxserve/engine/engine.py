@@ -7,12 +7,25 @@ text deltas and stop decisions.
 
 The engine is single-threaded by design. The queue worker runs it on its own
 thread and talks to it through commands, so nothing here needs locks.
+
+Failure containment
+-------------------
+A step is a batch: one bad request could make the whole step raise (while
+planning, filling the step's arrays, running the device programs or reading
+their results), and every request in it would fail with it. Instead, a
+failed step is *contained* (see :meth:`Engine.step`): the requests it
+touched go back to waiting, are recomputed one at a time in steps of their
+own, and only the one that fails alone is finished with an ``internal``
+error; the others end exactly as they would have alone. Only when the
+device state itself is lost does ``step`` raise :class:`EngineBroken`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 import os
 import random
 import time
@@ -30,8 +43,9 @@ from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner, SeqWork
-from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.sampler import sampler_seed
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +135,20 @@ class Engine:
             cache_dtype=cache_dtype,
         )
         self._states: dict[str, OutputState] = {}
+        # Every request not yet reported finished, by id (the scheduler forgets
+        # a request when it finishes it; recovery from a failed step may have
+        # to bring it back, see _recover).
+        self._requests: dict[str, Request] = {}
         self._in_flight = None  # (plan, StepResult) dispatched but not collected
+        # Failure containment (see step): requests of a failed step, in service
+        # order, each to be run alone until it passes a sampling step.
+        self._suspects: dict[str, None] = {}
+        self._touched: list[SchedulerOutput] = []  # plans the batched step in progress has used
+        self._planning = False  # the scheduler is planning (a failure there touches everyone)
+        self._broken: EngineBroken | None = None
+        self._carried: list[RequestOutput] = []  # outputs of a step() that raised
+        self.num_failed_steps = 0  # batched steps that failed and were contained
+        self.num_isolated_steps = 0  # steps run for one suspect alone
         self._metrics: dict[str, dict[str, float]] = {}
         self._seed_rng = random.Random(args.seed)
         self.special_token_ids = sorted(
@@ -172,13 +199,28 @@ class Engine:
         duplicate id, an expired deadline."""
         params = params or SamplingParams()
         params.validate()
-        if deadline is not None and deadline <= time.monotonic():
-            raise RequestError("expired", f"request {request_id!r} expired before admission")
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise RequestError(
+                "invalid_request", f"top_k must be in [0, {vocab}] (the vocabulary size), got {params.top_k}"
+            )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError("invalid_request", f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+        if deadline is not None:
+            if isinstance(deadline, bool) or not isinstance(deadline, numbers.Real) or math.isnan(deadline):
+                raise RequestError("invalid_request", f"deadline must be a time.monotonic() value, got {deadline!r}")
+            if deadline <= time.monotonic():
+                raise RequestError("expired", f"request {request_id!r} expired before admission")
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt)
         else:
-            prompt_ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
+            try:
+                prompt_ids = [_token_id(t) for t in prompt]
+            except (TypeError, ValueError) as exc:
+                raise RequestError(
+                    "invalid_request", f"prompt must be a string or a list of token ids: {exc}"
+                ) from None
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError("invalid_request", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
@@ -193,18 +235,27 @@ class Engine:
             deadline=deadline,
             cache_salt=self.model_name,
         )
+        state = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
         # The scheduler refuses duplicate ids, empty prompts, over-long requests
-        # (context_length_exceeded) and a full waiting line (overloaded).
+        # (context_length_exceeded) and a full waiting line (overloaded). After
+        # it accepts, nothing here can fail: no half-admitted request.
         self.scheduler.add_request(request)
-        self._states[request_id] = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
+        self._requests[request_id] = request
+        self._states[request_id] = state
         self._metrics[request_id] = {"arrival": time.monotonic()}
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Returns whether it existed."""
         existed = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return existed
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the engine's own records of a request that ended."""
         self._states.pop(request_id, None)
         self._metrics.pop(request_id, None)
-        return existed
+        self._requests.pop(request_id, None)
+        self._suspects.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -225,24 +276,92 @@ class Engine:
         With ``async_scheduling``, when the in-flight step's tokens stay on
         the device (all-greedy steps), the next step is launched before the
         wait instead (``_collect_overlapped``).
+
+        Failure containment. An exception while one request's token is
+        detokenized fails that request alone (``_process``). Any other
+        exception (while planning, building the step's arrays, running the
+        device programs or fetching their results) cannot be pinned on one
+        request of the batch, so ``_recover``:
+
+        - drops the in-flight step and sends every request the failed work
+          touched (the collected step's and the new plan's; everyone's when
+          planning itself failed) back to waiting with its KV blocks freed,
+          since their cache contents are not trusted, and with only the
+          tokens already delivered to the caller: tokens the failed step
+          produced are sampled again. Recomputation is exact: greedy tokens
+          are a function of the tokens, and a seeded draw is
+          ``fold_in(seed, output_index)``, as for preemption;
+        - marks those requests *suspects*. While there are suspects, each
+          step runs the first of them alone (``Scheduler.schedule_isolated``,
+          not pipelined) until it has passed a step in which it sampled a
+          token (it is cleared and rejoins the batch) or failed alone (it is
+          finished with ``RequestOutput.error = RequestError('internal',
+          ..., retryable=True)``). Other requests wait meanwhile.
+
+        So only the request that makes steps fail is failed, at the price of
+        recomputing the others once. A request that passes alone and later
+        fails again in a batch (a failure that depends on its progress) is
+        isolated again: each round it advances at least one token, so it
+        ends. The one thing recovery cannot repair is the device: when the
+        failure deleted (donated) or poisoned the KV cache buffers, ``step``
+        raises :class:`EngineBroken` now and at every later call. ``step``
+        also re-raises a failure that touched no request at all.
         """
-        outputs = self._expire_waiting()
-        if self.async_scheduling and self._in_flight is not None and self._in_flight[1].feedable:
-            collected = self._collect_overlapped()
-        else:
-            collected = self._collect()
-            self._dispatch()
-        if collected is not None:
-            outputs.extend(self._process(*collected))
+        if self._broken is not None:
+            raise EngineBroken(str(self._broken)) from self._broken
+        # Outputs of a call that raised are returned by the next one.
+        outputs, self._carried = self._carried, []
+        try:
+            outputs.extend(self._expire_waiting())
+            for request_id in [rid for rid in self._suspects if self.scheduler.get_request(rid) is None]:
+                del self._suspects[request_id]  # ended meanwhile (aborted, expired)
+            if self._suspects:
+                outputs.extend(self._step_isolated(next(iter(self._suspects))))
+            else:
+                outputs.extend(self._step_batched())
+        except BaseException:
+            self._carried = outputs
+            raise
         return outputs
+
+    def _step_batched(self) -> list[RequestOutput]:
+        """The pipelined step of ``step``, with its failures contained."""
+        self._touched = [] if self._in_flight is None else [self._in_flight[0]]
+        try:
+            if self.async_scheduling and self._in_flight is not None and self._in_flight[1].feedable:
+                collected = self._collect_overlapped()
+            else:
+                collected = self._collect()
+                self._dispatch()
+        except Exception as exc:  # noqa: BLE001 - contained, see step's docstring
+            self._recover(exc)
+            return []
+        finally:
+            self._touched = []
+            self._planning = False
+        return [] if collected is None else self._process(*collected)
+
+    def _fault_point(self, stage: str, request_ids: Sequence[str]) -> None:
+        """Test seam; does nothing. Called with the ids of the requests
+        concerned at ``"execute"`` (right before the runner launches a plan),
+        ``"fetch"`` (before a launched step's tokens are fetched) and
+        ``"process"`` (before one request's token is detokenized). Tests
+        replace it to raise for a chosen request, as a failing array build,
+        device program, fetch or detokenizer would."""
 
     def _dispatch(self, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
         """Plan and launch the next step. ``prev``: the in-flight step's device
         tokens and each sampling request's row in them, for tokens still
         pending (see ``_collect_overlapped``)."""
+        self._planning = True
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return
+        self._planning = False
+        self._touched.append(plan)
+        if not plan.is_empty:
+            self._launch(plan, prev)
+
+    def _launch(self, plan: SchedulerOutput, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
+        """Build a plan's work and launch it on the device (``_in_flight``)."""
         now = time.monotonic()
         work = []
         for s in plan.scheduled:
@@ -262,8 +381,101 @@ class Engine:
                     pending_row=pending_row,
                 )
             )
+        self._fault_point("execute", [s.request_id for s in plan.scheduled])
         self._in_flight = (plan, self.runner.execute(work, prev_tokens=None if prev is None else prev[0]))
         self.num_steps += 1
+
+    def _step_isolated(self, request_id: str) -> list[RequestOutput]:
+        """One step of a suspect alone, not pipelined, so that a failure
+        anywhere in it is this request's (see ``step``)."""
+        self.num_isolated_steps += 1
+        try:
+            plan = self.scheduler.schedule_isolated(request_id)
+            self._launch(plan)
+            collected = self._collect()
+            outputs = self._process(*collected)
+        except Exception as exc:  # noqa: BLE001 - it failed alone: it is the culprit
+            self._in_flight = None
+            self._raise_if_device_lost(exc)
+            failed = self._fail_request(request_id, exc)
+            return [] if failed is None else [failed]
+        if plan.scheduled[0].sample:
+            self._suspects.pop(request_id, None)  # passed a whole step alone
+        return outputs
+
+    def _recover(self, exc: Exception) -> None:
+        """Contain a failed batched step (see ``step``)."""
+        plans = list(self._touched)
+        if self._in_flight is not None:
+            plans.append(self._in_flight[0])
+            self._in_flight = None
+        self._raise_if_device_lost(exc)
+        involved = list(dict.fromkeys(s.request_id for plan in plans for s in plan.scheduled))
+        if self._planning:
+            involved.extend(rid for rid in self.scheduler.requests if rid not in involved)
+        restore = [self._requests[rid] for rid in involved if rid in self._states]
+        if not restore:
+            raise exc
+        policy = self.scheduler_config.policy
+        restore.sort(key=lambda r: r.sort_key(policy))
+        try:
+            # Worst first, so the best ends up at the front of its queue.
+            for req in reversed(restore):
+                self.scheduler.reset_for_recompute(req, self._states[req.request_id].num_tokens_seen)
+        except Exception as recovery_exc:  # noqa: BLE001
+            self._broken = EngineBroken(
+                f"recovering from a failed step ({exc!r}) failed: {recovery_exc!r}; the engine's state is lost"
+            )
+            raise self._broken from recovery_exc
+        for req in restore:
+            self._suspects[req.request_id] = None
+        self.num_failed_steps += 1
+        log.warning(
+            "engine.step_failed",
+            error=repr(exc),
+            suspects=[r.request_id for r in restore],
+            exc_info=exc,
+        )
+
+    def _raise_if_device_lost(self, exc: Exception) -> None:
+        """Raise ``EngineBroken`` (from ``exc``) when the failure took the
+        device state with it: a KV cache or weight buffer was deleted (a
+        failing call that had it donated), or the cache holds a failed
+        computation. Called with no step in flight."""
+        lost = None
+        arrays = jax.tree.leaves(self.runner.kv_cache) + jax.tree.leaves(self.runner.state)
+        if any(a.is_deleted() for a in arrays if isinstance(a, jax.Array)):
+            lost = "a KV cache or weight buffer was deleted"
+        else:
+            try:
+                jax.block_until_ready(self.runner.kv_cache)
+            except Exception as cache_exc:  # noqa: BLE001
+                lost = f"the KV cache holds a failed computation ({cache_exc!r})"
+        if lost is not None:
+            self._broken = EngineBroken(f"engine step failed and {lost}: {exc!r}; restart the engine")
+            raise self._broken from exc
+
+    def _fail_request(self, request_id: str, exc: Exception) -> RequestOutput | None:
+        """End a request whose own work raised, with an ``internal`` error."""
+        log.error("engine.request_failed", request_id=request_id, error=repr(exc), exc_info=exc)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)  # no-op if it already ended
+        state = self._states.get(request_id)
+        metrics = self._metrics.get(request_id, {})
+        self._forget(request_id)
+        if state is None:
+            return None
+        metrics["finished"] = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=state.num_prompt_tokens,
+            completion_tokens=len(state.token_ids),
+            error=RequestError("internal", f"engine step failed for this request: {exc!r}", retryable=True),
+            metrics=metrics,
+        )
 
     def _collect_overlapped(self):
         """``_collect`` and ``_dispatch`` with the next step launched *before*
@@ -285,6 +497,7 @@ class Engine:
         placeholders = dict.fromkeys(sampling, PENDING_TOKEN)
         finished_by_length = set(self.scheduler.update_from_output(plan, placeholders))
         self._dispatch(prev=(result.tokens, {rid: i for i, rid in enumerate(sampling)}))
+        self._fault_point("fetch", [s.request_id for s in plan.scheduled])
         sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
         for request_id, token in sampled.items():
             req = requests[request_id]
@@ -300,6 +513,7 @@ class Engine:
         plan, result = self._in_flight
         self._in_flight = None
         sampling = [s.request_id for s in plan.scheduled if s.sample]
+        self._fault_point("fetch", [s.request_id for s in plan.scheduled])
         sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
         self._finish_stopped(sampled, finished_by_length)
@@ -313,26 +527,36 @@ class Engine:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _process(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
-        """Detokenize collected tokens, apply stop strings, build outputs."""
+        """Detokenize collected tokens, apply stop strings, build outputs.
+
+        Each request's token is handled on its own: when that raises (the
+        detokenizer, a stop check), the failure is this request's, and it
+        alone is finished with an ``internal`` error."""
         outputs = []
         now = time.monotonic()
         for request_id, token in sampled.items():
             state = self._states.get(request_id)
             if state is None:  # aborted while the step ran
                 continue
-            metrics = self._metrics[request_id]
-            metrics.setdefault("first_token", now)
-            verdict = state.add_token(token, sampled_logprobs[request_id] if state.params.logprobs else None)
-            finish = verdict.finish_reason
-            if finish is None and request_id in finished_by_length:
-                finish = "length"  # max_model_len reached before max_tokens
-                verdict.delta += state.force_finish("length")
-            elif finish is not None and request_id not in finished_by_length:
-                # A stop string (or stop id, already ended in _collect: then a no-op).
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-            outputs.append(
-                self._output(request_id, state, verdict.delta, [token] if verdict.accepted else [], finish, now)
-            )
+            try:
+                self._fault_point("process", [request_id])
+                metrics = self._metrics[request_id]
+                metrics.setdefault("first_token", now)
+                verdict = state.add_token(token, sampled_logprobs[request_id] if state.params.logprobs else None)
+                finish = verdict.finish_reason
+                if finish is None and request_id in finished_by_length:
+                    finish = "length"  # max_model_len reached before max_tokens
+                    verdict.delta += state.force_finish("length")
+                elif finish is not None and request_id not in finished_by_length:
+                    # A stop string (or stop id, already ended in _collect: then a no-op).
+                    self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+                out = self._output(request_id, state, verdict.delta, [token] if verdict.accepted else [], finish, now)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                failed = self._fail_request(request_id, exc)
+                if failed is not None:
+                    outputs.append(failed)
+                continue
+            outputs.append(out)
         return outputs
 
     def _output(self, request_id, state, delta, new_ids, finish, now) -> RequestOutput:
@@ -352,11 +576,15 @@ class Engine:
             out.text = state.text
             out.token_ids = list(state.token_ids)
             out.logprobs = list(state.logprobs) if state.params.logprobs else None
-            del self._states[request_id]
-            del self._metrics[request_id]
+            self._forget(request_id)
         return out
 
     def _expire_waiting(self) -> list[RequestOutput]:
+        """Fail waiting requests past their deadline. A deadline gates only
+        work that has produced nothing yet: ``Request.is_expired`` is false
+        once the request has its first output token, so a request preempted
+        back to waiting after that (or recomputed after a failed step) is
+        never expired; neither is a running one."""
         outputs = []
         now = time.monotonic()
         for request_id in self.scheduler.expired_request_ids(now):
@@ -364,8 +592,9 @@ class Engine:
             if req is None or req.status == RequestStatus.RUNNING:
                 continue  # deadlines gate admission and waiting, not running work
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-            state = self._states.pop(request_id, None)
-            metrics = self._metrics.pop(request_id, {})
+            state = self._states.get(request_id)
+            metrics = self._metrics.get(request_id, {})
+            self._forget(request_id)
             metrics["finished"] = now
             outputs.append(
                 RequestOutput(
@@ -388,7 +617,7 @@ class Engine:
             "top_k": p.top_k,
             "top_p": p.top_p,
             "min_p": p.min_p,
-            "seed": p.seed,
+            "seed": sampler_seed(p.seed),
             "output_index": req.num_output_tokens,
             "repetition_penalty": p.repetition_penalty,
             "frequency_penalty": p.frequency_penalty,
@@ -399,6 +628,13 @@ class Engine:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
+
+
+def _token_id(value) -> int:
+    """A prompt token id: an integer (not a bool), else ``TypeError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"token id {value!r} is not an integer")
+    return int(value)
 
 
 def _by_request(

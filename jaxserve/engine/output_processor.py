@@ -51,10 +51,14 @@ class OutputState:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: FinishReason | None = None
+        #: tokens given to ``add_token`` (stop ids included): how many of the
+        #: request's sampled tokens have been delivered
+        self.num_tokens_seen = 0
 
     def add_token(self, token_id: int, logprob: float | None = None) -> TokenVerdict:
         if self.finish_reason is not None:
             raise RuntimeError(f"token {token_id} arrived after the request finished ({self.finish_reason})")
+        self.num_tokens_seen += 1
         if token_id in self.stop_ids:
             self.finish_reason = "stop"
             self.text += self.detok.flush()

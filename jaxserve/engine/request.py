@@ -109,6 +109,8 @@ class Request:
         self._hash_block_size: int | None = None
         # index in all_token_ids of the one output token still on the device, if any
         self.pending_index: int | None = None
+        # set by the first output token and never cleared (see is_expired)
+        self.has_produced_output = False
 
         # Filled by the scheduler.
         self.seq_no = -1  # admission order, a tie-breaker after arrival_time
@@ -153,7 +155,11 @@ class Request:
         return self.status.finish_reason
 
     def is_expired(self, now: float | None = None) -> bool:
-        if self.deadline is None:
+        """Whether the deadline has passed. A deadline gates only work that
+        has not produced anything yet: once the request has produced its
+        first output token it never expires, even when it is preempted back
+        to waiting later (or its tokens are recomputed after a failed step)."""
+        if self.deadline is None or self.has_produced_output:
             return False
         return (time.monotonic() if now is None else now) >= self.deadline
 
@@ -170,7 +176,33 @@ class Request:
             self.pending_index = len(self._all_token_ids)
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        self.has_produced_output = True
         if self._hash_block_size is not None:
+            self._extend_block_hashes()
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Forget every output token after the first ``num_output_tokens``
+        (the engine's recovery from a failed step: tokens the failed step
+        produced were never delivered, and are sampled again). Only for a
+        request holding no KV blocks, since computed tokens are not touched."""
+        if not isinstance(num_output_tokens, int) or not 0 <= num_output_tokens <= self.num_output_tokens:
+            raise ValueError(
+                f"request {self.request_id!r} has {self.num_output_tokens} output tokens; cannot keep "
+                f"{num_output_tokens!r}"
+            )
+        if self.block_ids or self.num_computed_tokens:
+            raise ValueError(f"request {self.request_id!r} still holds KV state: {self!r}")
+        keep = self.num_prompt_tokens + num_output_tokens
+        if self.pending_index is not None:
+            if self.pending_index < keep:
+                raise ValueError(
+                    f"request {self.request_id!r} would keep its pending token (index {self.pending_index})"
+                )
+            self.pending_index = None
+        del self.output_token_ids[num_output_tokens:]
+        del self._all_token_ids[keep:]
+        if self._hash_block_size is not None:
+            del self.block_hashes[keep // self._hash_block_size :]
             self._extend_block_hashes()
 
     def resolve_pending(self, token_id: int) -> None:

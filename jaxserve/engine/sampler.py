@@ -144,6 +144,34 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     return tokens, chosen_logprobs(raw_logits, tokens)
 
 
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def sampler_seed(seed: int) -> int:
+    """Map a request's seed (any integer in ``[-2**63, 2**64 - 1]``) to the
+    sampler's uint32 seed, deterministically.
+
+    Seeds in ``[0, 2**32)`` map to themselves, so every seeded output
+    produced before wider seeds were accepted stays the same. Any other seed
+    is taken modulo ``2**64`` (so ``-1`` and ``2**64 - 1`` are one seed, as
+    in two's complement), scrambled by the 64-bit finalizer of SplitMix64,
+    and its two 32-bit halves are xor-ed together. A bare xor of the halves
+    would send ``-k`` to ``k - 1`` (``-1`` to ``0``, ``-2`` to ``1``...), so
+    common negative seeds would repeat the streams of small positive ones;
+    the scrambling spreads them instead. Collisions are unavoidable (2**64
+    seeds, 2**32 streams) but not systematic.
+    """
+    seed = int(seed)
+    if 0 <= seed <= _U32:
+        return seed
+    z = seed & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & _U32
+
+
 def host_sampling_tensors(
     rows: list[dict],
     num_rows: int,

@@ -34,6 +34,11 @@ One step, in order:
    request that does not fit (no overtaking within the order). A new request
    first looks up its longest cached prefix and skips those tokens, always
    leaving at least its last token to compute.
+
+Two calls serve the engine's recovery from a failed step (see
+``Engine.step``): :meth:`Scheduler.reset_for_recompute` sends a request of
+the failed step back to waiting with only its delivered tokens, and
+:meth:`Scheduler.schedule_isolated` plans a step for one request alone.
 """
 
 from __future__ import annotations
@@ -131,6 +136,16 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_steps: int
+
+
+@dataclasses.dataclass
+class _Admission:
+    """What admitting a waiting request takes (``Scheduler._admission``)."""
+
+    hits: list[int]  # prefix-cache blocks it reuses
+    candidates: list  # the block hashes looked up
+    num_tokens: int  # tokens it computes in its first step
+    num_new_blocks: int  # blocks to allocate
 
 
 class _WaitingQueue:
@@ -303,8 +318,12 @@ class Scheduler:
             budget -= n
 
         if not preempted:
-            budget = self._admit_waiting(budget, planned)
+            self._admit_waiting(budget, planned)
+        return self._plan(planned, preempted)
 
+    def _plan(self, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]) -> SchedulerOutput:
+        """The step's plan from what ``schedule`` (or ``schedule_isolated``) decided."""
+        cfg = self.config
         scheduled = []
         total = 0
         for req, n, is_new in planned.values():
@@ -336,8 +355,6 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, planned: dict[str, tuple[Request, int, bool]]) -> int:
         cfg = self.config
-        bs = self.block_size
-        cap = cfg.long_prefill_token_threshold
         batch_seq_limit = cfg.max_num_seqs - cfg.interactive_reserved_seqs
         now = time.monotonic()
         while budget > 0 and len(self.running) < cfg.max_num_seqs:
@@ -349,41 +366,154 @@ class Scheduler:
             req = queue.peek()
             if req.request_class == RequestClass.BATCH and len(self.running) >= batch_seq_limit:
                 break
-            hits: list[int] = []
-            candidates = []
-            if self._prefix_caching:
-                # Keep at least the last token to compute: it yields the sample.
-                candidates = req.block_hashes[: (req.num_tokens - 1) // bs]
-                hits = self.allocator.find_cached_prefix(candidates)
-            num_cached = len(hits) * bs
-            n = min(req.num_tokens - num_cached, budget)
-            if cap:
-                n = min(n, cap)
-            num_new = _cdiv(num_cached + n, bs) - len(hits)
-            if num_new + self.allocator.num_blocks_to_touch(hits) > self._free_blocks_for(req):
+            admission = self._admission(req, budget)
+            if not self._admission_fits(req, admission):
                 break
             queue.pop()
-            if self._prefix_caching:
-                # Reference the hits (and count the query) before allocating,
-                # so that allocate cannot evict them.
-                taken = self.allocator.get_computed_blocks(candidates)
-                assert taken == hits
-            new_blocks = self.allocator.allocate(num_new)
-            assert new_blocks is not None
-            req.block_ids = hits + new_blocks
-            req.num_registered_blocks = len(hits)
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-                req.num_cached_tokens = num_cached
-            if self._prefix_caching:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_cached
-            self.running.append(req)
-            planned[req.request_id] = (req, n, True)
-            budget -= n
+            self._admit(req, admission, planned, now)
+            budget -= admission.num_tokens
         return budget
+
+    def _admission(self, req: Request, budget: int) -> "_Admission":
+        """What admitting ``req`` now would take: its prefix-cache hits and
+        how many tokens and new blocks it would get."""
+        bs = self.block_size
+        cap = self.config.long_prefill_token_threshold
+        hits: list[int] = []
+        candidates = []
+        if self._prefix_caching:
+            # Keep at least the last token to compute: it yields the sample.
+            candidates = req.block_hashes[: (req.num_tokens - 1) // bs]
+            hits = self.allocator.find_cached_prefix(candidates)
+        num_cached = len(hits) * bs
+        n = min(req.num_tokens - num_cached, budget)
+        if cap:
+            n = min(n, cap)
+        num_new = _cdiv(num_cached + n, bs) - len(hits)
+        return _Admission(hits, candidates, n, num_new)
+
+    def _admission_fits(self, req: Request, admission: "_Admission") -> bool:
+        need = admission.num_new_blocks + self.allocator.num_blocks_to_touch(admission.hits)
+        return need <= self._free_blocks_for(req)
+
+    def _admit(
+        self, req: Request, admission: "_Admission", planned: dict[str, tuple[Request, int, bool]], now: float
+    ) -> None:
+        """Make a request just taken off its waiting queue running."""
+        hits = admission.hits
+        num_cached = len(hits) * self.block_size
+        if self._prefix_caching:
+            # Reference the hits (and count the query) before allocating,
+            # so that allocate cannot evict them.
+            taken = self.allocator.get_computed_blocks(admission.candidates)
+            assert taken == hits
+        new_blocks = self.allocator.allocate(admission.num_new_blocks)
+        assert new_blocks is not None
+        req.block_ids = hits + new_blocks
+        req.num_registered_blocks = len(hits)
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            req.num_cached_tokens = num_cached
+        if self._prefix_caching:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_cached
+        self.running.append(req)
+        planned[req.request_id] = (req, admission.num_tokens, True)
+
+    # ------------------------------------------------------------ isolation
+
+    def schedule_isolated(self, request_id: str) -> SchedulerOutput:
+        """Plan a step for one request alone (the engine's failure
+        containment: after a failed step it runs each request of that step by
+        itself until it has passed a step alone or failed alone).
+
+        The request gets its usual chunk: its decode token, its next prefill
+        chunk, or its admission (with its prefix-cache hits) if it waits.
+        Other running requests keep their blocks but get no tokens; when the
+        request needs room (blocks, or a sequence slot to be admitted into),
+        they are preempted, worst first, whatever their rank: nothing else
+        runs until the isolation ends, so waiting for them to free room would
+        never end. Priority classes and the interactive reserve of sequence
+        slots are not applied (one request runs); its class's block reserve
+        is. Raises ``RuntimeError`` when the request cannot fit even alone,
+        and ``ValueError`` for an unknown id.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"no unfinished request {request_id!r} to schedule")
+        self._step += 1
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        planned: dict[str, tuple[Request, int, bool]] = {}
+        preempted: list[Request] = []
+
+        def make_room() -> None:
+            others = [r for r in self.running if r is not req]
+            if not others:
+                raise RuntimeError(f"request {request_id!r} does not fit in the KV cache even alone: {req!r}")
+            victim = max(others, key=self._key)
+            self._preempt(victim, planned)
+            preempted.append(victim)
+
+        if req.status == RequestStatus.RUNNING:
+            n = min(req.num_tokens_to_compute, budget)
+            if cfg.long_prefill_token_threshold:
+                n = min(n, cfg.long_prefill_token_threshold)
+            need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+            while need > self._free_blocks_for(req):
+                make_room()
+            if need > 0:
+                blocks = self.allocator.allocate(need)
+                assert blocks is not None
+                req.block_ids.extend(blocks)
+            planned[request_id] = (req, n, False)
+        else:
+            while True:
+                admission = self._admission(req, budget)
+                if len(self.running) < cfg.max_num_seqs and self._admission_fits(req, admission):
+                    break
+                make_room()
+            self._waiting[req.request_class].remove(req)
+            self._admit(req, admission, planned, time.monotonic())
+        return self._plan(planned, preempted)
+
+    def reset_for_recompute(self, request: Request, num_output_tokens: int) -> None:
+        """Send a request back to waiting, holding no KV blocks and only its
+        first ``num_output_tokens`` output tokens, to be recomputed from
+        scratch (the engine's recovery after a failed step: the KV cache of
+        the step's requests is not trusted, and the tokens the step sampled
+        were never delivered).
+
+        The request may be running, waiting, or finished since the failed
+        step began (the step may have finished it by length or by a stop id
+        before failing); it is then unfinished again. An aborted request is
+        refused with ``ValueError``. The waiting queue takes it at the front
+        (fcfs) or by its own key (priority), as a preemption does.
+        """
+        rid = request.request_id
+        known = self.requests.get(rid)
+        if known is not None and known is not request:
+            raise ValueError(f"another request with id {rid!r} is in progress")
+        if known is None:
+            if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+                raise ValueError(f"request {rid!r} cannot be recomputed: {request!r}")
+            if rid in self._finished_ids:  # not reported in a plan yet: it never finished after all
+                self._finished_ids.remove(rid)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._waiting[request.request_class].remove(request)
+        if request.block_ids:
+            self.allocator.free(request.block_ids)
+            request.block_ids = []
+        request.num_registered_blocks = 0
+        request.num_computed_tokens = 0
+        request.truncate_output(num_output_tokens)
+        request.status = RequestStatus.WAITING if request.first_scheduled_time is None else RequestStatus.PREEMPTED
+        self.requests[rid] = request
+        self._waiting[request.request_class].push_front(request)
 
     def _key(self, req: Request) -> tuple:
         return req.sort_key(self.config.policy)

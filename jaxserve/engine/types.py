@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
 from typing import Literal, Sequence
+
+#: Largest value an int32 device array holds (``max_tokens``, ``top_k``).
+INT32_MAX = 2**31 - 1
+#: ``seed`` may be any signed or unsigned 64-bit integer; the engine folds it
+#: into the sampler's uint32 (``jaxserve.engine.sampler.sampler_seed``).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+#: float32's largest finite value and smallest positive normal value.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+_COLLECTIONS = (list, tuple, set, frozenset)
 
 
 class RequestClass(enum.IntEnum):
@@ -45,12 +58,25 @@ class RequestError(Exception):
         self.retryable = retryable
 
 
+class EngineBroken(RuntimeError):
+    """Raised by ``Engine.step`` when a failed step took the engine's device
+    state with it (the donated KV cache buffers were deleted, or hold a
+    failed computation), or when recovering from a failed step failed: no
+    request can run on this engine any more, and the process must be
+    restarted. Every later ``step`` raises it again.
+
+    Defined here, with no JAX import, so the worker's engine thread can
+    recognise it without loading the engine."""
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request generation settings (OpenAI names and meanings).
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k.
-    ``seed`` makes sampling reproducible whatever else shares the batch.
+    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k.
+    ``seed`` makes sampling reproducible whatever else shares the batch; any
+    integer in ``[-2**63, 2**64 - 1]`` is accepted (see
+    ``jaxserve.engine.sampler.sampler_seed`` for how it reaches the device).
     """
 
     max_tokens: int = 16
@@ -73,33 +99,77 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ``RequestError('invalid_request', ...)`` naming the bad value."""
+        """Raise ``RequestError('invalid_request', ...)`` naming the bad field
+        and value.
+
+        Every field that reaches a device array is range- and
+        finiteness-checked here, so that filling a step's arrays can never
+        fail because of one request (an out-of-range value would raise while
+        the whole batch's arrays are built, failing every request of the
+        step). The limits that depend on the model (``top_k`` and
+        ``stop_token_ids`` against the vocabulary) are checked by
+        ``Engine.add_request``.
+        """
 
         def bad(msg: str) -> RequestError:
             return RequestError("invalid_request", msg)
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= float(self.temperature) <= 100.0):
+        def integer(name: str, lo: int, hi: int) -> None:
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise bad(f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise bad(f"{name} must be in [{lo}, {hi}], got {value!r}")
+
+        def real(name: str) -> float:
+            # Finite, and within float32's range (a larger magnitude would
+            # become inf in the device arrays).
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise bad(f"{name} must be a number, got {value!r}")
+            try:
+                as_float = float(value)
+            except (OverflowError, ValueError):
+                as_float = math.inf
+            if not math.isfinite(as_float) or abs(as_float) > FLOAT32_MAX:
+                raise bad(f"{name} must be a finite number (within float32's range), got {value!r}")
+            return as_float
+
+        integer("max_tokens", 1, INT32_MAX)
+        if not 0.0 <= real("temperature") <= 100.0:
             raise bad(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
+        if not 0.0 < real("top_p") <= 1.0:
             raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise bad(f"top_k must be an integer, got {self.top_k!r}")
-        if not (0.0 <= float(self.min_p) <= 1.0):
+        integer("top_k", 0, INT32_MAX)
+        if not 0.0 <= real("min_p") <= 1.0:
             raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
-        if float(self.repetition_penalty) <= 0.0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None:
+            integer("seed", SEED_MIN, SEED_MAX)
+        # Logits are divided by it: it must stay > 0 once rounded to float32.
+        if not real("repetition_penalty") >= FLOAT32_TINY:
+            raise bad(
+                f"repetition_penalty must be > 0 (at least {FLOAT32_TINY:.3g}, float32's smallest normal number), "
+                f"got {self.repetition_penalty!r}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
-            value = float(getattr(self, name))
-            if not (-2.0 <= value <= 2.0):
-                raise bad(f"{name} must be in [-2, 2], got {value!r}")
+            value = real(name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, _COLLECTIONS) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, _COLLECTIONS) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise bad(f"stop_token_ids must be a list of non-negative integer token ids, got {ids!r}")
+        for name in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+
+def _is_int(value: object) -> bool:
+    """A Python or numpy integer, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass
