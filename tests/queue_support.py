@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import Any
 
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
 from jaxserve.worker.lifecycle import job_key_of
 
 
@@ -89,6 +89,8 @@ class EchoEngine:
         warmup_s: float = 0.0,
         model_name: str = "echo",
         stalled: bool = False,
+        break_after_steps: int = 0,
+        fail_every_step: bool = False,
     ) -> None:
         self.tokenizer = ByteTokenizer()
         self.max_num_seqs = max_num_seqs
@@ -109,6 +111,11 @@ class EchoEngine:
         self.max_running_seen = 0
         self.thread_ids: set[int] = set()
         self.fail_next_step = False
+        # Faults of the whole engine: EngineBroken after this many steps (0:
+        # never), or an ordinary exception from every step.
+        self.break_after_steps = break_after_steps
+        self.fail_every_step = fail_every_step
+        self.steps = 0
 
     # switches used by tests (thread-safe: Event)
     def stall(self) -> None:
@@ -154,7 +161,10 @@ class EchoEngine:
         self.thread_ids.add(threading.get_ident())
         if not self.gate.wait(0.05):
             return []
-        if self.fail_next_step:
+        self.steps += 1
+        if self.break_after_steps and self.steps >= self.break_after_steps:
+            raise EngineBroken("injected: the device state is gone")
+        if self.fail_next_step or self.fail_every_step:
             self.fail_next_step = False
             raise RuntimeError("injected step failure")
         outs: list[RequestOutput] = []
@@ -210,7 +220,7 @@ def make_echo_engine(**kwargs: Any) -> EchoEngine:
         "step_s": _env_float("JAXSERVE_ECHO_STEP_S", 0.002),
     }
     for k, v in kwargs.items():
-        if k in ("max_num_seqs", "interactive_reserved_seqs", "max_model_len"):
+        if k in ("max_num_seqs", "interactive_reserved_seqs", "max_model_len", "break_after_steps"):
             cfg[k] = int(v)
         elif k in ("step_s", "busy_step_s", "warmup_s"):
             cfg[k] = float(v)
