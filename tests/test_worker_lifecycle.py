@@ -240,7 +240,8 @@ async def test_a_store_outage_holds_the_job_and_drain_requeues_it(worker):
     w.store.down = True
     m = FakeMessage(JOB, "k")
     await deliver(w, m)
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(_until(lambda: "k" in w.active and w.active["k"].state is JobState.HELD), 5)
+    await asyncio.sleep(0.05)
     assert w.active["k"].state is JobState.HELD and m.settlements == []
     await w.shutdown(drain_timeout=0.05)
     assert m.settlements == ["requeue"] and pub.finals() == []
@@ -251,7 +252,7 @@ async def test_store_back_after_an_outage_the_held_job_runs(worker):
     w.store.down = True
     m = FakeMessage(JOB, "k")
     await deliver(w, m)
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(_until(lambda: w.store.calls["get"] >= 3), 5)
     w.store.down = False
     await settled(w, m)
     assert m.settlements == ["ack"] and pub.finals()[0]["status"] == "ok"
@@ -333,7 +334,7 @@ async def test_cancel_acts_locally_while_the_store_is_down(worker):
     w, pub = await worker(eng)
     m = FakeMessage(JOB, "k")
     await deliver(w, m)
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(_until(lambda: len(eng.waiting) == 1), 5)
     w.store.down = True
     cancel = FakeMessage({"type": "cancel", "id": "k"}, None)
     await w._on_control(cancel)
@@ -372,7 +373,7 @@ async def test_higher_priority_runs_earlier_within_its_class(worker):
     msgs = [FakeMessage({**JOB, "prompt": f"p{p}"}, f"k{p}", priority=p) for p in (0, 5, 9, 1)]
     for m in msgs:
         await deliver(w, m)
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(_until(lambda: len(eng.waiting) == 4), 10)  # all four in the engine
     eng.unstall()
     await settled(w, *msgs)
     assert [f["id"] for f in pub.finals()] == ["k9", "k5", "k1", "k0"]
@@ -399,3 +400,55 @@ def test_delivery_settles_once_and_transitions_are_checked():
     with pytest.raises(IllegalTransition):
         kj.attach(Delivery(FakeMessage(JOB, "k"), "batch", "r", "k"))
     assert Result.failure("k", "internal", "x").retryable_error
+
+
+@pytest.mark.parametrize("marked", [True, False])
+async def test_killed_between_final_and_ack_the_sqlite_store_answers_the_redelivery(worker, tmp_path, marked):
+    """The default store is a file: a worker that dies after publishing a
+    sampled job's final but before acking it (here: the ack never reaches
+    the broker) leaves the result on disk, and the next worker answers the
+    redelivery from it instead of sampling again: silently when the reply
+    was recorded as delivered to that destination, else by replaying it."""
+    from jaxserve.worker.store import SqliteStore
+
+    class Store(SqliteStore):
+        async def mark_delivered(self, key, dest):
+            if not marked:
+                raise StoreUnavailable("died before recording the delivery")
+            await super().mark_delivered(key, dest)
+
+    path = tmp_path / "store.sqlite3"
+    body = {"prompt": "a sampled job", "max_tokens": 6, "temperature": 0.9}
+    w1, pub1 = await worker(store=Store(path))
+    m = FakeMessage(body, "k")
+    m.channel_closed = True  # the process dies before its ack
+    await deliver(w1, m)
+    await asyncio.wait_for(_until(lambda: not w1.active), 5)
+    [first] = pub1.finals()
+    assert first["status"] == "ok" and m.settlements == []
+    await w1.store.close()
+
+    eng2 = EchoEngine(step_s=0.001)
+    w2, pub2 = await worker(eng2, store=SqliteStore(path))  # the restarted worker
+    again = FakeMessage(body, "k", redelivered=True)
+    await deliver(w2, again)
+    await settled(w2, again)
+    assert eng2.add_count["k"] == 0 and again.settlements == ["ack"]
+    if marked:
+        assert pub2.finals() == []  # that destination has its answer already
+    else:
+        [second] = pub2.finals()
+        assert second["text"] == first["text"] and second["replayed"] is True
+
+
+async def test_sqlite_claims_of_a_dead_process_are_free(tmp_path):
+    from jaxserve.worker.store import SqliteStore
+
+    a, b = SqliteStore(tmp_path / "s.sqlite3"), SqliteStore(tmp_path / "s.sqlite3")
+    assert await a.claim("k", "worker-a", 30) is None
+    assert await b.claim("k", "worker-b", 30) == "worker-a"  # a live owner holds it
+    a._db.execute("UPDATE claims SET pid = ?", (2**22 + 12345,))  # no such process
+    assert await b.claim("k", "worker-b", 30) is None
+    assert await b.renew("k", "worker-b", 30) and not await a.renew("k", "worker-a", 30)
+    await a.close()
+    await b.close()
