@@ -147,11 +147,11 @@ def pipelined_child(stamps_path: str, prefix: str, inp: str, out: str, window: i
         slots = asyncio.Semaphore(window)
         unconfirmed = asyncio.Semaphore(confirms)
 
-        async def on_final(msg: dict[str, Any]) -> None:
-            key = msg.get("id")
+        async def on_final(msg: Any) -> None:
+            key = msg.id
             if key in pending:
                 pending.discard(key)
-                results[key] = msg
+                results[key] = msg.to_dict()
                 slots.release()
                 stamps["last_result"] = time.monotonic()
                 stamps["replies"] += 1

@@ -87,6 +87,7 @@ def _instrument_engine(engine: Any) -> None:
 def _instrument_worker() -> None:
     from jaxserve.worker import worker as wmod
     from jaxserve.worker.engine_thread import EngineThread
+    from jaxserve.worker.lifecycle import Delivery, job_key_of
 
     W = wmod.Worker
 
@@ -107,40 +108,40 @@ def _instrument_worker() -> None:
     orig_add = EngineThread.add_request
 
     def add_request(self, request_id, *a, **kw):  # type: ignore[no-untyped-def]
-        rec(request_id, "add_sent")
+        key = job_key_of(request_id)
+        rec(key, "add_sent")
         fut = orig_add(self, request_id, *a, **kw)
-        fut.add_done_callback(lambda _f: rec(request_id, "admitted"))
+        fut.add_done_callback(lambda _f: rec(key, "admitted"))
         return fut
 
     orig_finish = W._finish
 
-    async def _finish(self, aj, result):  # type: ignore[no-untyped-def]
-        rec(aj.key, "finish_start")
-        r = await orig_finish(self, aj, result)
-        rec(aj.key, "finish_end")
+    async def _finish(self, kj, result, record=None):  # type: ignore[no-untyped-def]
+        rec(kj.key, "finish_start")
+        r = await orig_finish(self, kj, result, record)
+        rec(kj.key, "finish_end")
         return r
 
-    orig_reply = W._reply_final
+    orig_reply = W._publish_final
 
-    async def _reply_final(self, d, result):  # type: ignore[no-untyped-def]
-        key = result.get("id")
-        rec(key, "reply_start")
+    async def _publish_final(self, d, result):  # type: ignore[no-untyped-def]
+        rec(result.id, "reply_start")
         r = await orig_reply(self, d, result)
-        rec(key, "reply_confirmed")
+        rec(result.id, "reply_confirmed")
         return r
 
-    orig_settle = W._settle
+    orig_settle = Delivery.settle
 
-    async def _settle(self, message, *, requeue=None):  # type: ignore[no-untyped-def]
-        r = await orig_settle(self, message, requeue=requeue)
-        rec(message.message_id, "acked")
+    async def settle(self, how):  # type: ignore[no-untyped-def]
+        r = await orig_settle(self, how)
+        rec(self.message.message_id, "acked")
         return r
 
     W._handle = _handle
     EngineThread.add_request = add_request
     W._finish = _finish
-    W._reply_final = _reply_final
-    W._settle = _settle
+    W._publish_final = _publish_final
+    Delivery.settle = settle
 
 
 async def _lag_sampler() -> None:
@@ -222,8 +223,9 @@ def loop_breakdown(pstats_path: str, jobs: int) -> dict[str, Any]:
         "uuid4 (os.urandom)": ("uuid", "posix.urandom"),
         "json (orjson/json)": ("orjson", "json"),
         "tokenizer": ("jaxserve/tokenizer", "tokenizers"),
-        "worker + protocol": ("jaxserve/worker",),
-        "idempotency store": ("idempotency",),
+        "idempotency store": ("jaxserve/worker/store", "sqlite3"),
+        "worker": ("jaxserve/worker",),
+        "wire (validation, messages)": ("jaxserve/wire", "pydantic"),
         "metrics (prometheus)": ("prometheus", "jaxserve/metrics"),
         "profiler shims (benchmarks/queue_profile)": ("queue_profile",),
     }

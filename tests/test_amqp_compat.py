@@ -1,4 +1,4 @@
-"""jaxserve.worker.amqp_compat against the real RabbitMQ.
+"""jaxserve.wire.amqp_compat against the real RabbitMQ.
 
 Bad properties are put on the wire by :class:`RawPublisher`, a minimal AMQP
 0-9-1 client over a plain socket that writes the content-header bytes
@@ -89,7 +89,7 @@ async def wait_for(pred, timeout: float = 5.0) -> None:
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture
 def compat():
-    from jaxserve.worker import amqp_compat
+    from jaxserve.wire import amqp_compat
 
     amqp_compat.install()
     return amqp_compat

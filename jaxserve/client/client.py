@@ -24,6 +24,7 @@ import aio_pika
 import aiormq.exceptions
 import orjson
 
+from jaxserve.wire import amqp_compat
 from jaxserve.wire import (
     DEFAULT_AMQP_URL,
     DEFAULT_PREFIX,
@@ -37,6 +38,9 @@ from jaxserve.wire import (
 )
 
 T = TypeVar("T")
+
+# A reply whose properties do not decode must not drop the reply connection.
+amqp_compat.install()
 
 
 class QueueError(Exception):

@@ -60,7 +60,7 @@ from jaxserve.wire import (
     parse_job,
 )
 from jaxserve.wire.topology import declare_topology
-from jaxserve.worker import amqp_compat
+from jaxserve.wire import amqp_compat
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
