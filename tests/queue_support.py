@@ -71,6 +71,8 @@ class _Req:
         self.full, self.reason = expected_completion(self.prompt_text, params.max_tokens, tuple(params.stop))
         self.pieces = [p for p in re.findall(r"\S*\s*", self.full) if p]
         self.pos = 0
+        self.label_logprobs: list[float] | None = None
+        self.label_tokens = 0
 
 
 # A prompt containing this makes EchoEngine fail that request's step (alone).
@@ -143,6 +145,24 @@ class EchoEngine:
         self.add_count[job_key_of(request_id)] += 1  # counted per job key (the worker adds one id per run)
         self.waiting.append(_Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer))
 
+    def add_score_request(self, request_id: str, prompt: list[int], labels: list[list[int]], *, request_class: RequestClass = RequestClass.BATCH, priority: int = 0, deadline: float | None = None) -> None:
+        """Label scoring like the real engine's interface: one finished
+        output whose ``label_logprobs`` are a deterministic function of the
+        prompt and each label (the label sharing most bytes with the prompt
+        scores best), costing one step."""
+        self.thread_ids.add(threading.get_ident())
+        if not labels or any(not ids for ids in labels):
+            raise RequestError("invalid_request", "every label needs at least one token")
+        if len(prompt) + max(len(ids) for ids in labels) > self.max_model_len:
+            raise RequestError("context_length_exceeded", "too long")
+        self.add_count[job_key_of(request_id)] += 1
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        req = _Req(request_id, list(prompt), params, RequestClass.parse(request_class), priority, deadline, self.tokenizer)
+        seen = set(prompt)
+        req.label_logprobs = [-0.1 * len(ids) - 0.5 * sum(1 for t in ids if t not in seen) for ids in labels]
+        req.label_tokens = sum(len(ids) for ids in labels)
+        self.waiting.append(req)
+
     def abort(self, request_id: str) -> bool:
         self.thread_ids.add(threading.get_ident())
         self.aborted.append(job_key_of(request_id))
@@ -195,6 +215,10 @@ class EchoEngine:
                 del self.running[rid]
                 err = RequestError("internal", f"engine step failed for this request: injected ({FAIL_MARKER})", retryable=True)
                 outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="error", error=err))
+                continue
+            if r.label_logprobs is not None:
+                del self.running[rid]
+                outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="stop", prompt_tokens=r.prompt_tokens + r.label_tokens, label_logprobs=list(r.label_logprobs)))
                 continue
             delta = r.pieces[r.pos] if r.pos < len(r.pieces) else ""
             r.pos += 1

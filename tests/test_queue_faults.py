@@ -199,13 +199,13 @@ async def test_poison_values_never_touch_ordinary_jobs(harness, prefix):
         ordinary = {f"ord-{i}": f"document number {i} is about" for i in range(40)}
         alone = {}
         for key, prompt in list(ordinary.items())[:4]:  # each alone first: the reference text
-            await send(key + "-alone", orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}))
+            await send(key + "-alone", orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache": False}))
         ref = by_id(await drain_queue(q, until=lambda ms: len(finals(ms)) >= 4))
         alone = {k.removesuffix("-alone"): v[0]["text"] for k, v in ref.items()}
 
         items = list(ordinary.items())
         for i, (key, prompt) in enumerate(items):
-            await send(key, orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}))
+            await send(key, orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache": False}))
             if i % 3 == 0:  # odd jobs interleaved with the ordinary ones
                 for name, extra in ODD_VALID.items():
                     await send(f"odd-{name}-{i}", orjson.dumps({"prompt": "odd one", "max_tokens": 6, **extra}))

@@ -5,17 +5,12 @@ them)."""
 from __future__ import annotations
 
 import asyncio
-import collections
-import hashlib
 import json
-import os
 import signal
 import sys
-import time
 from typing import Any
 
 import click
-import orjson
 
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
@@ -73,6 +68,7 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
               help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
+@click.option("--served-model-name", default=None, help="The model name jobs use in `model` and results carry (default: the model folder's name).")
 @click.option("--store", type=click.Choice(["sqlite", "memory", "redis"]), default="sqlite", show_default=True,
               help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None, envvar="JAXSERVE_STATE_DIR",
@@ -111,6 +107,7 @@ def worker(
     interactive_reserved_seqs: int | None,
     policy: str | None,
     metrics_port: int | None,
+    served_model_name: str | None,
     store: str,
     state_dir: str | None,
     redis_url: str,
@@ -132,13 +129,20 @@ def worker(
     log_text: bool,
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
+    from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
     from jaxserve.worker.factory import load_factory, parse_engine_args
-    from jaxserve.wire.topology import Topology, TopologyMismatch
+    from jaxserve.wire.topology import Topology
     from jaxserve.worker.logs import configure_logging
     from jaxserve.worker.store import make_store
     from jaxserve.worker.worker import Worker, WorkerConfig
 
     configure_logging(log_format, log_level)
+    # Before the engine build (minutes for a real model): a taken port or an
+    # unreachable broker is one line now, not a traceback later.
+    with worker_errors(amqp_url, log_format):
+        if metrics_port is not None:
+            check_port_free(metrics_port)
+        check_broker(amqp_url)
     factory = load_factory(engine_path)
     kwargs = parse_engine_args(engine_arg)
     if model is not None:
@@ -170,6 +174,7 @@ def worker(
         log_text=log_text,
         declare=declare,
         metrics_port=metrics_port,
+        served_model_name=served_model_name,
     )
 
     async def main() -> int:
@@ -183,10 +188,8 @@ def worker(
         w = Worker(lambda: factory(**kwargs), cfg, store=st)
         return await w.run(stop)
 
-    try:
+    with worker_errors(amqp_url, log_format):
         code = asyncio.run(main())
-    except TopologyMismatch as exc:
-        raise click.ClickException(str(exc)) from None
     if code:
         sys.exit(code)
 
@@ -242,7 +245,15 @@ def submit(prompt: str, amqp_url: str, prefix: str, queue: str, chat: bool, stre
             await client.delete_reply_queue()
             await client.close()
 
-    sys.exit(asyncio.run(main()))
+    from jaxserve.cli.errors import broker_errors
+    from jaxserve.client import QueueError
+
+    with broker_errors(amqp_url):
+        try:
+            code = asyncio.run(main())
+        except (QueueError, TimeoutError) as exc:  # no queue (no worker with this prefix), full queue, no result in time
+            raise click.ClickException(str(exc)) from None
+    sys.exit(code)
 
 
 # ----------------------------------------------------------------------- chat
@@ -293,153 +304,7 @@ def chat(amqp_url: str, prefix: str, system: str | None, timeout: float, **sp: A
 
 
 # ---------------------------------------------------------------------- batch
-def _job_from_line(raw: dict[str, Any], lineno: int, line: bytes) -> tuple[str, dict[str, Any], str | None]:
-    """(key, job body, custom_id) from one input line: an OpenAI Batch API
-    line (``custom_id`` + ``body``) or a plain job body (key from ``id`` /
-    ``message_id`` / ``custom_id``, else derived from the line)."""
-    if "custom_id" in raw and isinstance(raw.get("body"), dict):
-        body = dict(raw["body"])
-        body.pop("stream", None)
-        return str(raw["custom_id"]), body, str(raw["custom_id"])
-    body = dict(raw)
-    key = body.pop("message_id", None) or body.pop("id", None) or body.pop("custom_id", None)
-    if key is None:
-        key = f"line{lineno}-{hashlib.sha256(line).hexdigest()[:16]}"
-    body.pop("stream", None)
-    return str(key), body, None
-
-
-@click.command("batch")
-@click.argument("input_path", metavar="INPUT.jsonl", type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False), help="OUT.jsonl (appended; keys already in it are skipped).")
-@_amqp_option
-@_prefix_option
-@click.option("--queue", type=click.Choice(["interactive", "batch"]), default="batch", show_default=True)
-@click.option("--max-in-flight", type=int, default=512, show_default=True, help="Jobs published but not answered yet.")
-@click.option("--idle-timeout", type=float, default=600.0, show_default=True, help="Give up when no result arrives for this long.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def batch(input_path: str, output_path: str, amqp_url: str, prefix: str, queue: str, max_in_flight: int, idle_timeout: float, progress: bool) -> None:
-    """Run every line of INPUT.jsonl as a job; write one result per key to OUT.
-
-    Resumable: a rerun skips keys already in OUT. OpenAI Batch API lines
-    (custom_id, method, url, body) are accepted; custom_id is the key."""
-    from tqdm import tqdm
-
-    from jaxserve.client import AsyncClient, QueueFull, retry_with_backoff
-
-    done: set[str] = set()
-    if os.path.exists(output_path):
-        with open(output_path, "rb") as f:
-            for line in f:
-                try:
-                    rec = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                if isinstance(rec, dict) and rec.get("id") is not None:
-                    done.add(str(rec["id"]))
-
-    jobs: list[tuple[str, dict[str, Any], str | None]] = []
-    seen: set[str] = set()
-    bad_lines = 0
-    with open(input_path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                raw = orjson.loads(line)
-                if not isinstance(raw, dict):
-                    raise ValueError("not an object")
-            except (orjson.JSONDecodeError, ValueError):
-                bad_lines += 1
-                click.echo(f"line {lineno}: not a JSON object, skipped", err=True)
-                continue
-            key, body, custom_id = _job_from_line(raw, lineno, line)
-            if key in seen:
-                continue
-            seen.add(key)
-            if key not in done:
-                jobs.append((key, body, custom_id))
-    skipped = len(seen) - len(jobs)
-    # A durable reply queue named after OUT: results that arrive while this
-    # command is down wait there for the rerun.
-    reply_queue = f"{prefix}.reply.batch-{hashlib.sha256(os.path.abspath(output_path).encode()).hexdigest()[:16]}"
-    pending = {k: c for k, _, c in jobs}
-    counts: collections.Counter = collections.Counter()
-
-    async def main() -> int:
-        out = open(output_path, "ab")
-        bar = tqdm(total=len(jobs), disable=not progress, unit="job", file=sys.stderr)
-        window = asyncio.Semaphore(max_in_flight)
-        last_result = [time.monotonic()]
-        all_done = asyncio.Event()
-        if not jobs:
-            all_done.set()
-
-        async def on_final(msg: Any) -> None:
-            key = msg.id
-            if key not in pending:
-                return  # a duplicate (at-least-once) or a key of another run
-            custom_id = pending.pop(key)
-            rec = msg.to_dict()
-            if custom_id is not None:
-                rec["custom_id"] = custom_id
-            out.write(orjson.dumps(rec) + b"\n")
-            out.flush()
-            counts["ok" if msg.ok else (msg.error.code if msg.error else "unknown")] += 1
-            last_result[0] = time.monotonic()
-            bar.update(1)
-            window.release()
-            if not pending:
-                all_done.set()
-
-        client = AsyncClient(amqp_url, prefix=prefix, reply_queue=reply_queue, reply_queue_expires_ms=86_400_000, on_unclaimed=on_final, name="jaxserve-batch")
-        await client.connect()
-        try:
-            def idle() -> bool:
-                return time.monotonic() - last_result[0] > idle_timeout
-
-            async def take_slot() -> bool:
-                """A place in the in-flight window, unless results stop
-                coming for --idle-timeout (a full window must not hang)."""
-                while True:
-                    try:
-                        await asyncio.wait_for(window.acquire(), 1.0)
-                        return True
-                    except asyncio.TimeoutError:
-                        if idle():
-                            return False
-
-            for key, body, _ in jobs:
-                if not await take_slot():
-                    click.echo(f"no result for {idle_timeout:g}s with {max_in_flight} jobs in flight; giving up", err=True)
-                    break
-                if key not in pending:  # answered by a leftover reply already
-                    window.release()
-                    continue
-                await retry_with_backoff(lambda: client.publish(body, key=key, queue=queue, expect_reply=False), attempts=30, max_delay=5.0, retry_on=(QueueFull,))
-            while not all_done.is_set():
-                try:
-                    await asyncio.wait_for(all_done.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    if idle():
-                        break
-        finally:
-            bar.close()
-            out.close()
-            if not pending:
-                try:
-                    await client.delete_reply_queue()
-                except Exception:  # noqa: BLE001
-                    pass
-            await client.close()
-        return len(pending)
-
-    missing = asyncio.run(main())
-    errors = {k: v for k, v in counts.items() if k != "ok"}
-    summary = {"ok": counts.get("ok", 0), "errors": errors, "skipped_already_done": skipped, "bad_lines": bad_lines, "missing": missing}
-    click.echo(f"batch summary: {json.dumps(summary)}", err=True)
-    if missing:
-        sys.exit(2)
+from jaxserve.cli.batch_command import batch  # noqa: E402 - the command lives in its own module
 
 
 # --------------------------------------------------------------------- status
@@ -466,7 +331,10 @@ def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | Non
         finally:
             await conn.close()
 
-    depths = asyncio.run(main())
+    from jaxserve.cli.errors import broker_errors
+
+    with broker_errors(amqp_url):
+        depths = asyncio.run(main())
     if broker_details is None:
         broker_details = shutil.which("rabbitmqctl") is not None
     if broker_details:

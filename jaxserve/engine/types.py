@@ -192,6 +192,9 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[float] | None = None
+    #: label scoring (``Engine.add_score_request``): each label's summed token
+    #: log-probabilities, in the labels' order
+    label_logprobs: list[float] | None = None
     error: RequestError | None = None
     # Wall-clock timestamps (time.monotonic) for metrics: arrival, first
     # scheduled, first token, finished.

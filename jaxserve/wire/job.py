@@ -32,6 +32,8 @@ MAX_STOP_STRINGS = 16
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 PRIORITY_MAX = 255  # AMQP's priority property is an octet
+MIN_LABELS, MAX_LABELS = 2, 64
+MAX_LABEL_CHARS = 256
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -111,6 +113,24 @@ class JobBody(BaseModel):
     priority: Annotated[int, Field(ge=0, le=PRIORITY_MAX)] | None = Field(
         default=None, description="0-255, higher runs earlier within its queue; wins over the AMQP priority."
     )
+    labels: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)]],
+            Field(min_length=MIN_LABELS, max_length=MAX_LABELS),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="Label scoring instead of generation: 2-64 distinct candidate continuations of the prompt; "
+        "each is scored by the sum of its tokens' log-probabilities and the result names the most probable.",
+    )
+    label_normalization: Literal["sum", "mean"] | None = Field(
+        default=None, description="'sum' (default) or 'mean': divide each label's logprob by its token count before the softmax."
+    )
+    cache: bool | None = Field(
+        default=None,
+        description="false: never answer this job from the response cache (deterministic jobs are cached by default).",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +172,15 @@ class Job:
     body_bytes: int
     fingerprint: str  # identifies the job's effect; a key reused with another one is refused
     seed_given: bool
+    labels: tuple[str, ...] | None = None
+    label_normalization: str = "sum"
+    use_cache: bool = True
+
+    @property
+    def deterministic(self) -> bool:
+        """Same inputs, same result: greedy, seeded, or label scoring. Only
+        these may be answered from the response cache or deduplicated."""
+        return self.labels is not None or self.params.temperature == 0.0 or self.seed_given
 
     @property
     def engine_priority(self) -> int:
@@ -203,7 +232,7 @@ def fingerprint(body: JobBody, max_tokens: int) -> str:
     fields = body.model_dump(
         include={
             "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
-            "frequency_penalty", "presence_penalty", "stop", "model",
+            "frequency_penalty", "presence_penalty", "stop", "model", "labels", "label_normalization",
         },
         exclude_none=True,
     )  # fmt: skip
@@ -275,6 +304,9 @@ def parse_job(
 def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits, now: float, size: int) -> Job:
     if (body.prompt is None) == (body.messages is None):
         raise _bad("exactly one of 'prompt' (string) and 'messages' (chat list) is required")
+    if body.labels is not None and len(set(body.labels)) != len(body.labels):
+        dup = next(x for x in body.labels if body.labels.count(x) > 1)
+        raise _bad(f"labels must be distinct, got {dup!r} twice")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     mt_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -322,6 +354,9 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         body_bytes=size,
         fingerprint=fingerprint(body, max_tokens),
         seed_given=body.seed is not None,
+        labels=None if body.labels is None else tuple(body.labels),
+        label_normalization=body.label_normalization or "sum",
+        use_cache=body.cache is not False,
     )
 
 

@@ -42,6 +42,14 @@ class Usage(BaseModel):
     completion_tokens: Annotated[int, Field(ge=0)]
 
 
+class LabelScore(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    label: str
+    logprob: float = Field(description="Sum of the label's token log-probabilities (after 'mean' normalization: their mean).")
+    prob: Annotated[float, Field(ge=0.0, le=1.0)] = Field(description="Softmax of the labels' logprobs.")
+
+
 class ErrorInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -104,6 +112,13 @@ class Result(_Reply):
     )
     error: ErrorInfo | None = None
     replayed: bool | None = Field(default=None, description="Answered from the idempotency store, not run again.")
+    cached: bool | None = Field(
+        default=None, description="Answered from the response cache (the same deterministic job ran before), not run."
+    )
+    labels: list[LabelScore] | None = Field(
+        default=None, description="Label scoring: every label of the job, in the job's order, with its logprob and prob."
+    )
+    model: str | None = Field(default=None, description="The served model name.")
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -128,6 +143,9 @@ class Result(_Reply):
         prompt_tokens: int,
         completion_tokens: int,
         timings: dict[str, float],
+        *,
+        labels: list[dict[str, Any]] | None = None,
+        model: str | None = None,
     ) -> "Result":
         return cls(
             id=key,
@@ -136,6 +154,8 @@ class Result(_Reply):
             finish_reason=finish_reason,  # type: ignore[arg-type]
             usage=Usage(prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens)),
             timings=timings,
+            labels=None if labels is None else [LabelScore(**x) for x in labels],
+            model=model,
         )
 
     @classmethod

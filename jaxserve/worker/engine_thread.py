@@ -146,6 +146,24 @@ class EngineThread:
             )
         )
 
+    def add_score_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        labels: list[list[int]],
+        *,
+        request_class: RequestClass = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> asyncio.Future:
+        """Label scoring (``Engine.add_score_request``): future as for
+        :meth:`add_request`."""
+        return self._call(
+            lambda: self.engine.add_score_request(
+                request_id, prompt, labels, request_class=request_class, priority=priority, deadline=deadline
+            )
+        )
+
     def abort(self, request_id: str) -> asyncio.Future:
         return self._call(lambda: self.engine.abort(request_id))
 

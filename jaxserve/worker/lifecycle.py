@@ -173,6 +173,8 @@ class KeyJob:
         self.in_engine = False
         self.claimed = False
         self.result: Result | None = None
+        self.label_ids: list[list[int]] | None = None  # label scoring: each label's tokens
+        self.cache_key: str | None = None  # response cache: set for deterministic jobs
         self.done = asyncio.Event()
         # streaming
         self.seq = 0

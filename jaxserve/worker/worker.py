@@ -32,15 +32,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import os
 import time
 import uuid
 from typing import Any, Callable
 
 import aio_pika
+import orjson
 import structlog
 from yarl import URL
 
+from jaxserve.engine import scoring
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
 from jaxserve.metrics import EngineMetrics
 from jaxserve.metrics import serve as serve_metrics
@@ -101,6 +104,9 @@ class WorkerConfig:
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
     max_consecutive_step_failures: int = 5
     log_text: bool = False
+    # The name jobs write in ``model`` (and results carry); default: the
+    # engine's model name without its folder.
+    served_model_name: str | None = None
     declare: bool = True
     metrics_port: int | None = None  # serve Prometheus /metrics here when set
     worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -224,6 +230,13 @@ class Worker:
             BATCH: min(QUORUM_MAX_PREFETCH, self.cfg.batch_prefetch or max(1, max_seqs - reserved)),
         }
         return True
+
+    @property
+    def served_model_name(self) -> str | None:
+        if self.cfg.served_model_name:
+            return self.cfg.served_model_name
+        name = getattr(self.engine, "model_name", None)
+        return None if name is None else os.path.basename(str(name).rstrip("/"))
 
     def _vocab_size(self) -> int | None:
         cfg = getattr(self.engine, "model_config", None)
@@ -551,11 +564,22 @@ class Worker:
         kj.claimed = True
         try:
             prompt_ids = self._prepare_prompt(job)
+            label_ids = None if job.labels is None else self._prepare_labels(job, prompt_ids)
         except RequestError as err:
             self.stats["invalid"] += 1
             log.info("job_invalid", key=key, code=err.code, reason=err.message)
             await self._finish(kj, Result.failure(key, err.code, err.message, err.retryable))
             return
+        kj.label_ids = label_ids
+        if job.deterministic and job.use_cache:
+            kj.cache_key = self._cache_key(job, prompt_ids, label_ids)
+            hit = await self._store(kj, self.store.cache_get, kj.cache_key)
+            if hit is not None:
+                self.stats["cache_hits"] += 1
+                log.info("job_cache_hit", key=key, queue=kj.queue_class)
+                cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj)})
+                await self._finish(kj, cached)
+                return
         self._log_start(kj, len(prompt_ids))
         if job.stream:
             kj.sender = self._spawn(self._sender(kj))
@@ -566,9 +590,14 @@ class Worker:
         kj.in_engine = True
         self._by_rid[kj.request_id] = kj
         try:
-            await self.engine_thread.add_request(
-                kj.request_id, prompt_ids, job.params, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
-            )
+            if label_ids is not None:
+                await self.engine_thread.add_score_request(
+                    kj.request_id, prompt_ids, label_ids, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
+                )
+            else:
+                await self.engine_thread.add_request(
+                    kj.request_id, prompt_ids, job.params, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
+                )
         except RequestError as err:
             kj.in_engine = False
             if kj.state is JobState.RUNNING:
@@ -600,8 +629,9 @@ class Worker:
     def _prepare_prompt(self, job: Any) -> list[int]:
         eng = self.engine
         name = getattr(eng, "model_name", None)
-        if job.model is not None and name is not None and job.model not in (name, os.path.basename(str(name).rstrip("/"))):
-            raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {name!r}")
+        served = self.served_model_name
+        if job.model is not None and name is not None and job.model not in (served, name, os.path.basename(str(name).rstrip("/"))):
+            raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {served!r}")
         max_len = int(getattr(eng, "max_model_len", 1 << 30))
         tok = eng.tokenizer
         if job.messages is not None:
@@ -626,6 +656,46 @@ class Worker:
                 f"and max_tokens is {job.params.max_tokens}",
             )
         return ids
+
+    def _prepare_labels(self, job: Any, prompt_ids: list[int]) -> list[list[int]]:
+        """Each label's tokens as a continuation of the prompt: the label
+        encoded alone, without special tokens."""
+        tok = self.engine.tokenizer
+        out = []
+        for label in job.labels:
+            try:
+                ids = list(tok.encode(label, add_special_tokens=False))
+            except TypeError:  # a tokenizer without the flag adds no specials
+                ids = list(tok.encode(label))
+            if not ids:
+                raise RequestError("invalid_request", f"label {label!r} encodes to no tokens")
+            out.append(ids)
+        max_len = int(getattr(self.engine, "max_model_len", 1 << 30))
+        longest = max(len(ids) for ids in out)
+        if len(prompt_ids) + longest > max_len:
+            raise RequestError(
+                "context_length_exceeded",
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)} tokens "
+                f"and the longest label {longest}",
+            )
+        return out
+
+    def _cache_key(self, job: Any, prompt_ids: list[int], label_ids: list[list[int]] | None) -> str:
+        """What determines a deterministic job's result, hashed: the served
+        model, the prompt's token ids and every parameter that shapes the
+        output (not the key, the tenant or the priority)."""
+        p = job.params
+        what = {
+            "model": self.served_model_name,
+            "prompt": prompt_ids,
+            "labels": label_ids,
+            "normalization": job.label_normalization if label_ids is not None else None,
+            "params": None if label_ids is not None else [
+                p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed if job.seed_given else None,
+                p.repetition_penalty, p.frequency_penalty, p.presence_penalty, list(p.stop),
+            ],
+        }  # fmt: skip
+        return hashlib.sha256(orjson.dumps(what)).hexdigest()[:40]
 
     async def _answer_from_record(self, kj: KeyJob, rec: Record) -> None:
         if rec.fingerprint is not None and rec.fingerprint != kj.job.fingerprint:
@@ -668,9 +738,20 @@ class Worker:
         if out.error is not None:
             return Result.failure(kj.key, out.error.code, out.error.message, out.error.retryable)
         reason = out.finish_reason
+        if out.label_logprobs is not None and kj.job.labels is not None and kj.label_ids is not None:
+            scored = scoring.combine(
+                kj.job.labels, out.label_logprobs, [len(ids) for ids in kj.label_ids], kj.job.label_normalization
+            )
+            labels = [{"label": s.label, "logprob": s.logprob, "prob": s.prob} for s in scored]
+            return Result.success(
+                kj.key, scoring.best(scored).label, "stop", out.prompt_tokens, 0, self._timings(kj),
+                labels=labels, model=self.served_model_name,
+            )  # fmt: skip
         if reason in ("stop", "length"):
             text = out.text if (out.text or not kj.text_parts) else "".join(kj.text_parts)
-            return Result.success(kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj))
+            return Result.success(
+                kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj), model=self.served_model_name
+            )
         if reason == "abort":
             return Result.failure(kj.key, "cancelled", "the job was aborted")
         return Result.failure(kj.key, "internal", f"the engine failed the request (finish_reason={reason!r})", True)
@@ -769,6 +850,8 @@ class Worker:
             delivered = set(record.delivered) if record is not None else set()
             if result.ok and record is None:
                 await self._store(kj, self.store.put, kj.key, Record(result.to_dict(), [], kj.job.fingerprint))
+                if kj.cache_key is not None and not result.cached:
+                    await self._best_effort("cache_put", self.store.cache_put, kj.cache_key, result.to_dict())
             elif not result.ok and kj.claimed:
                 await self._best_effort("release", self.store.release, kj.key, self.cfg.worker_id)
         except _Abandoned:

@@ -1,8 +1,9 @@
 """What every idempotency store offers, and the one error they raise.
 
 A store maps a job key to its final result (a :class:`Record`), holds the
-claims that keep a key from running on two workers at once, and remembers
-cancels. Backends: :mod:`.sqlite` (the default: a durable file, so a worker
+claims that keep a key from running on two workers at once, remembers
+cancels, and keeps the bounded response cache (deterministic results by
+what determines them, shared by every worker on the same backend). Backends: :mod:`.sqlite` (the default: a durable file, so a worker
 killed between publishing a result and acking it answers the redelivery from
 disk), :mod:`.memory` (per process, bounded) and :mod:`.redis` (shared by
 many workers).
@@ -48,4 +49,8 @@ class IdempotencyStore(Protocol):
     async def release(self, key: str, owner: str) -> None: ...
     async def mark_cancelled(self, key: str, ttl_s: float) -> None: ...
     async def is_cancelled(self, key: str) -> bool: ...
+    async def cache_get(self, cache_key: str) -> dict[str, Any] | None:
+        """The response cache: a deterministic job's result by what
+        determines it (model, prompt ids, parameters), whatever its key."""
+    async def cache_put(self, cache_key: str, result: dict[str, Any]) -> None: ...
     async def close(self) -> None: ...

@@ -12,8 +12,10 @@ class MemoryStore:
     """Results bounded to ``max_entries`` (least recently used go first);
     cancels live ``ttl_s`` and are bounded the same way."""
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    def __init__(self, max_entries: int = 100_000, max_cached_responses: int = 10_000) -> None:
         self.max_entries = max_entries
+        self.max_cached_responses = max_cached_responses
+        self._responses: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._results: collections.OrderedDict[str, Record] = collections.OrderedDict()
         self._claims: dict[str, tuple[str, float]] = {}
         self._cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -69,6 +71,18 @@ class MemoryStore:
     async def is_cancelled(self, key: str) -> bool:
         expires = self._cancelled.get(key)
         return expires is not None and expires > time.monotonic()
+
+    async def cache_get(self, cache_key: str) -> dict | None:
+        hit = self._responses.get(cache_key)
+        if hit is not None:
+            self._responses.move_to_end(cache_key)
+        return hit
+
+    async def cache_put(self, cache_key: str, result: dict) -> None:
+        self._responses[cache_key] = dict(result)
+        self._responses.move_to_end(cache_key)
+        while len(self._responses) > self.max_cached_responses:
+            self._responses.popitem(last=False)
 
     async def close(self) -> None:
         pass

@@ -121,6 +121,14 @@ class RedisStore:
     async def is_cancelled(self, key: str) -> bool:
         return bool(await self._call(self._r.exists(self._k("cancel", key))))
 
+    async def cache_get(self, cache_key: str) -> dict | None:
+        raw = await self._call(self._r.get(self._k("response", cache_key)))
+        return None if raw is None else orjson.loads(raw)
+
+    async def cache_put(self, cache_key: str, result: dict) -> None:
+        # Bounded by the TTL (and by Redis' own maxmemory policy, if set).
+        await self._call(self._r.set(self._k("response", cache_key), orjson.dumps(result), px=self.result_ttl_ms))
+
     async def close(self) -> None:
         try:
             await self._r.aclose()

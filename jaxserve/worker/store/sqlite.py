@@ -33,6 +33,8 @@ CREATE INDEX IF NOT EXISTS results_expires ON results (expires);
 CREATE TABLE IF NOT EXISTS delivered (key TEXT NOT NULL, dest TEXT NOT NULL, PRIMARY KEY (key, dest));
 CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY, owner TEXT NOT NULL, pid INTEGER NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS cancels (key TEXT PRIMARY KEY, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (ckey TEXT PRIMARY KEY, result BLOB NOT NULL, expires REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_expires ON responses (expires);
 """
 
 
@@ -58,7 +60,8 @@ def _pid_alive(pid: int) -> bool:
 
 class SqliteStore:
     """Results kept ``result_ttl_s`` and at most ``max_entries`` (oldest go
-    first, pruned every ``prune_every`` writes)."""
+    first, pruned every ``prune_every`` writes); the response cache likewise,
+    at most ``max_cached_responses``."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class SqliteStore:
         *,
         result_ttl_s: float = 7 * 86400.0,
         max_entries: int = 1_000_000,
+        max_cached_responses: int = 100_000,
         prune_every: int = 1000,
         busy_timeout_ms: int = 2000,
     ) -> None:
@@ -73,6 +77,7 @@ class SqliteStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.result_ttl_s = result_ttl_s
         self.max_entries = max_entries
+        self.max_cached_responses = max_cached_responses
         self.prune_every = prune_every
         self._writes = 0
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
@@ -133,6 +138,11 @@ class SqliteStore:
         )
         self._run("DELETE FROM delivered WHERE key NOT IN (SELECT key FROM results)")
         self._run("DELETE FROM cancels WHERE expires < ?", (now,))
+        self._run("DELETE FROM responses WHERE expires < ?", (now,))
+        self._run(
+            "DELETE FROM responses WHERE ckey IN (SELECT ckey FROM responses ORDER BY expires DESC LIMIT -1 OFFSET ?)",
+            (self.max_cached_responses,),
+        )
         self._run("DELETE FROM claims WHERE expires < ?", (now,))
 
     async def mark_delivered(self, key: str, dest: str) -> None:
@@ -169,6 +179,21 @@ class SqliteStore:
     async def is_cancelled(self, key: str) -> bool:
         row = self._run("SELECT expires FROM cancels WHERE key = ?", (key,)).fetchone()
         return row is not None and row[0] > time.time()
+
+    async def cache_get(self, cache_key: str) -> dict | None:
+        row = self._run("SELECT result, expires FROM responses WHERE ckey = ?", (cache_key,)).fetchone()
+        if row is None or row[1] < time.time():
+            return None
+        return orjson.loads(row[0])
+
+    async def cache_put(self, cache_key: str, result: dict) -> None:
+        self._run(
+            "INSERT OR REPLACE INTO responses (ckey, result, expires) VALUES (?, ?, ?)",
+            (cache_key, orjson.dumps(result), time.time() + self.result_ttl_s),
+        )
+        self._writes += 1
+        if self._writes % self.prune_every == 0:
+            self.prune()
 
     async def close(self) -> None:
         try:

@@ -1,0 +1,76 @@
+"""OpenAI Batch output lines from jaxserve results.
+
+A line is ``{"id": "batch_req_...", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}``. The body is the object the endpoint
+itself returns: a ``text_completion`` for ``/v1/completions`` or a
+``chat.completion`` for ``/v1/chat/completions`` (``id``, ``object``,
+``created``, ``model``, ``choices``, ``usage`` with ``total_tokens``). A
+failed request has ``response: null`` and ``error: {"code", "message"}``
+(jaxserve's error code and message).
+
+Label scoring: the chosen label is the choice's text (``message.content``
+for chat), ``finish_reason`` is ``"stop"``, and the body carries one more
+field, ``labels``: ``[{"label", "logprob", "prob"}]`` in the request's
+order.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+
+def _hex(n: int = 24) -> str:
+    return uuid.uuid4().hex[:n]
+
+
+def response_body(result: dict[str, Any], endpoint: str, model: str, created: int | None = None) -> dict[str, Any]:
+    usage = result.get("usage") or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    created = int(time.time()) if created is None else created
+    text = result.get("text") or ""
+    finish = result.get("finish_reason") or "stop"
+    if endpoint == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        body = {"id": f"chatcmpl-{_hex()}", "object": "chat.completion"}
+    else:
+        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        body = {"id": f"cmpl-{_hex()}", "object": "text_completion"}
+    body.update(
+        created=created,
+        model=model,
+        choices=[choice],
+        usage={"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    )
+    if result.get("labels") is not None:
+        body["labels"] = [{"label": x["label"], "logprob": x["logprob"], "prob": x["prob"]} for x in result["labels"]]
+    return body
+
+
+def output_line(custom_id: str, result: dict[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    """The OpenAI Batch line for a final jaxserve result (ok or error)."""
+    if result.get("status") != "ok":
+        err = result.get("error") or {}
+        return error_line(custom_id, str(err.get("code", "internal")), str(err.get("message", "")))
+    return {
+        "id": f"batch_req_{_hex()}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": f"req_{_hex(32)}", "body": response_body(result, endpoint, model)},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
+    return {"id": f"batch_req_{_hex()}", "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+
+
+def line_outcome(line: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(custom_id, error code or None for ok) of an output line in either
+    format, for resuming."""
+    if "response" in line or "error" in line and "status" not in line:
+        err = line.get("error")
+        return line.get("custom_id"), (err or {}).get("code") if err else None
+    if line.get("status") == "ok":
+        return line.get("custom_id"), None
+    return line.get("custom_id"), ((line.get("error") or {}).get("code") or "internal")

@@ -1,0 +1,276 @@
+"""Run a batch file through the queue: publish, collect, resume, deduplicate.
+
+* **Resumable.** OUT is appended to as results arrive. A rerun over the same
+  OUT skips requests that have a final line there (``ok``, or an error that
+  retrying cannot fix) and runs again those that ended in a retryable error
+  (their old lines are dropped first). Results that arrive while the command
+  is down wait in its durable reply queue, named after OUT.
+* **Deduplicated.** Within one run, deterministic requests (label scoring,
+  temperature 0, or a seed given) with identical bodies are published once;
+  each line still gets its own output line.
+* **Bounded.** At most ``max_in_flight`` jobs are published and unanswered;
+  when no result arrives for ``idle_timeout`` seconds the run gives up,
+  whether or not its window is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from jaxserve.batch import openai_format
+from jaxserve.batch.inputs import BatchItem, canonical, is_deterministic
+from jaxserve.wire import RETRYABLE_CODES, Result
+
+
+@dataclasses.dataclass
+class BatchSettings:
+    amqp_url: str
+    prefix: str
+    queue: str = "batch"
+    max_in_flight: int = 512
+    idle_timeout: float = 600.0
+    progress: bool = True
+    out_format: str = "auto"  # auto | openai | jaxserve
+    served_model_name: str | None = None
+
+
+@dataclasses.dataclass
+class BatchSummary:
+    ok: int = 0
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    skipped_already_done: int = 0
+    retried: int = 0
+    bad_lines: int = 0
+    deduplicated: int = 0
+    missing: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def exit_status(self) -> int:
+        if self.missing:
+            return 2
+        return 1 if self.bad_lines else 0
+
+
+def _output_lines(path: Path) -> list[tuple[bytes, dict[str, Any] | None]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            rec = None  # a torn last line from a crash
+        out.append((line, rec if isinstance(rec, dict) else None))
+    return out
+
+
+def settled_custom_ids(out_path: Path) -> tuple[set[str], int]:
+    """custom_ids that OUT answers for good; rewrites OUT without the lines
+    of retryable errors (and torn lines). Returns (done, dropped)."""
+    lines = _output_lines(out_path)
+    done: set[str] = set()
+    keep: list[bytes] = []
+    dropped = 0
+    for raw, rec in lines:
+        if rec is None:
+            dropped += 1
+            continue
+        cid, code = openai_format.line_outcome(rec)
+        if cid is None:
+            keep.append(raw)
+            continue
+        if code is not None and code in RETRYABLE_CODES:
+            dropped += 1
+            continue
+        done.add(str(cid))
+        keep.append(raw)
+    if dropped:
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_bytes(b"".join(k + b"\n" for k in keep))
+        os.replace(tmp, out_path)
+    return done, dropped
+
+
+class _Writer:
+    """One output line per item, in the format its input asked for."""
+
+    def __init__(self, path: Path, settings: BatchSettings, summary: BatchSummary) -> None:
+        self.f = open(path, "ab")
+        self.settings = settings
+        self.summary = summary
+
+    def _format(self, item: BatchItem) -> str:
+        if self.settings.out_format != "auto":
+            return self.settings.out_format
+        return "openai" if item.endpoint is not None else "jaxserve"
+
+    def result(self, item: BatchItem, result: dict[str, Any]) -> None:
+        if self._format(item) == "openai":
+            endpoint = item.endpoint or ("chat" if item.body and "messages" in item.body else "completions")
+            model = self.settings.served_model_name or result.get("model") or "jaxserve"
+            line = openai_format.output_line(item.custom_id, result, endpoint, model)
+        else:
+            line = {**result, "id": item.key, "custom_id": item.custom_id}
+        self._write(line)
+        if result.get("status") == "ok":
+            self.summary.ok += 1
+        else:
+            code = (result.get("error") or {}).get("code", "unknown")
+            self.summary.errors[code] = self.summary.errors.get(code, 0) + 1
+
+    def error(self, item: BatchItem, code: str, message: str) -> None:
+        self.result(item, Result.failure(item.key, code, message).to_dict())
+
+    def _write(self, line: dict[str, Any]) -> None:
+        self.f.write(orjson.dumps(line) + b"\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def reply_queue_name(prefix: str, out_path: Path) -> str:
+    return f"{prefix}.reply.batch-{hashlib.sha256(str(out_path.resolve()).encode()).hexdigest()[:16]}"
+
+
+def run_batch(items: list[BatchItem], out_path: str | Path, settings: BatchSettings) -> BatchSummary:
+    out_path = Path(out_path)
+    summary = BatchSummary()
+    done, summary.retried = settled_custom_ids(out_path)
+    writer = _Writer(out_path, settings, summary)
+    todo: list[BatchItem] = []
+    for item in items:
+        if item.custom_id in done:
+            summary.skipped_already_done += 1
+            continue
+        if item.error is not None:
+            code, message = item.error
+            print(message, file=sys.stderr)
+            summary.bad_lines += 1  # reported, and the exit status says so
+            if item.named:
+                writer.error(item, code, message)  # a request the file names gets its error line
+            continue
+        todo.append(item)
+    # Deterministic duplicates ride on the first of their kind.
+    followers: dict[str, list[BatchItem]] = collections.defaultdict(list)
+    leaders: dict[bytes, BatchItem] = {}
+    publish: list[BatchItem] = []
+    for item in todo:
+        assert item.body is not None
+        if is_deterministic(item.body):
+            ident = canonical(item.body)
+            lead = leaders.get(ident)
+            if lead is not None:
+                followers[lead.key].append(item)
+                summary.deduplicated += 1
+                continue
+            leaders[ident] = item
+        publish.append(item)
+    try:
+        summary.missing = asyncio.run(_run(publish, followers, writer, out_path, settings))
+    finally:
+        writer.close()
+    return summary
+
+
+async def _run(
+    publish: list[BatchItem],
+    followers: dict[str, list[BatchItem]],
+    writer: _Writer,
+    out_path: Path,
+    settings: BatchSettings,
+) -> int:
+    from tqdm import tqdm
+
+    from jaxserve.client import AsyncClient, QueueFull, retry_with_backoff
+
+    pending = {item.key: item for item in publish}
+    total = len(publish) + sum(len(v) for v in followers.values())
+    bar = tqdm(total=total, disable=not settings.progress, unit="job", file=sys.stderr)
+    window = asyncio.Semaphore(settings.max_in_flight)
+    last_result = [time.monotonic()]
+    all_done = asyncio.Event()
+    if not pending:
+        all_done.set()
+
+    async def on_final(msg: Result) -> None:
+        item = pending.pop(msg.id, None) if msg.id is not None else None
+        if item is None:
+            return  # a duplicate (at-least-once) or a key of another run
+        result = msg.to_dict()
+        for one in (item, *followers.pop(item.key, ())):
+            writer.result(one, result)
+            bar.update(1)
+        last_result[0] = time.monotonic()
+        window.release()
+        if not pending:
+            all_done.set()
+
+    def idle() -> bool:
+        return time.monotonic() - last_result[0] > settings.idle_timeout
+
+    async def take_slot() -> bool:
+        """A place in the in-flight window, unless results stop coming for
+        ``idle_timeout`` (a full window must not hang the run)."""
+        while True:
+            try:
+                await asyncio.wait_for(window.acquire(), 1.0)
+                return True
+            except asyncio.TimeoutError:
+                if idle():
+                    return False
+
+    client = AsyncClient(
+        settings.amqp_url,
+        prefix=settings.prefix,
+        reply_queue=reply_queue_name(settings.prefix, out_path),
+        reply_queue_expires_ms=86_400_000,
+        on_unclaimed=on_final,
+        name="jaxserve-batch",
+    )
+    await client.connect()
+    try:
+        for item in publish:
+            if not await take_slot():
+                print(f"no result for {settings.idle_timeout:g}s with {settings.max_in_flight} jobs in flight; giving up", file=sys.stderr)
+                break
+            if item.key not in pending:  # answered by a leftover reply already
+                window.release()
+                continue
+            body = item.body
+            await retry_with_backoff(
+                lambda: client.publish(body, key=item.key, queue=settings.queue, expect_reply=False),
+                attempts=30,
+                max_delay=5.0,
+                retry_on=(QueueFull,),
+            )
+        while not all_done.is_set():
+            try:
+                await asyncio.wait_for(all_done.wait(), 1.0)
+            except asyncio.TimeoutError:
+                if idle():
+                    break
+    finally:
+        bar.close()
+        if not pending:
+            try:
+                await client.delete_reply_queue()
+            except Exception:  # noqa: BLE001 - it expires anyway
+                pass
+        await client.close()
+    return len(pending) + sum(len(followers.get(k, ())) for k in pending)
