@@ -24,15 +24,18 @@ PENDING_TOKEN = -1
 
 class RequestStatus(enum.IntEnum):
     """Where a request is. ``PREEMPTED`` is a waiting request that lost its
-    blocks and will be recomputed; every ``FINISHED_*`` is terminal."""
+    blocks and will be recomputed; ``PARKED`` is a prefill-only request whose
+    prompt is computed, holding its blocks until every request forked from it
+    has started (label scoring); every ``FINISHED_*`` is terminal."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    PARKED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -111,6 +114,17 @@ class Request:
         self.pending_index: int | None = None
         # set by the first output token and never cleared (see is_expired)
         self.has_produced_output = False
+        # Label scoring (Engine.add_score_request). A *prefill-only* request
+        # computes its tokens and stops: no sampling (a scoring job's prompt).
+        # A *scoring* request never samples either: every position from
+        # ``score_from`` on is a score row, whose logits give the probability
+        # of ``score_targets[position - score_from]`` (teacher forcing).
+        self.prefill_only = False
+        self.score_from: int | None = None
+        self.score_targets: list[int] = []
+        #: a prefill-only request's forks: they continue its computed tokens,
+        #: sharing its full blocks and a copy of its partial last block
+        self.fork_children: list["Request"] = []
 
         # Filled by the scheduler.
         self.seq_no = -1  # admission order, a tie-breaker after arrival_time
@@ -140,6 +154,20 @@ class Request:
     @property
     def max_tokens(self) -> int:
         return self.sampling_params.max_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether finishing a chunk at ``num_tokens`` samples a token (a
+        generation request) rather than ending the request's work."""
+        return not self.prefill_only and self.score_from is None
+
+    def score_rows(self, start: int, n: int) -> list[int]:
+        """Targets of the score rows among positions ``start .. start+n``
+        (always the chunk's last ones)."""
+        if self.score_from is None:
+            return []
+        first = max(start, self.score_from)
+        return self.score_targets[first - self.score_from : start + n - self.score_from]
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -80,6 +80,15 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     is_new: bool = False
+    #: label scoring: the target tokens of the chunk's score rows, which are
+    #: its last ``len(score_targets)`` tokens (see ``Request.score_from``)
+    score_targets: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of the step's logits this request needs: one to sample, or
+        one per score row."""
+        return len(self.score_targets) + int(self.sample)
 
 
 @dataclasses.dataclass
@@ -101,6 +110,9 @@ class SchedulerOutput:
     finished_req_ids: list[str]
     aborted_req_ids: list[str]
     step: int
+    #: (source, destination) block copies to make before this step's
+    #: forward: each fork's copy of its parent's partial last block
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -219,6 +231,8 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
+        self._parked: list[Request] = []  # prefill-only requests with forks still to start
+        self._copies: list[tuple[int, int]] = []  # block copies for the next plan
         self._waiting = {cls: _WaitingQueue(config.policy) for cls in RequestClass}
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -228,6 +242,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._rows_left = config.max_num_seqs  # logits rows left in the step being planned
 
     # ------------------------------------------------------------ admission
 
@@ -287,10 +302,12 @@ class Scheduler:
         planned: dict[str, tuple[Request, int, bool]] = {}
         preempted: list[Request] = []
 
+        self._start_forks()
         key = self._key
         self.running.sort(key=key)
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
         chunks = [r for r in self.running if r.num_tokens_to_compute > 1]
+        self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
         for req in itertools.chain(decodes, chunks):
             if budget <= 0:
                 break
@@ -299,6 +316,9 @@ class Scheduler:
             n = min(req.num_tokens_to_compute, budget)
             if cap:
                 n = min(n, cap)
+            n = self._fit_rows(req, req.num_computed_tokens, n)
+            if n <= 0:
+                continue
             while True:
                 need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
                 if need <= 0 or need <= self._free_blocks_for(req):
@@ -316,10 +336,28 @@ class Scheduler:
                 continue
             planned[req.request_id] = (req, n, False)
             budget -= n
+            self._rows_left -= self._rows_needed(req, req.num_computed_tokens, n)
 
         if not preempted:
             self._admit_waiting(budget, planned)
         return self._plan(planned, preempted)
+
+    @staticmethod
+    def _rows_needed(req: Request, start: int, n: int) -> int:
+        if req.score_from is not None:
+            return len(req.score_rows(start, n))
+        return int(req.samples and start + n == req.num_tokens)
+
+    def _fit_rows(self, req: Request, start: int, n: int) -> int:
+        """``n`` cut so the chunk's logits rows fit what the step has left
+        (the runner picks at most ``max_num_seqs`` rows per step); 0 when
+        nothing fits."""
+        left = self._rows_left
+        if req.score_from is not None:
+            return min(n, max(0, req.score_from - start) + left)
+        if self._rows_needed(req, start, n) > left:
+            return n - 1 if n > 1 else 0  # stop short of the sampling position
+        return n
 
     def _plan(self, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]) -> SchedulerOutput:
         """The step's plan from what ``schedule`` (or ``schedule_isolated``) decided."""
@@ -335,12 +373,14 @@ class Scheduler:
                     start_position=start,
                     token_ids=req.all_token_ids[start : start + n],
                     block_ids=list(req.block_ids),
-                    sample=start + n == req.num_tokens,
+                    sample=req.samples and start + n == req.num_tokens,
                     is_new=is_new,
+                    score_targets=req.score_rows(start, n),
                 )
             )
             total += n
         assert total <= cfg.max_num_batched_tokens and len(scheduled) <= cfg.max_num_seqs
+        assert sum(s.num_logits_rows for s in scheduled) <= cfg.max_num_seqs
         out = SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=total,
@@ -348,10 +388,75 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             aborted_req_ids=self._aborted_ids,
             step=self._step,
+            block_copies=self._copies,
         )
         self._finished_ids = []
         self._aborted_ids = []
+        self._copies = []
         return out
+
+    # ------------------------------------------------------------ forks
+
+    def _start_forks(self) -> None:
+        """Start the forks of parked requests while sequence slots and blocks
+        allow, oldest parent first. A fork begins running at its parent's
+        computed tokens: it references the parent's full blocks and gets its
+        own copy of the partial last block (queued in ``block_copies``, made
+        by the runner before the step's forward). A parent whose forks have
+        all started is finished, releasing its references."""
+        cfg = self.config
+        bs = self.block_size
+        while self._parked:
+            parent = self._parked[0]
+            computed = parent.num_computed_tokens
+            full, partial = divmod(computed, bs)
+            shared = parent.block_ids[:full]
+            while parent.fork_children:
+                child = parent.fork_children[0]
+                limit = cfg.max_num_seqs - (cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0)
+                if len(self.running) >= limit:
+                    return
+                new: list[int] = []
+                if partial:
+                    if self._free_blocks_for(child) < 1:
+                        return
+                    new = self.allocator.allocate(1) or []
+                    if not new:
+                        return
+                    self._copies.append((parent.block_ids[full], new[0]))
+                parent.fork_children.pop(0)
+                self.allocator.touch(shared)
+                child.block_ids = shared + new
+                child.num_computed_tokens = computed
+                child.num_registered_blocks = min(full, parent.num_registered_blocks)
+                child.status = RequestStatus.RUNNING
+                child.first_scheduled_time = time.monotonic()
+                self.running.append(child)
+            self._finish(parent, RequestStatus.FINISHED_STOPPED)  # leaves _parked
+
+    def _unfork(self, req: Request) -> bool:
+        """Drop a fork that has not started yet from its parked parent."""
+        for parent in self._parked:
+            if req in parent.fork_children:
+                parent.fork_children.remove(req)
+                return True
+        return False
+
+    def _park(self, req: Request) -> None:
+        """A prefill-only request computed its prompt: register its forks
+        and keep its blocks until they have all started."""
+        self.running.remove(req)
+        req.status = RequestStatus.PARKED
+        for child in req.fork_children:
+            if child.request_id in self.requests:
+                raise RequestError("invalid_request", f"duplicate request id {child.request_id!r}")
+            if child.all_token_ids[: req.num_tokens] != req.all_token_ids:
+                raise ValueError(f"fork {child.request_id!r} does not continue {req.request_id!r}'s tokens")
+            child.seq_no = next(self._seq)
+            if self._prefix_caching:
+                child.enable_block_hashing(self.block_size)
+            self.requests[child.request_id] = child
+        self._parked.append(req)
 
     def _admit_waiting(self, budget: int, planned: dict[str, tuple[Request, int, bool]]) -> int:
         cfg = self.config
@@ -367,11 +472,12 @@ class Scheduler:
             if req.request_class == RequestClass.BATCH and len(self.running) >= batch_seq_limit:
                 break
             admission = self._admission(req, budget)
-            if not self._admission_fits(req, admission):
+            if admission.num_tokens <= 0 or not self._admission_fits(req, admission):
                 break
             queue.pop()
             self._admit(req, admission, planned, now)
             budget -= admission.num_tokens
+            self._rows_left -= self._rows_needed(req, req.num_computed_tokens, admission.num_tokens)
         return budget
 
     def _admission(self, req: Request, budget: int) -> "_Admission":
@@ -389,6 +495,7 @@ class Scheduler:
         n = min(req.num_tokens - num_cached, budget)
         if cap:
             n = min(n, cap)
+        n = self._fit_rows(req, num_cached, n)
         num_new = _cdiv(num_cached + n, bs) - len(hits)
         return _Admission(hits, candidates, n, num_new)
 
@@ -448,6 +555,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         planned: dict[str, tuple[Request, int, bool]] = {}
         preempted: list[Request] = []
+        self._rows_left = cfg.max_num_seqs
 
         def make_room() -> None:
             others = [r for r in self.running if r is not req]
@@ -461,6 +569,7 @@ class Scheduler:
             n = min(req.num_tokens_to_compute, budget)
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
+            n = self._fit_rows(req, req.num_computed_tokens, n)
             need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
             while need > self._free_blocks_for(req):
                 make_room()
@@ -574,6 +683,14 @@ class Scheduler:
             if s.sample:
                 req.append_output_token(sampled_token_ids[s.request_id])  # type: ignore[arg-type]
             self._register_full_blocks(req)
+            if not req.samples:
+                if req.num_computed_tokens == req.num_tokens:
+                    if req.prefill_only:
+                        self._park(req)  # its forks take over
+                    else:  # a scoring request has all its score rows
+                        self._finish(req, RequestStatus.FINISHED_STOPPED)
+                        finished.append(req.request_id)
+                continue
             if req.num_output_tokens >= req.max_tokens or req.num_tokens >= limit:
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 finished.append(req.request_id)
@@ -611,7 +728,13 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status == RequestStatus.PARKED:
+            self._parked.remove(req)
+            for child in req.fork_children:  # forks that never started go with it
+                self.requests.pop(child.request_id, None)
+                child.status = status
+            req.fork_children = []
+        elif not self._unfork(req):
             self._waiting[req.request_class].remove(req)
         if req.block_ids:
             self.allocator.free(req.block_ids)
