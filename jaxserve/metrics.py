@@ -8,14 +8,34 @@ side counts jobs with :meth:`EngineMetrics.job`.
 
 Each ``EngineMetrics`` owns its own registry, so tests and several engines in
 one process never collide; :func:`serve` exposes one over HTTP.
+
+The same HTTP server answers the orchestrator's probes, from its own thread
+(so a busy event loop or engine cannot fake an answer):
+
+``/healthz``  liveness: 200 while the check registered with
+              :meth:`EngineMetrics.set_health_checks` (``live``) passes, 503
+              when it fails (a stuck engine, a stalled event loop), 200 while
+              none is registered (the process answers, that is all it knows).
+``/readyz``   readiness: 200 once the ``ready`` check passes (the worker is
+              consuming), 503 before, while draining, and while no check is
+              registered.
+
+A check is a callable returning ``bool`` or ``(bool, reason)``; the reason is
+the response body. A check that raises counts as failing.
 """
 
 from __future__ import annotations
 
+import errno
+import socketserver
+import threading
 import time
-from typing import Iterable
+from typing import Any, Callable, Iterable, Union
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+HealthCheck = Callable[[], Union[bool, tuple[bool, str]]]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -55,6 +75,22 @@ class EngineMetrics:
         self.jobs = Counter("jaxserve_jobs", "Queue jobs by queue and outcome (ok, error code, replayed)",
                             ["model_name", "queue", "outcome"], registry=r)
         self._last_stats = None
+        self._ready_check: HealthCheck | None = None
+        self._live_check: HealthCheck | None = None
+
+    # ------------------------------------------------------------ health
+    def set_health_checks(self, ready: HealthCheck | None = None, live: HealthCheck | None = None) -> None:
+        """Register what ``/readyz`` and ``/healthz`` answer. Both are called
+        from the HTTP server's threads: they must only read state (no event
+        loop calls) and return quickly."""
+        self._ready_check = ready
+        self._live_check = live
+
+    def readiness(self) -> tuple[bool, str]:
+        return _run_check(self._ready_check, "no readiness check registered", default=False)
+
+    def liveness(self) -> tuple[bool, str]:
+        return _run_check(self._live_check, "alive (no liveness check registered)", default=True)
 
     def record_step(self, engine, outputs: Iterable) -> None:
         """Update gauges and per-request histograms after one engine step."""
@@ -96,6 +132,62 @@ class EngineMetrics:
         self.jobs.labels(self.model_name, queue, outcome).inc()
 
 
-def serve(metrics: EngineMetrics, port: int, addr: str = "0.0.0.0") -> None:
-    """Expose ``/metrics`` on ``addr:port`` from a daemon thread."""
-    start_http_server(port, addr=addr, registry=metrics.registry)
+def _run_check(check: HealthCheck | None, missing: str, default: bool) -> tuple[bool, str]:
+    if check is None:
+        return default, missing
+    try:
+        result = check()
+    except Exception as exc:  # noqa: BLE001 - a broken check is a failed probe
+        return False, f"check failed: {exc!r}"
+    if isinstance(result, tuple):
+        ok, reason = result
+        return bool(ok), str(reason)
+    return bool(result), "ok" if result else "failing"
+
+
+class MetricsPortInUse(OSError):
+    """The metrics port is taken by another process."""
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds up the process exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # one access line per scrape/probe would drown the worker's log
+
+
+def make_app(metrics: EngineMetrics) -> Callable:
+    """The WSGI app: ``/healthz``, ``/readyz``, and Prometheus' exposition
+    (``/metrics``, any other path) for ``metrics.registry``."""
+    exposition = make_wsgi_app(metrics.registry)
+    probes = {"/healthz": metrics.liveness, "/readyz": metrics.readiness}
+
+    def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        probe = probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return exposition(environ, start_response)
+        ok, reason = probe()
+        body = (reason + "\n").encode()
+        start_response(
+            "200 OK" if ok else "503 Service Unavailable",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+        )
+        return [body]
+
+    return app
+
+
+def serve(metrics: EngineMetrics, port: int, addr: str = "0.0.0.0") -> WSGIServer:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``addr:port`` from
+    a daemon thread; returns the server (``shutdown()`` stops it). Raises
+    :class:`MetricsPortInUse` when the port is taken."""
+    try:
+        server = make_server(addr, port, make_app(metrics), server_class=_ThreadingServer, handler_class=_QuietHandler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise MetricsPortInUse(exc.errno, f"metrics port {port} is already in use ({addr}:{port})") from None
+        raise
+    threading.Thread(target=server.serve_forever, name=f"metrics-{port}", daemon=True).start()
+    return server

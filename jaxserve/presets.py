@@ -1,7 +1,9 @@
 """Model presets: small Llama-architecture models materialized on first use.
 
-A preset is a JSON file in the repository's ``models/`` folder (or in
-``$JAXSERVE_PRESETS_DIR``). It describes a model to build locally, with no
+A preset is a JSON file in the repository's ``models/`` folder, which the
+package reaches as ``jaxserve/preset_data`` (a symlink in the checkout, real
+files in a built wheel), or in ``$JAXSERVE_PRESETS_DIR`` (see
+:func:`presets_dir`). It describes a model to build locally, with no
 download: the HF ``config.json`` fields, a seed and dtype for random weights,
 and a tokenizer recipe (a byte-level BPE trained on a small text corpus).
 
@@ -88,11 +90,37 @@ class UnknownModelError(PresetError, LookupError):
 # --------------------------------------------------------------------- lookup
 
 
+def packaged_presets_dir() -> Path:
+    """``jaxserve/preset_data``: in a checkout a symlink to the repository's
+    ``models/`` (resolved here, so it names ``models/``); in an installed
+    wheel the copy of those files that the build put in the package."""
+    return (Path(jaxserve.__file__).resolve().parent / "preset_data").resolve()
+
+
+def checkout_presets_dir() -> Path:
+    """``models/`` next to the ``jaxserve`` package of a source checkout (an
+    editable install, or running from the repository)."""
+    return Path(jaxserve.__file__).resolve().parents[1] / "models"
+
+
 def presets_dir() -> Path:
+    """``$JAXSERVE_PRESETS_DIR``, else the package's ``preset_data`` (the
+    wheel's copy, or the checkout's symlink to ``models/``), else the
+    checkout's ``models/`` (a checkout without the symlink).
+
+    Never ``site-packages/models``: in an installed wheel ``parents[1]`` is
+    ``site-packages``, where a ``models`` folder may belong to anything.
+    """
     override = os.environ.get(PRESETS_DIR_ENV)
     if override:
         return Path(override).expanduser()
-    return Path(jaxserve.__file__).resolve().parents[1] / "models"
+    packaged = packaged_presets_dir()
+    if packaged.is_dir():
+        return packaged
+    checkout = checkout_presets_dir()
+    if (checkout.parent / "pyproject.toml").is_file():
+        return checkout
+    return packaged
 
 
 def cache_dir() -> Path:

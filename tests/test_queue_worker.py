@@ -342,3 +342,34 @@ async def test_interactive_first_under_batch_backlog(harness, client, prefix):
     bound = idle + 0.5  # stated bound: TTFT under a 200+ job backlog within idle + 0.5 s
     assert statistics.median(loaded) <= bound, (idle, loaded)
     assert w.stats["done_ok"] < 200
+
+
+async def test_readiness_and_liveness_probes(harness, client):
+    """/readyz answers 200 only while the worker consumes; /healthz turns 503
+    when the engine is hung (busy in one call past the hang timeout)."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def get(path: str) -> int:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    eng = EchoEngine(step_s=0.001)
+    w = await harness.start(eng, metrics_port=port, engine_hang_timeout_s=1.0)
+    assert await asyncio.to_thread(get, "/readyz") == 200 and await asyncio.to_thread(get, "/healthz") == 200
+    eng.stall()
+    await client.publish({"prompt": "hang here", "max_tokens": 3})
+    await wait_until(lambda: w.engine_thread.busy_since_mono is not None)
+    eng.busy_step_s = 3.0  # one step that holds the engine thread for 3 s
+    eng.unstall()
+    await asyncio.sleep(2.0)
+    assert await asyncio.to_thread(get, "/healthz") == 503
+    await w.shutdown(drain_timeout=0.1)
+    assert await asyncio.to_thread(get, "/readyz") == 503

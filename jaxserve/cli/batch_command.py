@@ -75,11 +75,15 @@ def batch(
         _, items = read_items(input_path, opts)
     except (InputError, OSError, UnicodeDecodeError) as exc:
         raise click.ClickException(str(exc)) from None
+    from jaxserve.cli.errors import broker_errors, check_broker
+
+    check_broker(amqp_url)  # one line, not a traceback, when the broker is down
     settings = BatchSettings(
         amqp_url=amqp_url, prefix=prefix, queue=queue, max_in_flight=max_in_flight, idle_timeout=idle_timeout,
         progress=progress, out_format=out_format, served_model_name=served_model_name,
     )  # fmt: skip
-    summary = run_batch(items, output_path, settings)
+    with broker_errors(amqp_url, mute=False):
+        summary = run_batch(items, output_path, settings)
     click.echo(f"batch summary: {json.dumps(summary.as_dict())}", err=True)
     if summary.exit_status:
         sys.exit(summary.exit_status)

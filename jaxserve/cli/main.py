@@ -11,6 +11,7 @@ import click
 
 from jaxserve import __version__
 from jaxserve.cli.bench import bench
+from jaxserve.cli.dead_commands import dead
 from jaxserve.cli.generate import generate
 
 
@@ -22,11 +23,16 @@ def cli() -> None:
     Models are Hugging Face checkpoint folders (config.json, safetensors,
     tokenizer.json) or the name of a preset under models/ (for example
     ``tiny``), which is materialized offline with random weights.
+
+    Common mistakes (no broker at --amqp-url, a model folder that does not
+    exist, a metrics port in use) end with one ``Error:`` line and exit
+    status 1.
     """
 
 
 cli.add_command(generate)
 cli.add_command(bench)
+cli.add_command(dead)
 
 try:  # the queue side registers itself once it exists
     from jaxserve.cli import queue_commands as _queue

@@ -1,30 +1,116 @@
-"""structlog setup for the worker and the CLI (JSON or console)."""
+"""structlog setup for the worker and the CLI (JSON or console).
+
+One format for everything the process logs: structlog's own loggers and every
+standard-library logger (aio_pika, aiormq, asyncio, jax, warnings, ...) are
+rendered by the same processors, so ``--log-format json`` writes only JSON
+lines, one object per line.
+
+The worker calls :func:`bind_worker_context` once it knows its id and model;
+from then on every line carries ``worker_id`` and ``model``, whichever logger
+or thread wrote it.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any, TextIO
 
 import structlog
 
+# Fields every line of this process carries (bind_worker_context). Threads do
+# not inherit context variables, so the engine thread, the metrics server and
+# the libraries' own threads read them from here; a context variable of the
+# same name (bound in one task) wins over it.
+_process_context: dict[str, Any] = {}
 
-def configure_logging(fmt: str = "console", level: str = "info") -> None:
-    lvl = getattr(logging, level.upper(), logging.INFO)
-    processors = [
+# The handler configure_logging installed on the root logger, so a second call
+# replaces it instead of adding another.
+_HANDLER_NAME = "jaxserve"
+
+
+def bind_worker_context(worker_id: str | None = None, model: str | None = None, **fields: Any) -> None:
+    """Add ``worker_id``, ``model`` (and any other ``fields``) to every log
+    line from now on, in every thread and task of the process. ``None``
+    values are skipped, so the id can be bound first and the model once the
+    engine is built. Safe to call before or after :func:`configure_logging`."""
+    values = {"worker_id": worker_id, "model": model, **fields}
+    values = {k: v for k, v in values.items() if v is not None}
+    _process_context.update(values)
+    structlog.contextvars.bind_contextvars(**values)
+
+
+def clear_worker_context() -> None:
+    """Forget what :func:`bind_worker_context` bound (tests, a second worker
+    in the same process)."""
+    structlog.contextvars.unbind_contextvars(*_process_context)
+    _process_context.clear()
+
+
+def _add_process_context(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _process_context.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
+def _stdlib_level(level: int) -> int:
+    """Libraries log at WARNING and above unless the worker is debugging."""
+    return level if level <= logging.DEBUG or level >= logging.WARNING else logging.WARNING
+
+
+def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO | None = None) -> None:
+    """Route structlog and the standard library through one renderer.
+
+    ``fmt`` is ``json`` (one JSON object per line) or ``console``; ``level``
+    a logging level name; ``stream`` defaults to ``sys.stderr`` (stdout is
+    the commands' output: ``generate --json``, ``status --json``).
+    """
+    lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
+    out = stream if stream is not None else sys.stderr
+    shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        _add_process_context,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.processors.format_exc_info,
     ]
     if fmt == "json":
-        renderer = structlog.processors.JSONRenderer()
+        # Tracebacks become one "exception" string inside the object.
+        final: list[Any] = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        isatty = getattr(out, "isatty", None)
+        final = [structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))]
+
+    # structlog's loggers: filtered at ``lvl`` before any processing, written
+    # with one write() per line (the stdlib handler below writes whole lines
+    # too, so the two never interleave inside a line).
     structlog.configure(
-        processors=[*processors, renderer],
+        processors=[*shared, *final],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
-    # aio-pika/aiormq use stdlib logging; keep them quiet unless debugging.
-    logging.basicConfig(level=logging.WARNING if lvl > logging.DEBUG else logging.DEBUG, stream=sys.stderr)
+
+    # Everything else: one handler on the root logger with the same chain.
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name, structlog.stdlib.ExtraAdder()],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = logging.StreamHandler(out)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(_stdlib_level(lvl))
+    # Libraries that attached a handler of their own (jax does when
+    # JAX_LOGGING_LEVEL is set) would print past the renderer: send their
+    # records up to the root handler instead.
+    for logger in list(logging.root.manager.loggerDict.values()):
+        if isinstance(logger, logging.Logger):
+            for own in list(logger.handlers):
+                if not isinstance(own, logging.NullHandler):
+                    logger.removeHandler(own)
+            logger.propagate = True
+    # warnings.warn() goes to the "py.warnings" logger, not raw to stderr.
+    logging.captureWarnings(True)

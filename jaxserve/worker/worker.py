@@ -66,6 +66,7 @@ from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
+from jaxserve.worker.logs import bind_worker_context
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
 from jaxserve.worker.store import MemoryStore, Record, StoreUnavailable
 
@@ -151,6 +152,7 @@ class Worker:
         self._closing = False
         self._fatal = asyncio.Event()
         self.fatal_error: str | None = None
+        self._loop_tick = time.monotonic()  # the watchdog's last run (liveness)
         self.ready = asyncio.Event()
         self.stats: collections.Counter = collections.Counter()
         self.prefetch: dict[str, int] = {}
@@ -193,11 +195,14 @@ class Worker:
         yet. False when ``stop`` is set first."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
+        bind_worker_context(worker_id=self.cfg.worker_id)
         built, self.engine = await self._unless_stopped(asyncio.to_thread(self.engine_factory), stop)
         if not built:
             log.info("worker_stopped_before_consuming", phase="engine_build")
             return False
+        bind_worker_context(model=self.served_model_name)
         self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
+        self.metrics.set_health_checks(ready=self._readiness, live=self._liveness)
         if self.cfg.metrics_port is not None:
             serve_metrics(self.metrics, self.cfg.metrics_port)
         record = self.metrics.record_step if hasattr(self.engine, "scheduler") else None
@@ -972,12 +977,42 @@ class Worker:
                     kj.claimed = False
                     await self._requeue(kj, f"lease lost to {owner}")
 
+    # ------------------------------------------------------------ health
+    def _readiness(self) -> tuple[bool, str]:
+        """``/readyz`` (read from the metrics server's thread: reads only)."""
+        if self._closing or self._fatal.is_set():
+            return False, "stopping"
+        if not self.ready.is_set():
+            return False, "warming up"
+        if not all(qc in self._consumer_tags for qc in (INTERACTIVE, BATCH)):
+            return False, "not consuming"
+        return True, "consuming"
+
+    def _liveness(self) -> tuple[bool, str]:
+        """``/healthz``: false once the engine is dead or hung, or the event
+        loop has not run the watchdog for 30 s."""
+        et = self.engine_thread
+        if self._fatal.is_set():
+            return False, f"engine failed: {self.fatal_error}"
+        if et is None:
+            return True, "starting"
+        if not et.alive:
+            return False, "the engine thread died"
+        now = time.monotonic()
+        since = et.busy_since_mono
+        if self.ready.is_set() and since is not None and now - since > self.cfg.engine_hang_timeout_s:
+            return False, f"the engine has been busy in one call for {now - since:.0f}s"
+        if self.ready.is_set() and now - self._loop_tick > 30.0:
+            return False, f"the event loop has been stalled for {now - self._loop_tick:.0f}s"
+        return True, "alive"
+
     async def _watchdog_loop(self) -> None:
         """An engine thread that died or is stuck in one step is fatal."""
         et = self.engine_thread
         assert et is not None
         while True:
             await asyncio.sleep(1.0)
+            self._loop_tick = time.monotonic()
             if not et.alive:
                 self._on_engine_fatal(RuntimeError("the engine thread died"))
                 return

@@ -1,0 +1,154 @@
+"""Common mistakes end in one line on stderr and a non-zero exit, never a
+traceback: no broker at --amqp-url, a model that does not exist, a metrics
+port that is taken. The commands run as subprocesses, as a user runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+AMQP_URL = os.environ.get("JAXSERVE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+BAD_AMQP = f"amqp://guest:secret-pw@127.0.0.1:{closed_port()}/"
+
+
+def jaxserve(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "JAXSERVE_STATE_DIR": str(tmp_path / "state"),
+    }
+    env.pop("JAXSERVE_AMQP_URL", None)
+    return subprocess.run([sys.executable, "-m", "jaxserve", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert 1 <= len(lines) <= 2, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+    return proc.stderr
+
+
+# ------------------------------------------------------------------ broker
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("worker", "--prefix", "ops-noop"),
+        ("submit", "--prefix", "ops-noop", "hello"),
+        ("status", "--prefix", "ops-noop"),
+        ("dead", "list", "--prefix", "ops-noop"),
+    ],
+    ids=lambda a: a[0] if a[0] != "dead" else "dead-list",
+)
+def test_broker_not_reachable(tmp_path, args):
+    proc = jaxserve(tmp_path, *args, "--amqp-url", BAD_AMQP)
+    err = assert_one_line_error(proc, "cannot reach RabbitMQ", "127.0.0.1")
+    assert proc.returncode == 1
+    assert "secret-pw" not in err  # the password is not echoed
+
+
+def test_broker_refuses_the_login(tmp_path):
+    url = AMQP_URL.replace("guest:guest@", "guest:not-the-password@")
+    assert url != AMQP_URL
+    proc = jaxserve(tmp_path, "status", "--prefix", "ops-noop", "--amqp-url", url)
+    assert_one_line_error(proc, "refused the login")
+
+
+def test_worker_json_logs_report_the_error_as_one_json_line(tmp_path):
+    proc = jaxserve(tmp_path, "worker", "--prefix", "ops-noop", "--log-format", "json", "--amqp-url", BAD_AMQP)
+    err = assert_one_line_error(proc)
+    record = json.loads(err)
+    assert record["event"] == "worker_failed" and record["level"] == "error"
+    assert "cannot reach RabbitMQ" in record["error"]
+
+
+def test_shared_helper_for_other_commands(tmp_path):
+    """``broker_errors`` is what ``batch`` (and any new command) wraps its
+    asyncio.run in: aiormq's own traceback-carrying log record is muted and
+    the exception is one line."""
+    script = (
+        "import asyncio, logging, aio_pika\n"
+        "from jaxserve.cli.errors import broker_errors\n"
+        "import click\n"
+        "@click.command()\n"
+        "def main():\n"
+        f"    with broker_errors({BAD_AMQP!r}):\n"
+        f"        asyncio.run(aio_pika.connect_robust({BAD_AMQP!r}))\n"
+        "main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert_one_line_error(proc, "cannot reach RabbitMQ")
+
+
+# ------------------------------------------------------------------ models
+def test_generate_with_a_model_folder_that_does_not_exist(tmp_path):
+    proc = jaxserve(tmp_path, "generate", "--model", str(tmp_path / "no-such-model"), "hi")
+    assert_one_line_error(proc, "no-such-model", "does not exist")
+
+
+def test_generate_with_a_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = jaxserve(tmp_path, "generate", "--model", str(tmp_path / "empty"), "hi")
+    assert_one_line_error(proc, "config.json")
+
+
+def test_worker_with_a_model_folder_that_does_not_exist(tmp_path):
+    proc = jaxserve(tmp_path, "worker", "--prefix", "ops-noop", "--amqp-url", AMQP_URL, "--model", str(tmp_path / "no-such-model"))
+    assert_one_line_error(proc, "cannot load the model", "no-such-model")
+
+
+def test_worker_with_an_unknown_preset_name(tmp_path):
+    proc = jaxserve(tmp_path, "worker", "--prefix", "ops-noop", "--amqp-url", AMQP_URL, "--model", "no-such-preset")
+    assert_one_line_error(proc, "unknown model 'no-such-preset'", "tiny")
+
+
+# ------------------------------------------------------------ metrics port
+def test_worker_metrics_port_in_use(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = jaxserve(tmp_path, "worker", "--prefix", "ops-noop", "--amqp-url", AMQP_URL, "--metrics-port", str(port))
+    assert_one_line_error(proc, f"--metrics-port {port} is already in use")
+
+
+def test_metrics_server_port_taken_later_is_translated_too():
+    """The port can be taken between the early check and the metrics server
+    start (after the engine build): serve() raises MetricsPortInUse and the
+    worker's error handler turns it into the same one-liner."""
+    from jaxserve.cli.errors import worker_errors
+    from jaxserve.metrics import EngineMetrics, MetricsPortInUse, serve
+
+    metrics = EngineMetrics("m")
+    first = serve(metrics, 0, "127.0.0.1")
+    port = first.server_address[1]
+    try:
+        with pytest.raises(MetricsPortInUse):
+            serve(metrics, port, "127.0.0.1")
+        with pytest.raises(click.ClickException) as info:
+            with worker_errors(AMQP_URL):
+                serve(metrics, port, "127.0.0.1")
+        assert f"metrics port {port} is already in use" in info.value.format_message()
+    finally:
+        first.shutdown()
+        first.server_close()
