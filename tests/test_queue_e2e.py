@@ -206,10 +206,18 @@ async def test_real_engine_end_to_end(harness, client):
     assert again.replayed and again.text == r.text
     reused = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=5, timeout=60)
     assert reused.error.code == "idempotency_key_reused"
-    assert w.stats["done_ok"] == 2
+    # label scoring through the queue: the most probable label, every label's
+    # logprob and prob, prompt + label tokens in usage
+    scored = await client.submit("The weather today is", labels=["sunny", "rainy and cold"], timeout=120)
+    assert scored.ok and scored.text in ("sunny", "rainy and cold") and scored.finish_reason == "stop"
+    assert [x.label for x in scored.labels] == ["sunny", "rainy and cold"]
+    assert abs(sum(x.prob for x in scored.labels) - 1.0) < 1e-9 and scored.usage.completion_tokens == 0
+    best = max(scored.labels, key=lambda x: x.logprob)
+    assert scored.text == best.label
+    assert w.stats["done_ok"] == 3
     from prometheus_client import generate_latest
 
     scraped = generate_latest(w.metrics.registry).decode()
-    assert 'jaxserve_jobs_total{model_name="tiny",outcome="ok",queue="interactive"} 2.0' in scraped
+    assert 'jaxserve_jobs_total{model_name="tiny",outcome="ok",queue="interactive"} 3.0' in scraped
     assert 'jaxserve_jobs_total{model_name="tiny",outcome="replayed",queue="interactive"} 1.0' in scraped
-    assert 'jaxserve_time_to_first_token_seconds_count{model_name="tiny"} 2.0' in scraped
+    assert 'jaxserve_time_to_first_token_seconds_count{model_name="tiny"} 3.0' in scraped

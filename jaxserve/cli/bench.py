@@ -27,8 +27,10 @@ def bench() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Devices to shard the model over (must divide its kv heads).")
 def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_batched_tokens, dtype, seed,
-            as_json) -> None:
+            as_json, tensor_parallel_size) -> None:
     """Run NUM_PROMPTS prompts of INPUT_LEN random token ids to exactly
     OUTPUT_LEN new tokens each (EOS ignored, greedy), after a warm-up, and
     report output tokens per second."""
@@ -47,6 +49,7 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max(input_len + output_len, 64),
             enable_prefix_caching=False,
+            tensor_parallel_size=tensor_parallel_size,
         )
     vocab = llm.engine.tokenizer.vocab_size
     special = set(llm.engine.special_token_ids)
@@ -74,6 +77,8 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
         "total_tokens_per_s": round((generated + num_prompts * input_len) / elapsed, 2),
         "compile_s": round(llm.engine.compile_seconds, 2),
         "num_blocks": llm.engine.num_blocks,
+        "tensor_parallel_size": tensor_parallel_size,
+        "attention": llm.engine.attention.kernel,
     }
     if as_json:
         click.echo(orjson.dumps(result).decode())

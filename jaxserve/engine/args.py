@@ -40,6 +40,18 @@ class EngineArgs:
       block per loop iteration, and bigger blocks mean fewer, larger gathers
       (64 x 193-token decode on a 2-core host: 12.3 ms with 64-token blocks,
       14.9 ms with 32, 20.3 ms with 16). vLLM's CPU backend uses 128.
+    - ``attention_backend``: ``"auto"`` (default), ``"reference"`` or
+      ``"pallas"`` (``jaxserve.kernels.backends``). ``auto`` runs the
+      pure-JAX kernels on the CPU and the paged-attention kernels JAX ships
+      in Pallas on GPU and TPU when the model's shapes fit them (decode-sized
+      programs; prefill-sized ones on the reference, or the ragged kernel on
+      TPU); ``pallas`` insists (an error where none fits), ``reference``
+      never uses them.
+    - ``tensor_parallel_size``: devices one engine shards the model and the
+      KV cache over (attention heads, kv heads and the MLP, Megatron style;
+      ``jaxserve.models.sharding``); it must divide the model's kv heads.
+      ``kv_cache_memory`` and the derived cache size are totals over those
+      devices.
     """
 
     model: str = "tiny"
@@ -60,6 +72,19 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True
     served_model_name: str | None = None
+    attention_backend: Literal["auto", "reference", "pallas"] = "auto"
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        from jaxserve.kernels.backends import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
+            )
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         limit = self.max_model_len or min(max_position_embeddings, 4096)

@@ -96,6 +96,7 @@ class Engine:
         params = jax.tree.leaves(loaded.model)
         weight_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in params if hasattr(p, "dtype"))
         cache_dtype = params[0].dtype if params else jnp.float32
+        self.attention, self.mesh = _place_model(loaded.model, args, cache_dtype)
         self.num_blocks = args.resolve_num_blocks(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
@@ -135,6 +136,12 @@ class Engine:
             cache_dtype=cache_dtype,
         )
         self._states: dict[str, OutputState] = {}
+        # Label scoring (add_score_request): groups by their public id, and
+        # each member request's group (the parent has the public id itself).
+        self._groups: dict[str, _ScoreGroup] = {}
+        self._group_of: dict[str, str] = {}
+        self._group_outputs: list[RequestOutput] = []  # finished groups, for the next _process
+        self.num_computed_tokens = 0  # tokens computed by every step (prefix-cache hits excluded)
         # Every request not yet reported finished, by id (the scheduler forgets
         # a request when it finishes it; recovery from a failed step may have
         # to bring it back, see _recover).
@@ -244,11 +251,156 @@ class Engine:
         self._states[request_id] = state
         self._metrics[request_id] = {"arrival": time.monotonic()}
 
+    def add_score_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        labels: Sequence[Sequence[int]],
+        *,
+        request_class: RequestClass | str = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        """Queue a label-scoring request: each label (token ids) is scored as
+        a continuation of the prompt, by the sum of its tokens'
+        log-probabilities; one finished ``RequestOutput`` carries them in
+        ``label_logprobs`` (labels' order), ``prompt_tokens`` = prompt plus
+        label tokens, no completion.
+
+        How: the prompt but its last token is prefilled once by a
+        prefill-only request; then one fork per label continues it, sharing
+        its KV blocks through the block table (a copy of the partial last
+        block each), and computes the prompt's last token and the label's
+        tokens but the last, every one a score row whose logits give the
+        next label token's probability. So the job computes ``len(prompt) -
+        1 + sum(len(label))`` tokens whatever the number of labels, and its
+        results do not depend on what else is in the batch."""
+        vocab = self.model_config.vocab_size
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                prompt_ids = [_token_id(t) for t in prompt]
+            except (TypeError, ValueError) as exc:
+                raise RequestError("invalid_request", f"prompt must be a string or a list of token ids: {exc}") from None
+        try:
+            label_ids = [[_token_id(t) for t in label] for label in labels]
+        except (TypeError, ValueError) as exc:
+            raise RequestError("invalid_request", f"labels must be lists of token ids: {exc}") from None
+        if not prompt_ids:
+            raise RequestError("invalid_request", f"request {request_id!r} has an empty prompt")
+        if not 1 <= len(label_ids) <= MAX_SCORE_LABELS or any(not ids for ids in label_ids):
+            raise RequestError("invalid_request", f"give 1 to {MAX_SCORE_LABELS} labels of at least one token each")
+        bad = [t for t in prompt_ids + [t for ids in label_ids for t in ids] if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("invalid_request", f"token ids out of range [0, {vocab}): {bad[:5]}")
+        longest = max(len(ids) for ids in label_ids)
+        if len(prompt_ids) + longest > self.max_model_len:
+            raise RequestError(
+                "context_length_exceeded",
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} tokens and the longest label {longest}",
+            )
+        if deadline is not None and deadline <= time.monotonic():
+            raise RequestError("expired", f"request {request_id!r} expired before admission")
+        if request_id in self._groups or self.scheduler.get_request(request_id) is not None:
+            raise RequestError("invalid_request", f"duplicate request id {request_id!r}: it is still in progress")
+        greedy1 = SamplingParams(max_tokens=1, temperature=0.0)
+        kw = dict(request_class=request_class, priority=priority, cache_salt=self.model_name)
+        n_prompt = len(prompt_ids)
+        children = []
+        for i, ids in enumerate(label_ids):
+            child = Request(f"{request_id}\x1flabel{i}", prompt_ids + ids[:-1], greedy1, **kw)
+            child.score_from = n_prompt - 1
+            child.score_targets = list(ids)
+            children.append(child)
+        group = _ScoreGroup(
+            request_id, [c.request_id for c in children], [len(ids) for ids in label_ids],
+            n_prompt + sum(len(ids) for ids in label_ids),
+        )  # fmt: skip
+        if n_prompt > 1:
+            parent = Request(request_id, prompt_ids[:-1], greedy1, deadline=deadline, **kw)
+            parent.prefill_only = True
+            parent.fork_children = children
+            self.scheduler.add_request(parent)
+            members = [parent, *children]
+        else:  # nothing to share: the forks start from scratch
+            for child in children:
+                self.scheduler.add_request(child)
+            members = children
+        for req in members:
+            self._requests[req.request_id] = req
+            self._states[req.request_id] = OutputState(self.tokenizer, greedy1, self.eos_token_ids, None)
+            self._group_of[req.request_id] = request_id
+            self._metrics[req.request_id] = {}
+        self._groups[request_id] = group
+        self._metrics[request_id] = {"arrival": time.monotonic()}  # the job's (its parent's, when it has one)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Returns whether it existed."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._end_group(group)
+            return True
         existed = self.scheduler.abort(request_id)
         self._forget(request_id)
         return existed
+
+    def _end_group(self, group: "_ScoreGroup") -> None:
+        """Abort whatever of a scoring job is still running and forget it."""
+        self.scheduler.abort(group.request_id)  # the parent, with its unstarted forks
+        for rid in group.children:
+            self.scheduler.abort(rid)
+        for rid in (group.request_id, *group.children):
+            self._forget(rid)
+            self._group_of.pop(rid, None)
+        self._groups.pop(group.request_id, None)
+        self._metrics.pop(group.request_id, None)
+
+    def _record_scores(self, plan: SchedulerOutput, scores: np.ndarray) -> None:
+        """Apply a collected step's score rows, and finish the scoring jobs
+        whose every label is complete."""
+        at = 0
+        for s in plan.scheduled:
+            n = len(s.score_targets)
+            if not n:
+                if s.request_id in self._groups and self.scheduler.get_request(s.request_id) is not None:
+                    if self.scheduler.get_request(s.request_id).status == RequestStatus.PARKED:
+                        # its forks take over; a recovery must not recompute it
+                        self._states.pop(s.request_id, None)
+                continue
+            values = scores[at : at + n]
+            at += n
+            gid = self._group_of.get(s.request_id)
+            group = self._groups.get(gid) if gid is not None else None
+            if group is None:
+                continue
+            first = s.start_position + s.num_scheduled_tokens - n
+            got = group.scores.setdefault(s.request_id, {})
+            for j, value in enumerate(values):
+                got[first + j] = float(value)  # by position: a recomputation overwrites
+            if self.scheduler.get_request(s.request_id) is None:  # all its rows computed
+                self._forget(s.request_id)
+        for group in [g for g in self._groups.values() if g.complete]:
+            out = group.output(self._metrics.get(group.request_id, {}))
+            self._end_group(group)
+            self._group_outputs.append(out)
+
+    def _route_group_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Outputs of a scoring job's member requests become the job's: a
+        member's failure fails the job (the rest is aborted)."""
+        routed = []
+        for out in outputs:
+            gid = self._group_of.get(out.request_id)
+            if gid is None:
+                routed.append(out)
+                continue
+            group = self._groups.get(gid)
+            if group is None or not out.finished:
+                continue
+            self._end_group(group)
+            routed.append(dataclasses.replace(out, request_id=gid, prompt_tokens=group.prompt_tokens))
+        return routed
 
     def _forget(self, request_id: str) -> None:
         """Drop the engine's own records of a request that ended."""
@@ -313,16 +465,21 @@ class Engine:
         outputs, self._carried = self._carried, []
         try:
             outputs.extend(self._expire_waiting())
-            for request_id in [rid for rid in self._suspects if self.scheduler.get_request(rid) is None]:
-                del self._suspects[request_id]  # ended meanwhile (aborted, expired)
+            for request_id in [rid for rid in self._suspects if not self._schedulable(rid)]:
+                del self._suspects[request_id]  # ended meanwhile (aborted, expired), or parked
             if self._suspects:
                 outputs.extend(self._step_isolated(next(iter(self._suspects))))
             else:
                 outputs.extend(self._step_batched())
+            outputs = self._route_group_outputs(outputs)
         except BaseException:
             self._carried = outputs
             raise
         return outputs
+
+    def _schedulable(self, request_id: str) -> bool:
+        req = self.scheduler.get_request(request_id)
+        return req is not None and req.status != RequestStatus.PARKED
 
     def _step_batched(self) -> list[RequestOutput]:
         """The pipelined step of ``step``, with its failures contained."""
@@ -379,11 +536,14 @@ class Engine:
                     block_ids=s.block_ids,
                     sampling=self._sampling_row(req) if s.sample else None,
                     pending_row=pending_row,
+                    score_targets=s.score_targets,
                 )
             )
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
-        self._in_flight = (plan, self.runner.execute(work, prev_tokens=None if prev is None else prev[0]))
+        result = self.runner.execute(work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies)
+        self._in_flight = (plan, result)
         self.num_steps += 1
+        self.num_computed_tokens += plan.total_num_scheduled_tokens
 
     def _step_isolated(self, request_id: str) -> list[RequestOutput]:
         """One step of a suspect alone, not pipelined, so that a failure
@@ -399,7 +559,8 @@ class Engine:
             self._raise_if_device_lost(exc)
             failed = self._fail_request(request_id, exc)
             return [] if failed is None else [failed]
-        if plan.scheduled[0].sample:
+        req = self.scheduler.get_request(request_id)
+        if plan.scheduled[0].sample or req is None or not req.samples:
             self._suspects.pop(request_id, None)  # passed a whole step alone
         return outputs
 
@@ -503,6 +664,7 @@ class Engine:
             req = requests[request_id]
             if req is not None and req.pending_index is not None:
                 req.resolve_pending(token)
+        self._record_scores(plan, result.fetch_scores())  # (a feedable step has no score rows; parents may park)
         self._finish_stopped(sampled, finished_by_length)
         return sampled, sampled_logprobs, finished_by_length
 
@@ -515,7 +677,9 @@ class Engine:
         sampling = [s.request_id for s in plan.scheduled if s.sample]
         self._fault_point("fetch", [s.request_id for s in plan.scheduled])
         sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
+        scores = result.fetch_scores()
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+        self._record_scores(plan, scores)
         self._finish_stopped(sampled, finished_by_length)
         return sampled, sampled_logprobs, finished_by_length
 
@@ -532,7 +696,7 @@ class Engine:
         Each request's token is handled on its own: when that raises (the
         detokenizer, a stop check), the failure is this request's, and it
         alone is finished with an ``internal`` error."""
-        outputs = []
+        outputs, self._group_outputs = self._group_outputs, []
         now = time.monotonic()
         for request_id, token in sampled.items():
             state = self._states.get(request_id)
@@ -630,6 +794,38 @@ class Engine:
         return row
 
 
+def _place_model(model, args: EngineArgs, cache_dtype):
+    """Kernel choice and tensor-parallel placement of a freshly loaded model
+    (``EngineArgs.attention_backend``, ``EngineArgs.tensor_parallel_size``);
+    returns ``(AttentionImpl, mesh or None)``. Refuses a tensor-parallel size
+    that does not divide the kv heads."""
+    from jaxserve.kernels.backends import select_attention
+    from jaxserve.models.sharding import shard_model, tensor_parallel_mesh
+
+    cfg = model.config
+    mesh = tensor_parallel_mesh(cfg, args.tensor_parallel_size)
+    attention, reason = select_attention(
+        args.attention_backend,
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_key_value_heads,
+        block_size=args.block_size,
+        sliding_window=cfg.effective_sliding_window,
+        cache_dtype=cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    model.attention = attention
+    if mesh is not None:
+        shard_model(model, mesh)
+    log.info(
+        "engine.placement",
+        attention=attention.kernel,
+        cache_layout=attention.layout,
+        reason=reason,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    return attention, mesh
+
+
 def _token_id(value) -> int:
     """A prompt token id: an integer (not a bool), else ``TypeError``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -645,3 +841,40 @@ def _by_request(
     sampled = {rid: int(t) for rid, t in zip(request_ids, tokens)}
     sampled_logprobs = {rid: float(lp) for rid, lp in zip(request_ids, logprobs)}
     return sampled, sampled_logprobs
+
+
+#: at most this many labels per scoring request (the wire allows 64)
+MAX_SCORE_LABELS = 256
+
+
+@dataclasses.dataclass
+class _ScoreGroup:
+    """A label-scoring request: its forks (one per label, in order), their
+    score rows' log-probabilities by position, and the prompt + label tokens
+    it reports."""
+
+    request_id: str
+    children: list[str]
+    label_lengths: list[int]
+    prompt_tokens: int
+    scores: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return all(len(self.scores.get(c, ())) == n for c, n in zip(self.children, self.label_lengths))
+
+    def output(self, metrics: dict[str, float]) -> RequestOutput:
+        now = time.monotonic()
+        metrics.setdefault("first_token", now)
+        metrics["finished"] = now
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="stop",
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=0,
+            label_logprobs=[sum(self.scores[c].values()) for c in self.children],
+            metrics=metrics,
+        )

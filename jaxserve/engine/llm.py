@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from jaxserve.engine import scoring
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.types import RequestError, RequestOutput, SamplingParams
@@ -66,3 +67,42 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[request_id] for request_id in order]
+
+    def score(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        labels: Sequence[str] | Sequence[Sequence[str]],
+        *,
+        label_normalization: str = "sum",
+    ) -> list[list[scoring.ScoredLabel] | RequestError]:
+        """Label scoring for every prompt (the same ``labels`` for all, or one
+        list per prompt): each label scored as a continuation of the prompt
+        (its tokens encoded alone, without special tokens), in the labels'
+        order; :func:`jaxserve.engine.scoring.best` picks the winner. A
+        prompt the engine refuses yields its :class:`RequestError`."""
+        per_prompt = [list(labels)] * len(prompts) if labels and isinstance(labels[0], str) else [list(x) for x in labels]
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(per_prompt)} label lists")
+        tok = self.engine.tokenizer
+        order: list[tuple[str, list[str], list[list[int]]]] = []
+        done: dict[str, RequestOutput | RequestError] = {}
+        for prompt, names in zip(prompts, per_prompt):
+            request_id = f"llm-{next(self._ids)}"
+            ids = [tok.encode(name, add_special_tokens=False) for name in names]
+            order.append((request_id, names, ids))
+            try:
+                self.engine.add_score_request(request_id, prompt, ids)
+            except RequestError as exc:
+                done[request_id] = exc
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out.error if out.error is not None else out
+        results: list[list[scoring.ScoredLabel] | RequestError] = []
+        for request_id, names, ids in order:
+            out = done[request_id]
+            if isinstance(out, RequestError):
+                results.append(out)
+                continue
+            results.append(scoring.combine(names, out.label_logprobs, [len(x) for x in ids], label_normalization))
+        return results

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
 from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.backends import REFERENCE, cache_spec
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models.functional import forward_fn, logits_fn, logits_t_fn
 
@@ -68,6 +69,9 @@ class SeqWork:
     #: the first token is still on the device: row ``pending_row`` of the
     #: ``prev_tokens`` given to ``execute`` (the previous step's tokens)
     pending_row: int | None = None
+    #: label scoring: the log-probability of ``score_targets[j]`` is wanted
+    #: at each of the chunk's last ``len(score_targets)`` tokens (teacher forcing)
+    score_targets: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -80,11 +84,19 @@ class StepResult:
     #: ``tokens`` is a device array of ``max_num_seqs`` rows that the next
     #: step can read its pending tokens from (``ModelRunner.execute``)
     feedable: bool = False
+    #: score rows' log-probabilities, in work order (see ``SeqWork.score_targets``)
+    scores: Any = None
+    num_scores: int = 0
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.asarray(self.tokens)[: self.num_sampled]
         logprobs = np.asarray(self.logprobs)[: self.num_sampled]
         return tokens, logprobs
+
+    def fetch_scores(self) -> np.ndarray:
+        if not self.num_scores:
+            return np.zeros(0, np.float32)
+        return np.asarray(self.scores)[: self.num_scores]
 
 
 class ModelRunner:
@@ -111,6 +123,14 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.buckets = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs)
+        # The model carries its kernel choice (the cache layout it reads) and
+        # its tensor-parallel mesh (jaxserve.models.sharding): the cache is
+        # created in that layout, sharded on its kv heads over the mesh.
+        layout = getattr(model, "attention", REFERENCE).layout
+        self.mesh = getattr(model, "mesh", None)
+        self._replicated = (
+            None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
         self.graphdef, self.state = nnx.split(model)
         self.kv_cache = KVCache.create(
             num_layers=num_layers,
@@ -119,16 +139,21 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             dtype=cache_dtype,
+            sharding=None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, cache_spec(layout)),
+            layout=layout,
         )
         self._forward: dict[int, Any] = {}
         self._sample: dict[int, Any] = {}
         self._greedy: dict[tuple[int, bool], Any] = {}  # (seq bucket, with logprobs)
+        self._score: dict[int, Any] = {}  # per seq bucket: label-scoring rows
+        self._copy: Any = None  # block copies, max_num_seqs pairs
         self._no_history: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.compile_seconds = 0.0
         #: share of the usable blocks a decode step must hold for block-major attention
         self.block_major_min_use = BLOCK_MAJOR_MIN_USE
         self.num_block_major_steps = 0
-        self._no_prev = jax.device_put(np.zeros(max_num_seqs, np.int32))  # prev_tokens when nothing is pending
+        # prev_tokens when nothing is pending
+        self._no_prev = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
 
     # ------------------------------------------------------------------ jit
 
@@ -173,6 +198,26 @@ class ModelRunner:
             return tokens, jnp.zeros(tokens.shape, jnp.float32)
         return tokens, chosen_logprobs(logits_t, tokens, axis=0)
 
+    def _score_fn(self, state, hidden, targets, offset):
+        """Label scoring: the log-probability of each target token at its
+        score row, rows ``offset ..`` of the forward's picked hidden states
+        (after the sampling rows)."""
+        num_rows = targets.shape[0]
+        rows = jnp.minimum(offset + jnp.arange(num_rows), hidden.shape[0] - 1)
+        logits_t = logits_t_fn(self.graphdef, state, hidden[rows])
+        return chosen_logprobs(logits_t, targets, axis=0)
+
+    def _copy_fn(self, kv_cache, src, dst):
+        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (a fork's own
+        copy of its parent's partial last block); (0, 0) pairs pad."""
+        axis = 0 if kv_cache.layout == "blocks" else 1
+        at = (slice(None),) * axis
+
+        def copy(a):
+            return a.at[(*at, dst)].set(jnp.take(a, src, axis=axis))
+
+        return kv_cache.replace(tuple(copy(k) for k in kv_cache.k), tuple(copy(v) for v in kv_cache.v))
+
     def _sample_fn(self, state, hidden, tensors):
         num_rows = tensors.temperature.shape[0]
         return sample(logits_fn(self.graphdef, state, hidden[:num_rows]), tensors)
@@ -204,10 +249,19 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every bucket ahead of time (hits the persistent cache on restart)."""
         started = time.perf_counter()
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        # with a mesh, weights and cache keep their shardings (other inputs: replicated)
+        sharded = self.mesh is not None
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if sharded else None), tree
+        )
         state_spec = abstract(self.state)
         cache_spec = abstract(self.kv_cache)
-        forward = jax.jit(self._forward_fn, donate_argnums=(1,))
+        out_shardings = {}
+        if sharded:  # the donated cache comes back as it went in
+            out_shardings["out_shardings"] = (
+                self._replicated, jax.tree.map(lambda x: x.sharding, self.kv_cache), self._replicated
+            )
+        forward = jax.jit(self._forward_fn, donate_argnums=(1,), **out_shardings)
         for t in self.buckets.tokens:
             if t in self._forward:
                 continue
@@ -215,7 +269,16 @@ class ModelRunner:
         hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
         greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows", "logprobs"))
+        scorer = jax.jit(self._score_fn)
+        i32 = jnp.int32
+        copy_kw = {"out_shardings": jax.tree.map(lambda x: x.sharding, self.kv_cache)} if sharded else {}
+        pairs = jax.ShapeDtypeStruct((self.max_num_seqs,), i32)
+        if self._copy is None:
+            self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs).compile()
         for s in self.buckets.seqs:
+            if s not in self._score:
+                rows = jax.ShapeDtypeStruct((s,), i32)
+                self._score[s] = scorer.lower(state_spec, hidden, rows, jax.ShapeDtypeStruct((), i32)).compile()
             if s not in self._sample:
                 self._sample[s] = sampler.lower(state_spec, hidden, self._abstract_tensors(s)).compile()
                 for with_logprobs in (False, True):
@@ -227,7 +290,7 @@ class ModelRunner:
             "runner.compiled",
             token_buckets=list(self.buckets.tokens),
             seq_buckets=list(self.buckets.seqs),
-            programs=len(self._forward) + len(self._sample) + len(self._greedy),
+            programs=len(self._forward) + len(self._sample) + len(self._greedy) + len(self._score) + 1,
             seconds=round(self.compile_seconds, 2),
         )
 
@@ -247,12 +310,30 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- step
 
-    def execute(self, work: Sequence[SeqWork], prev_tokens: jax.Array | None = None) -> StepResult:
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Make whole-block copies ``(src, dst)`` in the cache, in order with
+        the steps around them (the device runs programs in dispatch order)."""
+        for at in range(0, len(copies), self.max_num_seqs):
+            chunk = copies[at : at + self.max_num_seqs]
+            src = np.zeros(self.max_num_seqs, np.int32)
+            dst = np.zeros(self.max_num_seqs, np.int32)
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
+            self.kv_cache = self._copy(self.kv_cache, src, dst)
+
+    def execute(
+        self,
+        work: Sequence[SeqWork],
+        prev_tokens: jax.Array | None = None,
+        block_copies: Sequence[tuple[int, int]] = (),
+    ) -> StepResult:
         """Run one step; returns device handles for the sampled tokens.
 
         ``prev_tokens``: the previous step's ``StepResult.tokens`` when it is
         ``feedable``; rows with ``pending_row`` set read their first token
-        from it on the device (the host need not wait for it)."""
+        from it on the device (the host need not wait for it).
+        ``block_copies`` are made first (``copy_blocks``)."""
+        if block_copies:
+            self.copy_blocks(block_copies)
         num_tokens = sum(len(w.token_ids) for w in work)
         if num_tokens == 0:
             raise ValueError("a step needs at least one token")
@@ -300,8 +381,16 @@ class ModelRunner:
             prev_tokens = self._no_prev
         sampling_rows = [w.sampling for w in work if w.sampling is not None]
         logits_rows = [int(e) - 1 for w, e in zip(work, ends) if w.sampling is not None]
+        # Score rows follow the sampling rows: each scoring chunk's last tokens.
+        score_rows = [int(e) - len(w.score_targets) + j for w, e in zip(work, ends) for j in range(len(w.score_targets))]
+        score_targets = [t for w in work for t in w.score_targets]
+        if len(logits_rows) + len(score_rows) > self.max_num_seqs:
+            raise ValueError(
+                f"a step of {len(logits_rows)} sampling and {len(score_rows)} score rows exceeds max_num_seqs={self.max_num_seqs}"
+            )
         logits_indices = np.zeros(self.max_num_seqs, np.int32)
         logits_indices[: len(logits_rows)] = logits_rows
+        logits_indices[len(logits_rows) : len(logits_rows) + len(score_rows)] = score_rows
         block_owner, block_index, block_major = self._block_major_plan(block_tables, rows, counts)
         self.num_block_major_steps += int(block_major)
         meta = AttentionMetadata(
@@ -316,12 +405,21 @@ class ModelRunner:
         )
         greedy = bool(sampling_rows) and all(_is_plain_greedy(r) for r in sampling_rows)
         with_logprobs = greedy and any(r.get("logprobs", True) for r in sampling_rows)
-        in_forward = greedy and not with_logprobs and self._greedy_in_forward(t_bucket)
+        in_forward = greedy and not with_logprobs and not score_rows and self._greedy_in_forward(t_bucket)
         hidden, self.kv_cache, fwd_tokens = self._forward[t_bucket](
             self.state, self.kv_cache, input_ids, positions, meta, np.asarray(in_forward), prev_tokens, feed
         )
+        scores = None
+        if score_rows:
+            targets = np.zeros(self.buckets.seq_bucket(len(score_rows)), np.int32)
+            targets[: len(score_targets)] = score_targets
+            scores = self._score[len(targets)](self.state, hidden, targets, np.asarray(len(logits_rows), np.int32))
+            scores.copy_to_host_async()
         if not sampling_rows:
-            return StepResult(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0)
+            return StepResult(
+                tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0,
+                scores=scores, num_scores=len(score_rows),
+            )  # fmt: skip
         if in_forward:
             fwd_tokens.copy_to_host_async()
             zeros = np.zeros(len(sampling_rows), np.float32)
@@ -335,7 +433,9 @@ class ModelRunner:
         # Start the device-to-host copy now; fetch() then only waits for it.
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
-        return StepResult(tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows))
+        return StepResult(
+            tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows), scores=scores, num_scores=len(score_rows)
+        )
 
     def _block_major_plan(
         self, block_tables: np.ndarray, rows: int, counts: np.ndarray
@@ -370,7 +470,9 @@ class ModelRunner:
         # Without penalties the history is never read: reuse one device array
         # of -1 per bucket instead of shipping [S, max_model_len] every step.
         if s_bucket not in self._no_history:
-            self._no_history[s_bucket] = jax.device_put(np.full((s_bucket, self.max_model_len), -1, np.int32))
+            self._no_history[s_bucket] = jax.device_put(
+                np.full((s_bucket, self.max_model_len), -1, np.int32), self._replicated
+            )
         arrays["history"] = self._no_history[s_bucket]
         return arrays
 

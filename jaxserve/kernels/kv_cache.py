@@ -67,6 +67,20 @@ a bitcast of the whole array is materialised as a copy too. Moving raw bits
 costs nothing on any backend; ``write_kv``/``paged_attention`` bitcast only
 the new rows and the gathered chunks. So ``k.dtype`` is the storage dtype
 (``uint16`` for a bfloat16 cache); use ``KVCache.dtype`` for the logical one.
+
+The ``heads`` layout (accelerator kernels)
+------------------------------------------
+``KVCache.layout`` names the arrays' layout. ``"blocks"`` (the default) is
+the one above. ``"heads"`` is the layout of the paged-attention kernels JAX
+ships in Pallas (``jax.experimental.pallas.ops.gpu.paged_attention`` and
+``...ops.tpu.paged_attention``): keys and values alike ``[num_kv_heads,
+num_blocks, block_size, head_dim]``, so those kernels read the cache in
+place (``pallas_attention.py``). Converting per step instead would copy
+every layer's whole cache each step. A ``heads`` cache stores its logical
+dtype as it is (bfloat16 as bfloat16): the uint16 trick is a CPU-only
+workaround and accelerator kernels want typed operands. The pure-JAX kernels
+read both layouts (``paged_attention(..., layout=...)``); only the CPU's
+default, ``blocks``, has the block-major decode path.
 """
 
 from __future__ import annotations
@@ -79,11 +93,21 @@ import numpy as np
 
 NULL_BLOCK = 0
 
+#: cache layouts: see the module docstring
+LAYOUTS = ("blocks", "heads")
 
-def storage_dtype(dtype) -> jnp.dtype:
-    """The array dtype a cache of logical ``dtype`` is stored in."""
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown KV cache layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    return layout
+
+
+def storage_dtype(dtype, layout: str = "blocks") -> jnp.dtype:
+    """The array dtype a cache of logical ``dtype`` is stored in (``layout``:
+    16-bit floats become ``uint16`` bits in the ``blocks`` layout only)."""
     d = jnp.dtype(dtype)
-    if d.itemsize == 2 and jnp.issubdtype(d, jnp.floating):
+    if check_layout(layout) == "blocks" and d.itemsize == 2 and jnp.issubdtype(d, jnp.floating):
         return jnp.dtype(jnp.uint16)
     return d
 
@@ -111,10 +135,24 @@ def logical_dtype(storage: jax.Array | jnp.dtype, dtype=None) -> jnp.dtype:
 
 
 def layer_shapes(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, layout: str = "blocks"
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of one layer's key and value arrays (see the module docstring)."""
+    if check_layout(layout) == "heads":
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        return shape, shape
     return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def blocks_to_heads(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's ``blocks``-layout key/value arrays -> the ``heads`` layout
+    ``[kv_heads, blocks, block_size, head_dim]`` (tests and conversions)."""
+    return jnp.transpose(k, (1, 0, 3, 2)), jnp.transpose(v, (1, 0, 2, 3))
+
+
+def heads_to_blocks(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``blocks_to_heads``."""
+    return jnp.transpose(k, (1, 0, 3, 2)), jnp.transpose(v, (1, 0, 2, 3))
 
 
 def cache_shapes(
@@ -161,12 +199,15 @@ class KVCache:
     block_size: int = dataclasses.field(metadata=dict(static=True), default=16)
     #: logical element dtype name ("float32", "bfloat16", ...); None: derived from the storage
     dtype_name: str | None = dataclasses.field(metadata=dict(static=True), default=None)
+    #: array layout, ``"blocks"`` or ``"heads"`` (module docstring)
+    layout: str = dataclasses.field(metadata=dict(static=True), default="blocks")
 
     def __post_init__(self):
         # lists, generators or a stacked array's layers become tuples, so the
         # pytree structure is stable
         object.__setattr__(self, "k", tuple(self.k))
         object.__setattr__(self, "v", tuple(self.v))
+        check_layout(self.layout)
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -187,28 +228,40 @@ class KVCache:
         dtype=jnp.float32,
         *,
         sharding: jax.sharding.Sharding | None = None,
+        layout: str = "blocks",
     ) -> "KVCache":
-        """Zero-filled cache of ``num_blocks`` blocks (block 0 included)."""
+        """Zero-filled cache of ``num_blocks`` blocks (block 0 included);
+        ``sharding`` places every layer's arrays (tensor parallelism shards
+        them on the kv-heads axis, ``jaxserve.models.sharding``)."""
         if num_blocks < 2:
             raise ValueError("a KV cache needs at least 2 blocks (block 0 is the null block)")
-        k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim)
-        st = storage_dtype(dtype)
+        k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim, layout)
+        st = storage_dtype(dtype, layout)
         k = tuple(jnp.zeros(k_shape, st, device=sharding) for _ in range(num_layers))
         v = tuple(jnp.zeros(v_shape, st, device=sharding) for _ in range(num_layers))
-        return cls(k=k, v=v, block_size=block_size, dtype_name=jnp.dtype(dtype).name)
+        return cls(k=k, v=v, block_size=block_size, dtype_name=jnp.dtype(dtype).name, layout=layout)
 
     @classmethod
     def abstract(
-        cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        *,
+        layout: str = "blocks",
     ) -> "KVCache":
         """Shape-only cache (``jax.ShapeDtypeStruct`` leaves) for ``jit(...).lower``."""
-        k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim)
-        st = storage_dtype(dtype)
+        k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim, layout)
+        st = storage_dtype(dtype, layout)
         return cls(
             k=tuple(jax.ShapeDtypeStruct(k_shape, st) for _ in range(num_layers)),
             v=tuple(jax.ShapeDtypeStruct(v_shape, st) for _ in range(num_layers)),
             block_size=block_size,
             dtype_name=jnp.dtype(dtype).name,
+            layout=layout,
         )
 
     @classmethod
@@ -227,7 +280,7 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[1 if self.layout == "heads" else 0]
 
     @property
     def num_slots(self) -> int:
@@ -235,7 +288,7 @@ class KVCache:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[0 if self.layout == "heads" else 1]
 
     @property
     def head_dim(self) -> int:
@@ -249,6 +302,10 @@ class KVCache:
         """Keys and values ``[n, kv_heads, head_dim]`` (logical dtype) held at ``slots`` of ``layer``."""
         slots = jnp.asarray(slots, jnp.int32)
         blk, off = slots // self.block_size, slots % self.block_size
+        if self.layout == "heads":
+            k = jnp.swapaxes(self.k[layer][:, blk, off], 0, 1)  # [kvh, n, D] -> [n, kvh, D]
+            v = jnp.swapaxes(self.v[layer][:, blk, off], 0, 1)
+            return from_storage(k, self.dtype), from_storage(v, self.dtype)
         k = from_storage(self.k[layer][blk, :, :, off], self.dtype)  # [n, kvh, D]
         v = from_storage(self.v[layer][blk, :, off], self.dtype)  # [n, kvh, D]
         return k, v

@@ -35,6 +35,13 @@ block_size]``, ``v`` ``[blocks, kv_heads, block_size, head_dim]``; the
 model's form) or as a stacked cache (a leading layer axis) with a (traced)
 ``layer`` index, which gathers and scatters straight into the big array
 (tests and tools; block-major attention needs the per-layer form).
+
+``layout="heads"`` (``kv_cache.py``: ``[kv_heads, blocks, block_size,
+head_dim]`` for keys and values, the Pallas kernels' layout) is read by the
+same gathering kernel, the gathered blocks transposed into the operands
+above (accelerators fuse that transpose into the gather); it is what
+accelerator steps the Pallas kernels do not take run on
+(``pallas_attention.py``). Per layer only, without block-major decode.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ def write_kv(
     *,
     layer: jax.Array | int | None = None,
     cache_dtype=None,
+    layout: str = "blocks",
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's keys/values ``[T, kv_heads, head_dim]`` into their slots.
 
@@ -75,12 +83,24 @@ def write_kv(
     ``kv_cache.py``, per layer or stacked with ``layer`` given;
     ``cache_dtype`` is their logical dtype (default: bfloat16 for uint16
     storage, else the storage dtype). Slots out of range are dropped (padding
-    may use either a block-0 slot or an out-of-range slot).
+    may use either a block-0 slot or an out-of-range slot). ``layout="heads"``:
+    per-layer ``[kv_heads, blocks, block_size, head_dim]`` arrays.
     """
     dtype = logical_dtype(k_cache, cache_dtype)
     block_size = v_cache.shape[-2]
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
+    if layout == "heads":  # typed storage (kv_cache.py)
+        if layer is not None:
+            raise ValueError(f"the heads layout is per layer only, got layer={layer!r}")
+        # adjacent advanced indices stay in place: the updates are [kvh, T, D]
+        k_new = jnp.swapaxes(k_new.astype(dtype).astype(k_cache.dtype), 0, 1)
+        v_new = jnp.swapaxes(v_new.astype(dtype).astype(v_cache.dtype), 0, 1)
+        k_cache = k_cache.at[:, blk, off].set(k_new, mode="drop")
+        v_cache = v_cache.at[:, blk, off].set(v_new, mode="drop")
+        return k_cache, v_cache
+    if layout != "blocks":
+        raise ValueError(f"unknown KV cache layout {layout!r}")
     k_new = to_storage(k_new, dtype)  # [T, kvh, D]
     v_new = to_storage(v_new, dtype)
     # numpy indexing rules: block and offset indices separated by slices put the
@@ -127,6 +147,7 @@ def paged_attention(
     cache_dtype=None,
     query_tile: int | tuple[int, ...] | None = None,
     straggler_group: int = 32,
+    layout: str = "blocks",
 ) -> jax.Array:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged cache.
 
@@ -161,9 +182,19 @@ def paged_attention(
     With ``meta.block_owner`` given (and a per-layer cache whose storage is
     its logical dtype), the program also holds the block-major decode kernel
     and ``meta.block_major`` picks between the two at run time.
+
+    ``layout="heads"``: per-layer caches in the Pallas kernels' layout (module
+    docstring); gathering kernel only.
     """
     T, H, D = q.shape
-    kvh = k_cache.shape[-3]
+    if layout == "heads":
+        if layer is not None:
+            raise ValueError(f"the heads layout is per layer only, got layer={layer!r}")
+        kvh = k_cache.shape[0]
+    elif layout == "blocks":
+        kvh = k_cache.shape[-3]
+    else:
+        raise ValueError(f"unknown KV cache layout {layout!r}")
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     G = H // kvh
@@ -176,7 +207,8 @@ def paged_attention(
     qs = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
 
     block_major_possible = (
-        meta.block_owner is not None
+        layout == "blocks"
+        and meta.block_owner is not None
         and T <= 2 * block_tables.shape[0]  # a bucket a decode step can use
         # a stacked cache's layer, or a 16-bit cache viewed as floats, would be copied whole
         and layer is None
@@ -203,6 +235,7 @@ def paged_attention(
         block_size=block_size,
         chunk_tokens=chunk_tokens,
         cdtype=cdtype,
+        layout=layout,
     )
 
     def per_token(_):
@@ -333,6 +366,7 @@ def _flash_rows(
     block_size: int,
     chunk_tokens: int | None,
     cdtype,
+    layout: str = "blocks",
 ) -> jax.Array:
     """Online-softmax attention of ``R`` rows, each with its own block table.
 
@@ -370,10 +404,15 @@ def _flash_rows(
     def body(c, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(bt_rows, c * chunk_blocks, chunk_blocks, axis=1)  # [R, CB]
-        # [R, CB, kvh, D, BS] -> [R, kvh, D, C] and [R, CB, kvh, BS, D] -> [R, kvh, C, D]: free
-        # reshapes for one block per chunk, a transpose fused into the gather otherwise
-        k = jnp.moveaxis(gather(k_cache, cols), 1, 3).reshape(R, kvh, D, C)
-        v = jnp.moveaxis(gather(v_cache, cols), 1, 2).reshape(R, kvh, C, D)
+        if layout == "heads":
+            # [kvh, R, CB, BS, D] -> [R, kvh, D, C] and [R, kvh, C, D]
+            k = jnp.transpose(from_storage(k_cache[:, cols], cdtype), (1, 0, 4, 2, 3)).reshape(R, kvh, D, C)
+            v = jnp.transpose(from_storage(v_cache[:, cols], cdtype), (1, 0, 2, 3, 4)).reshape(R, kvh, C, D)
+        else:
+            # [R, CB, kvh, D, BS] -> [R, kvh, D, C] and [R, CB, kvh, BS, D] -> [R, kvh, C, D]: free
+            # reshapes for one block per chunk, a transpose fused into the gather otherwise
+            k = jnp.moveaxis(gather(k_cache, cols), 1, 3).reshape(R, kvh, D, C)
+            v = jnp.moveaxis(gather(v_cache, cols), 1, 2).reshape(R, kvh, C, D)
         s = jnp.einsum("rkqd,rkdc->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
         kpos = c * C + kpos_in_chunk
         valid = kpos[None, None, :] < limit[:, :, None]

@@ -24,6 +24,13 @@ the KV writes work on small ``[T, heads, head_dim]`` transposes.
 Numerics: weights in ``dtype`` (float32 or bfloat16); matmuls in that dtype
 with float32 accumulation; RMSNorm, RoPE, softmax and the residual stream in
 float32. The returned hidden state is float32.
+
+Two static attributes, set by the engine before it splits the model, choose
+how a layer attends: ``attention`` (``jaxserve.kernels.backends.AttentionImpl``:
+the pure-JAX reference by default, or a shipped Pallas kernel over the
+``heads`` cache layout) and ``mesh`` (tensor parallelism over its ``tp``
+axis, ``jaxserve.models.sharding``; ``None``: one device). The cache handed
+to ``__call__`` must be in ``attention.layout``.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.backends import REFERENCE, TP_AXIS, write_and_attend
 from jaxserve.kernels.kv_cache import KVCache
-from jaxserve.kernels.paged_attention import paged_attention, write_kv
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from jaxserve.models.sharding import split_fused
 
 _INIT_STD = 0.02
 
@@ -118,6 +126,14 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = _param(rngs, (c.vocab_size, c.hidden_size), self.dtype, "normal")
+        #: attention kernel choice (static; see the module docstring)
+        self.attention = REFERENCE
+        #: tensor-parallel mesh (static), set by ``jaxserve.models.sharding.shard_model``
+        self.mesh = None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.mesh is None else int(self.mesh.shape[TP_AXIS])
 
     def __call__(
         self,
@@ -136,6 +152,12 @@ class LlamaForCausalLM(nnx.Module):
         cache_dtype = kv_cache.dtype
         scale = 1.0 / math.sqrt(D)
         window = c.effective_sliding_window
+        attention, mesh, groups = self.attention, self.mesh, self.tensor_parallel_size
+        if kv_cache.layout != attention.layout:
+            raise ValueError(
+                f"the KV cache is in the {kv_cache.layout!r} layout but attention kernel "
+                f"{attention.kernel!r} reads {attention.layout!r}"
+            )
 
         positions = positions.astype(jnp.int32)
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
@@ -149,14 +171,16 @@ class LlamaForCausalLM(nnx.Module):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
             qkv = _add_bias(_mm(w["wqkv"], x), w["bqkv"])
-            q = apply_rope(heads(qkv[:q_size], H), cos, sin)
-            k = apply_rope(heads(qkv[q_size : q_size + kv_size], KVH), cos, sin)
-            v = heads(qkv[q_size + kv_size :], KVH)
-            k_layers[i], v_layers[i] = write_kv(
-                k_layers[i], v_layers[i], k, v, meta.slot_mapping, cache_dtype=cache_dtype
-            )
-            attn = paged_attention(
+            # tensor parallel: rows are group-major (jaxserve.models.sharding)
+            q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
+            q = apply_rope(heads(q_rows, H), cos, sin)
+            k = apply_rope(heads(k_rows, KVH), cos, sin)
+            v = heads(v_rows, KVH)
+            k_layers[i], v_layers[i], attn = write_and_attend(
+                attention,
                 q.astype(dtype),
+                k,
+                v,
                 k_layers[i],
                 v_layers[i],
                 meta,
@@ -165,11 +189,15 @@ class LlamaForCausalLM(nnx.Module):
                 scale=scale,
                 sliding_window=window,
                 cache_dtype=cache_dtype,
+                mesh=mesh,
             )
             h = h + _add_bias(_mm(w["wo"], attn.reshape(T, q_size).T), w["bo"])
             x = rms_norm(h, w["post_norm"], eps, axis=0)
             gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
-            g, u = jnp.split(gu, 2, axis=0)
+            if groups == 1:
+                g, u = jnp.split(gu, 2, axis=0)
+            else:
+                g, u = split_fused(gu, [c.intermediate_size, c.intermediate_size], groups)
             h = h + _add_bias(_mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
 
         # Token-major for the caller. The barrier keeps XLA from folding this
@@ -200,5 +228,6 @@ class LlamaForCausalLM(nnx.Module):
         """A zeroed cache matching this model (cache dtype defaults to the weight dtype)."""
         c = self.config
         return KVCache.create(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype or self.dtype
+            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype or self.dtype,
+            layout=self.attention.layout,
         )

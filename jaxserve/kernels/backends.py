@@ -1,0 +1,216 @@
+"""Which attention kernel a layer runs, chosen once per engine and per compiled program.
+
+``EngineArgs.attention_backend``:
+
+- ``"reference"``: the pure-JAX kernels of ``paged_attention.py`` over the
+  ``blocks`` cache layout, on every backend (the CPU's path, unchanged);
+- ``"pallas"``: the Pallas kernels JAX ships, through the adapters of
+  ``pallas_attention.py``, over the ``heads`` cache layout; an error when
+  the platform has none (CPU) or the model's shapes do not fit them;
+- ``"auto"`` (default): ``"pallas"`` on ``gpu`` and ``tpu`` when the shapes
+  fit, else ``"reference"`` (CPU, sliding-window models on GPU, ...).
+
+Per compiled program (the token bucket ``T`` is static) with the Pallas
+backend:
+
+- **GPU**: programs of at most ``max(max_num_seqs, 8)`` tokens, the ones
+  every decode step runs in, call the shipped GPU paged kernel one token per
+  kernel row (exact for any token; a decode step reads each context once);
+  bigger (prefill) programs run the reference kernel over the ``heads``
+  layout. The GPU kernel has no sliding window: such models stay on the
+  reference.
+- **TPU**: the same split with the TPU paged kernel for the decode-sized
+  programs; bigger programs run the ragged TPU kernel (mixed prefill and
+  decode, sliding windows) when its shape rules hold (head_dim a multiple
+  of 128), else the reference over the ``heads`` layout.
+
+``write_and_attend`` is what a model layer calls: it writes the step's keys
+and values, then attends, and with a tensor-parallel mesh runs both inside a
+``shard_map`` over the ``tp`` axis, each device on its own kv heads (and
+their query heads) with its shard of the cache: no communication, and the
+Pallas kernels, which GSPMD cannot partition, see plain local arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.paged_attention import paged_attention, write_kv
+from jaxserve.kernels import pallas_attention as pallas
+
+BACKENDS = ("auto", "reference", "pallas")
+#: the mesh axis tensor parallelism shards heads over
+TP_AXIS = "tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+    """The kernel choice of an engine (static, hashable: it lives in the model's graph definition).
+
+    ``kernel``: ``reference``, ``gpu`` or ``tpu``. ``interpret``: run the
+    Pallas kernels in interpret mode (CPU tests). ``ragged``: on TPU, run
+    prefill-sized programs through the ragged kernel. ``max_kernel_tokens``:
+    the largest program (token bucket) the per-token paged kernels serve;
+    ``None``: ``max(max_num_seqs, 8)``, read from the step's block tables.
+    """
+
+    kernel: Literal["reference", "gpu", "tpu"] = "reference"
+    interpret: bool = False
+    ragged: bool = False
+    max_kernel_tokens: int | None = None
+
+    @property
+    def layout(self) -> str:
+        """The KV cache layout this choice reads (``kv_cache.py``)."""
+        return "blocks" if self.kernel == "reference" else "heads"
+
+    def kernel_tokens(self, meta: AttentionMetadata) -> int:
+        if self.max_kernel_tokens is not None:
+            return self.max_kernel_tokens
+        return max(meta.block_tables.shape[0] - 1, 8)
+
+
+REFERENCE = AttentionImpl()
+
+
+def select_attention(
+    requested: str,
+    *,
+    head_dim: int,
+    num_kv_heads: int,
+    block_size: int,
+    sliding_window: int | None,
+    cache_dtype,
+    tensor_parallel_size: int = 1,
+    platform: str | None = None,
+) -> tuple[AttentionImpl, str]:
+    """The kernel for ``requested`` (``EngineArgs.attention_backend``) on
+    ``platform`` (default ``jax.default_backend()``), and a one-line reason.
+
+    ``num_kv_heads`` is the model's; each tensor-parallel device holds
+    ``num_kv_heads / tensor_parallel_size`` of them. Raises ``ValueError``
+    for an unknown name, and for ``"pallas"`` where no shipped kernel fits."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    platform = platform or jax.default_backend()
+    if requested == "reference":
+        return REFERENCE, "attention_backend='reference'"
+    if platform in ("gpu", "cuda", "rocm"):
+        why = pallas.gpu_kernel_unsupported(head_dim=head_dim, block_size=block_size, sliding_window=sliding_window)
+        if why is None:
+            return AttentionImpl(kernel="gpu"), "GPU: shipped Pallas paged kernel for decode-sized programs"
+    elif platform == "tpu":
+        why = None if sliding_window is None else f"the TPU paged kernel has no sliding window ({sliding_window})"
+        if why is None:
+            local_kv = max(1, num_kv_heads // max(1, tensor_parallel_size))
+            ragged_why = pallas.tpu_ragged_unsupported(
+                head_dim=head_dim, num_kv_heads=local_kv, cache_dtype=cache_dtype
+            )
+            reason = "TPU: shipped Pallas paged kernel for decode-sized programs, " + (
+                "ragged kernel for the others" if ragged_why is None else f"reference for the others ({ragged_why})"
+            )
+            return AttentionImpl(kernel="tpu", ragged=ragged_why is None), reason
+    else:
+        why = f"no Pallas paged-attention kernel for platform {platform!r}"
+    if requested == "pallas":
+        raise ValueError(f"attention_backend='pallas' cannot run here: {why}")
+    return REFERENCE, f"auto: reference ({why})"
+
+
+def attend(
+    impl: AttentionImpl,
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    positions: jax.Array,
+    *,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    cache_dtype=None,
+) -> jax.Array:
+    """One layer's attention over a per-layer cache in ``impl.layout``
+    (already holding this step's keys); ``[T, H, D]`` in ``q.dtype``."""
+    T = q.shape[0]
+    small = T <= impl.kernel_tokens(meta)
+    if impl.kernel == "gpu" and small and sliding_window is None:
+        return pallas.gpu_paged_attention(
+            q, k_cache, v_cache, meta, positions, scale=scale, cache_dtype=cache_dtype, interpret=impl.interpret
+        )
+    if impl.kernel == "tpu" and small and sliding_window is None:
+        return pallas.tpu_paged_attention(
+            q, k_cache, v_cache, meta, positions, scale=scale, cache_dtype=cache_dtype, interpret=impl.interpret
+        )
+    if impl.kernel == "tpu" and impl.ragged:
+        return pallas.tpu_ragged_attention(
+            q, k_cache, v_cache, meta, positions, scale=scale, sliding_window=sliding_window,
+            cache_dtype=cache_dtype, interpret=impl.interpret,
+        )
+    return paged_attention(
+        q, k_cache, v_cache, meta, positions, block_size=block_size, scale=scale, sliding_window=sliding_window,
+        cache_dtype=cache_dtype, layout=impl.layout,
+    )
+
+
+def cache_spec(layout: str) -> P:
+    """PartitionSpec of one layer's cache array: sharded on its kv-heads axis."""
+    return P(TP_AXIS, None, None, None) if layout == "heads" else P(None, TP_AXIS, None, None)
+
+
+def write_and_attend(
+    impl: AttentionImpl,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    positions: jax.Array,
+    *,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    cache_dtype=None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write this step's ``k``/``v`` ``[T, KVH, D]`` into one layer's cache and
+    attend with ``q`` ``[T, H, D]``; returns ``(k_cache, v_cache, out)``.
+
+    With ``mesh`` (tensor parallelism), both run per device on its heads
+    (``shard_map`` over ``tp``): the cache must be sharded on its kv-heads
+    axis (``cache_spec``), and ``q``/``k``/``v``/``out`` are split on their
+    heads axis (head ``h`` of device ``i`` uses kv head ``h // G`` of the
+    same device, since both are split in contiguous, equal runs)."""
+
+    def local(q, k, v, k_cache, v_cache, meta, positions):
+        k_cache, v_cache = write_kv(
+            k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout
+        )
+        out = attend(
+            impl, q, k_cache, v_cache, meta, positions, block_size=block_size, scale=scale,
+            sliding_window=sliding_window, cache_dtype=cache_dtype,
+        )
+        return k_cache, v_cache, out
+
+    if mesh is None:
+        return local(q, k, v, k_cache, v_cache, meta, positions)
+    heads = P(None, TP_AXIS, None)
+    cache = cache_spec(impl.layout)
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, cache, cache, P(), P()),
+        out_specs=(cache, cache, heads),
+        check_vma=False,
+    )
+    return sharded(q, k, v, k_cache, v_cache, meta, positions)
+
+
+__all__ = ["AttentionImpl", "BACKENDS", "REFERENCE", "TP_AXIS", "attend", "cache_spec", "select_attention",
+           "write_and_attend"]

@@ -1,0 +1,154 @@
+"""Tensor parallelism: the model's weights and KV cache over a one-axis ``tp`` mesh.
+
+Megatron-style sharding, expressed as ``NamedSharding``s on the weights and
+the cache, with XLA's GSPMD partitioning the dense layers of the one jitted
+program per step bucket and a ``shard_map`` around each layer's cache write
+and attention (``jaxserve.kernels.backends.write_and_attend``):
+
+- ``wqkv`` ``[(H + 2 KVH) D, E]``: column-parallel, rows split over ``tp``.
+  The fused rows are first reordered *group-major*: device ``i`` holds the
+  rows of query heads ``i H/N .. (i+1) H/N - 1`` followed by those of kv
+  heads ``i KVH/N .. (i+1) KVH/N - 1`` (keys, then values), so its matmul
+  yields exactly the q, k and v of its own heads, and grouped-query pairs
+  (head ``h`` reads kv head ``h // G``) stay on one device. ``bqkv``
+  likewise.
+- ``wo`` ``[E, H D]``: row-parallel (its input axis split); GSPMD sums the
+  partial products (an all-reduce) into the replicated residual stream.
+- ``w_gate_up`` ``[2 I, E]``: column-parallel, reordered group-major (gate
+  then up rows per device) like ``wqkv``; ``w_down`` ``[E, I]``
+  row-parallel.
+- Embedding, ``lm_head``, the norms and the row-parallel biases:
+  replicated. ``lm_head`` stays whole on purpose: the sampler (sort-based
+  top-k/top-p, penalties, log-probabilities) works on whole vocabulary rows
+  with no gather, and every device computes the same tokens. Vocabulary
+  sharding would cut each device's ``lm_head`` reads by ``N`` at the price
+  of a gather in the sampler; not done.
+- KV cache: every layer's arrays split on their kv-heads axis
+  (``backends.cache_spec``), created sharded and donated step to step.
+
+A size that does not divide the kv heads (nor, then, the query heads and
+the intermediate size) is refused with ``ValueError``. The weights are
+loaded on the first device and then placed, so the whole model must fit
+there once (fine for what one host's devices hold; a per-shard loader is
+the next step for bigger models).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.kernels.backends import TP_AXIS
+from jaxserve.models.config import ModelConfig
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, num_devices: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``size`` devices can split this model."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if size == 1:
+        return
+    kvh = config.num_key_value_heads
+    if kvh % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide num_key_value_heads={kvh}: "
+            f"each device must hold whole kv heads (use a divisor of {kvh})"
+        )
+    if config.num_attention_heads % size:  # implied by the kv heads; kept for odd configs
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide num_attention_heads={config.num_attention_heads}"
+        )
+    if config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}"
+        )
+    if num_devices is None:
+        num_devices = jax.device_count()
+    if size > num_devices:
+        raise ValueError(
+            f"tensor_parallel_size={size} exceeds the {num_devices} {jax.default_backend()} device(s) available"
+        )
+
+
+def tensor_parallel_mesh(config: ModelConfig, size: int, devices=None) -> Mesh | None:
+    """A one-axis ``tp`` mesh over the first ``size`` devices (``None`` for 1)."""
+    devices = list(jax.devices() if devices is None else devices)
+    check_tensor_parallel(config, size, len(devices))
+    if size == 1:
+        return None
+    return Mesh(np.array(devices[:size]), (TP_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def _group_major(parts: list[int], groups: int) -> np.ndarray:
+    """Row order that puts the ``i``-th ``1/groups`` of every part, in turn, in group ``i``."""
+    starts = np.cumsum([0] + parts[:-1])
+    order = []
+    for g in range(groups):
+        for start, size in zip(starts, parts):
+            step = size // groups
+            order.append(np.arange(start + g * step, start + (g + 1) * step))
+    return np.concatenate(order)
+
+
+#: per-layer parameter -> (PartitionSpec, fused parts to reorder group-major, or None)
+def _layer_plan(config: ModelConfig) -> dict[str, tuple[P, list[int] | None]]:
+    c = config
+    qkv = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+    gate_up = [c.intermediate_size, c.intermediate_size]
+    return {
+        "input_norm": (P(), None),
+        "post_norm": (P(), None),
+        "wqkv": (P(TP_AXIS, None), qkv),
+        "bqkv": (P(TP_AXIS), qkv),
+        "wo": (P(None, TP_AXIS), None),
+        "bo": (P(), None),
+        "w_gate_up": (P(TP_AXIS, None), gate_up),
+        "b_gate_up": (P(TP_AXIS), gate_up),
+        "w_down": (P(None, TP_AXIS), None),
+        "b_down": (P(), None),
+    }
+
+
+def shard_model(model, mesh: Mesh) -> None:
+    """Reorder the fused weights group-major and place every weight with its
+    ``NamedSharding`` on ``mesh`` (in place); the model then runs its forward
+    pass tensor-parallel (``model.mesh``)."""
+    size = mesh.shape[TP_AXIS]
+    check_tensor_parallel(model.config, size, mesh.devices.size)
+    plan = _layer_plan(model.config)
+    replicated = NamedSharding(mesh, P())
+    for layer in model.layers:
+        for name, (spec, parts) in plan.items():
+            param = getattr(layer, name)
+            if param is None:
+                continue
+            value = param[...]
+            if parts is not None:
+                value = value[_group_major(parts, size)]
+            param.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
+    for param in (model.embed, model.norm, model.lm_head):
+        if param is not None:
+            param.set_value(jax.device_put(param[...], replicated))
+    model.mesh = mesh
+
+
+def split_fused(x: jax.Array, parts: list[int], groups: int) -> list[jax.Array]:
+    """Split group-major fused rows ``x`` ``[sum(parts), T]`` back into the
+    parts in their original order (``groups == 1``: plain slices)."""
+    if groups == 1:
+        out, start = [], 0
+        for size in parts:
+            out.append(x[start : start + size])
+            start += size
+        return out
+    grouped = x.reshape(groups, -1, *x.shape[1:])
+    out, start = [], 0
+    for size in parts:
+        step = size // groups
+        out.append(grouped[:, start : start + step].reshape(size, *x.shape[1:]))
+        start += step
+    return out
+
+
+__all__ = ["check_tensor_parallel", "shard_model", "split_fused", "tensor_parallel_mesh"]
