@@ -33,7 +33,7 @@ import time
 from typing import Any, Callable, Iterable, Union
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
 HealthCheck = Callable[[], Union[bool, tuple[bool, str]]]
 
@@ -58,18 +58,52 @@ class EngineMetrics:
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", labels, registry=r)
         self.engine_steps = Counter("jaxserve_engine_steps", "Engine iterations", labels, registry=r)
-        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Arrival to first token", labels,
+        # Latencies, by queue class (interactive | batch). The worker observes
+        # them per job (observe_job, observe_tokens): it knows the class.
+        qlabels = ["model_name", "queue"]
+        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Receipt to first token", qlabels,
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Mean time between tokens of a request", labels,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Arrival to finish", labels,
+        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between two tokens, one observation per token",
+                             qlabels, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Receipt to final result", qlabels,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Arrival to first scheduled", labels,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Engine arrival to first scheduled (engine wait)",
+                                    qlabels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.broker_wait = Histogram("jaxserve_broker_wait_seconds", "Publish (producer timestamp) to receipt by the worker",
+                                     qlabels, buckets=_LATENCY_BUCKETS, registry=r)
         self.prefill_time = Histogram("jaxserve_request_prefill_time_seconds", "First scheduled to first token",
-                                      labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("jaxserve_request_decode_time_seconds", "First token to finish", labels,
+                                      qlabels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("jaxserve_request_decode_time_seconds", "First token to finish", qlabels,
                                      buckets=_LATENCY_BUCKETS, registry=r)
+        # The worker's own health and the broker as it sees it.
+        self.rejections = Counter("jaxserve_rejections", "Jobs refused at admission, by error code, reason and tenant",
+                                  ["model_name", "queue", "code", "reason", "tenant"], registry=r)
+        self.requeues = Counter("jaxserve_requeues", "Jobs given back to the broker, by reason", ["model_name", "queue", "reason"],
+                                registry=r)
+        self.reconnects = Counter("jaxserve_reconnects", "AMQP reconnections, by connection", ["model_name", "connection"],
+                                  registry=r)
+        self.step_errors = Counter("jaxserve_engine_step_errors", "Engine steps that raised", labels, registry=r)
+        self.queue_depth = Gauge("jaxserve_queue_depth", "Ready messages in a queue (interactive, batch, dead, results)",
+                                 ["model_name", "queue"], registry=r)
+        self.queue_consumers = Gauge("jaxserve_queue_consumers", "Consumers of a queue", ["model_name", "queue"], registry=r)
+        self.kv_cache_bytes = Gauge("jaxserve_kv_cache_bytes", "Bytes of the KV cache", labels, registry=r)
+        self.model_load_seconds = Gauge("jaxserve_model_load_seconds", "Seconds to build the engine (load the model)", labels,
+                                        registry=r)
+        self.warmup_seconds = Gauge("jaxserve_warmup_seconds", "Seconds to compile every shape bucket", labels, registry=r)
+        ProcessCollector(namespace="jaxserve", registry=r)  # jaxserve_process_resident_memory_bytes, cpu, fds
+        for q in ("interactive", "batch"):  # series present from start-up, at zero
+            for h in (self.ttft, self.itl, self.e2e, self.queue_time, self.broker_wait, self.prefill_time, self.decode_time):
+                h.labels(model_name, q)
+            self.requeues.labels(model_name, q, "drain")
+            for code in ("overloaded", "rate_limited"):
+                self.rejections.labels(model_name, q, code, "none", "default")
+        for c in ("interactive", "batch", "control", "publish"):
+            self.reconnects.labels(model_name, c)
+        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc, self.num_preemptions,
+                       self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens, self.generation_tokens,
+                       self.engine_steps, self.step_errors, self.kv_cache_bytes, self.model_load_seconds,
+                       self.warmup_seconds):  # fmt: skip
+            metric.labels(model_name)
         self.request_success = Counter("jaxserve_request_success", "Finished requests by finish reason",
                                        ["model_name", "finished_reason"], registry=r)
         self.jobs = Counter("jaxserve_jobs", "Queue jobs by queue and outcome (ok, error code, replayed)",
@@ -108,28 +142,42 @@ class EngineMetrics:
         self._last_stats = stats
         for out in outputs:
             self.generation_tokens.labels(m).inc(len(out.new_token_ids))
-            if not out.finished:
-                continue
-            t = out.metrics
-            arrival, first_sched = t.get("arrival"), t.get("first_scheduled")
-            first_token, finished = t.get("first_token"), t.get("finished", time.monotonic())
-            self.prompt_tokens.labels(m).inc(out.prompt_tokens)
-            self.request_success.labels(m, out.finish_reason or "error").inc()
-            if arrival is not None:
-                self.e2e.labels(m).observe(finished - arrival)
-                if first_sched is not None:
-                    self.queue_time.labels(m).observe(first_sched - arrival)
-                if first_token is not None:
-                    self.ttft.labels(m).observe(first_token - arrival)
-            if first_sched is not None and first_token is not None:
-                self.prefill_time.labels(m).observe(first_token - first_sched)
-            if first_token is not None:
-                self.decode_time.labels(m).observe(finished - first_token)
-                if out.completion_tokens > 1:
-                    self.itl.labels(m).observe((finished - first_token) / (out.completion_tokens - 1))
+            if out.finished:
+                self.prompt_tokens.labels(m).inc(out.prompt_tokens)
+                self.request_success.labels(m, out.finish_reason or "error").inc()
 
     def job(self, queue: str, outcome: str) -> None:
         self.jobs.labels(self.model_name, queue, outcome).inc()
+
+    def observe_tokens(self, queue: str, gap_s: float, n: int) -> None:
+        """``n`` tokens arrived ``gap_s`` after the previous ones: one
+        inter-token latency observation per token (vLLM's metric)."""
+        h = self.itl.labels(self.model_name, queue)
+        for _ in range(n):
+            h.observe(gap_s / n)
+
+    def observe_job(self, queue: str, *, e2e: float, ttft: float | None, broker_wait: float | None,
+                    engine: dict[str, float] | None) -> None:  # fmt: skip
+        """A finished job's latencies; ``engine``: the engine's timestamps of
+        its request (arrival, first_scheduled, first_token, finished)."""
+        m = self.model_name
+        self.e2e.labels(m, queue).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m, queue).observe(ttft)
+        if broker_wait is not None:
+            self.broker_wait.labels(m, queue).observe(broker_wait)
+        t = engine or {}
+        arrival, first_sched, first_token = t.get("arrival"), t.get("first_scheduled"), t.get("first_token")
+        finished = t.get("finished", time.monotonic())
+        if arrival is not None and first_sched is not None:
+            self.queue_time.labels(m, queue).observe(first_sched - arrival)
+        if first_sched is not None and first_token is not None:
+            self.prefill_time.labels(m, queue).observe(first_token - first_sched)
+        if first_token is not None:
+            self.decode_time.labels(m, queue).observe(finished - first_token)
+
+    def rejection(self, code: str, reason: str, queue: str, tenant: str) -> None:
+        self.rejections.labels(self.model_name, queue, code, reason, tenant).inc()
 
 
 def _run_check(check: HealthCheck | None, missing: str, default: bool) -> tuple[bool, str]:

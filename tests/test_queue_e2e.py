@@ -220,4 +220,4 @@ async def test_real_engine_end_to_end(harness, client):
     scraped = generate_latest(w.metrics.registry).decode()
     assert 'jaxserve_jobs_total{model_name="tiny",outcome="ok",queue="interactive"} 3.0' in scraped
     assert 'jaxserve_jobs_total{model_name="tiny",outcome="replayed",queue="interactive"} 1.0' in scraped
-    assert 'jaxserve_time_to_first_token_seconds_count{model_name="tiny"} 3.0' in scraped
+    assert 'jaxserve_time_to_first_token_seconds_count{model_name="tiny",queue="interactive"} 2.0' in scraped

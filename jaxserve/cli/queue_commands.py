@@ -69,6 +69,12 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
 @click.option("--served-model-name", default=None, help="The model name jobs use in `model` and results carry (default: the model folder's name).")
+@click.option("--limits", "limits_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight); shared through Redis with --store redis.")
+@click.option("--target-ttft", type=click.FloatRange(min=0.01), default=2.0, show_default=True,
+              help="Interactive admission: refuse (overloaded) a job whose queued prompt tokens could not be prefilled in this many seconds.")
+@click.option("--max-queued-tokens", type=click.IntRange(min=1), default=None,
+              help="Interactive admission: a fixed budget of queued prompt tokens instead of --target-ttft x the measured prefill rate.")
 @click.option("--store", type=click.Choice(["sqlite", "memory", "redis"]), default="sqlite", show_default=True,
               help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None, envvar="JAXSERVE_STATE_DIR",
@@ -108,6 +114,9 @@ def worker(
     policy: str | None,
     metrics_port: int | None,
     served_model_name: str | None,
+    limits_path: str | None,
+    target_ttft: float,
+    max_queued_tokens: int | None,
     store: str,
     state_dir: str | None,
     redis_url: str,
@@ -133,8 +142,15 @@ def worker(
     from jaxserve.worker.factory import load_factory, parse_engine_args
     from jaxserve.wire.topology import Topology
     from jaxserve.worker.logs import configure_logging
+    from jaxserve.worker.admission import AdmissionConfig
+    from jaxserve.worker.limits import LimitsFileError, load_limits
     from jaxserve.worker.store import make_store
     from jaxserve.worker.worker import Worker, WorkerConfig
+
+    try:
+        limits = None if limits_path is None else load_limits(limits_path)
+    except LimitsFileError as exc:
+        raise click.ClickException(str(exc)) from None
 
     configure_logging(log_format, log_level)
     # Before the engine build (minutes for a real model): a taken port or an
@@ -175,6 +191,8 @@ def worker(
         declare=declare,
         metrics_port=metrics_port,
         served_model_name=served_model_name,
+        admission=AdmissionConfig(target_ttft_s=target_ttft, max_queued_tokens=max_queued_tokens),
+        limits=limits,
     )
 
     async def main() -> int:

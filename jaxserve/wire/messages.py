@@ -56,6 +56,9 @@ class ErrorInfo(BaseModel):
     code: ErrorCode = Field(description="One of the contract's error codes (docs/protocol.md).")
     message: str = Field(description="What was wrong, naming the offending field and value where there is one.")
     retryable: bool = Field(description="Whether resubmitting the same job later may succeed.")
+    retry_after_s: Annotated[float, Field(ge=0.0)] | None = Field(
+        default=None, description="overloaded / rate_limited: seconds after which a resubmission may be admitted."
+    )
 
 
 class Chunk(_Reply):
@@ -159,10 +162,13 @@ class Result(_Reply):
         )
 
     @classmethod
-    def failure(cls, key: str | None, code: str, message: str, retryable: bool | None = None) -> "Result":
+    def failure(
+        cls, key: str | None, code: str, message: str, retryable: bool | None = None, *, retry_after_s: float | None = None
+    ) -> "Result":
         if retryable is None:
             retryable = is_retryable(code)
-        return cls(id=key, status="error", error=ErrorInfo(code=code, message=message, retryable=bool(retryable)))  # type: ignore[arg-type]
+        info = ErrorInfo(code=code, message=message, retryable=bool(retryable), retry_after_s=retry_after_s)  # type: ignore[arg-type]
+        return cls(id=key, status="error", error=info)
 
     @property
     def retryable_error(self) -> bool:

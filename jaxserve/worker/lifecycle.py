@@ -170,11 +170,15 @@ class KeyJob:
         self.received_mono = first.received_mono
         self.admitted_mono: float | None = None
         self.first_token_mono: float | None = None
+        self.last_token_mono = 0.0
+        self.engine_metrics: dict[str, float] | None = None  # the engine's timestamps of its request
         self.in_engine = False
         self.claimed = False
         self.result: Result | None = None
         self.label_ids: list[list[int]] | None = None  # label scoring: each label's tokens
         self.cache_key: str | None = None  # response cache: set for deterministic jobs
+        self.limit_tokens: int | None = None  # tokens charged to the tenant's limits (None: not charged)
+        self.admission_held = False  # its prompt counts in the interactive admission budget
         self.done = asyncio.Event()
         # streaming
         self.seq = 0

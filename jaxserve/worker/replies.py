@@ -96,6 +96,11 @@ class ReplyPublisher:
             timestamp=time.time(),
         )
 
+    async def publish_message(self, routing_key: str, msg: aio_pika.Message, timeout_s: float) -> PublishOutcome:
+        """A prepared message to a queue through the default exchange (a
+        job the worker gives back to the tail of its queue)."""
+        return await self._publish_robust(routing_key, msg, timeout_s)
+
     async def publish(
         self, routing_key: str, body: bytes, *, correlation_id: str | None, message_id: str | None, timeout_s: float
     ) -> PublishOutcome:

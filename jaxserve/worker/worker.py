@@ -64,11 +64,13 @@ from jaxserve.wire import (
 )
 from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
+from jaxserve.worker.admission import AdmissionConfig, InteractiveAdmission
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
+from jaxserve.worker.limits import LimitsConfig, MemoryLimiter, RedisLimiter
 from jaxserve.worker.logs import bind_worker_context
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
-from jaxserve.worker.store import MemoryStore, Record, StoreUnavailable
+from jaxserve.worker.store import MemoryStore, Record, RedisStore, StoreUnavailable
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -108,6 +110,11 @@ class WorkerConfig:
     # The name jobs write in ``model`` (and results carry); default: the
     # engine's model name without its folder.
     served_model_name: str | None = None
+    # Interactive admission (overloaded when a job cannot start in time) and
+    # per-tenant limits (--limits FILE; None: no limits).
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
+    limits: LimitsConfig | None = None
+    defer_wait_max_s: float = 1.0  # a batch job over its tenant's limit waits this long at most before going back
     declare: bool = True
     metrics_port: int | None = None  # serve Prometheus /metrics here when set
     worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
@@ -157,6 +164,15 @@ class Worker:
         self.stats: collections.Counter = collections.Counter()
         self.prefetch: dict[str, int] = {}
         self.metrics: EngineMetrics | None = None
+        self.admission = InteractiveAdmission(self.cfg.admission)
+        self.limiter: Any = None
+        if self.cfg.limits is not None:
+            if isinstance(self.store, RedisStore):  # shared by every worker on that Redis
+                self.limiter = RedisLimiter(self.cfg.limits, self.store._r, namespace=self.store.ns)
+            else:
+                self.limiter = MemoryLimiter(self.cfg.limits)
+        self._batch_paused = False
+        self._draining = False
 
     # ------------------------------------------------------------------ life
     def _url(self) -> URL:
@@ -187,6 +203,7 @@ class Worker:
         await self._connect()
         self._spawn(self._renew_loop())
         self._spawn(self._watchdog_loop())
+        self._spawn(self._queue_depth_loop())
         self.ready.set()
         return True
 
@@ -200,9 +217,14 @@ class Worker:
         if not built:
             log.info("worker_stopped_before_consuming", phase="engine_build")
             return False
+        load_s = time.monotonic() - t0
         bind_worker_context(model=self.served_model_name)
         self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
         self.metrics.set_health_checks(ready=self._readiness, live=self._liveness)
+        self.metrics.model_load_seconds.labels(self.metrics.model_name).set(load_s)
+        kv = getattr(getattr(getattr(self.engine, "runner", None), "kv_cache", None), "nbytes", None)
+        if isinstance(kv, int):
+            self.metrics.kv_cache_bytes.labels(self.metrics.model_name).set(kv)
         if self.cfg.metrics_port is not None:
             serve_metrics(self.metrics, self.cfg.metrics_port)
         record = self.metrics.record_step if hasattr(self.engine, "scheduler") else None
@@ -221,6 +243,7 @@ class Worker:
         if not (await self._unless_stopped(self.engine_thread.warmup(), stop))[0]:
             log.info("worker_stopped_before_consuming", phase="warmup")
             return False
+        self.metrics.warmup_seconds.labels(self.metrics.model_name).set(time.monotonic() - t0 - load_s)
         log.info("engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
         self.limits = JobLimits(
             max_body_bytes=self.cfg.max_body_bytes,
@@ -297,6 +320,8 @@ class Worker:
     def _make_reconnect_cb(self, name: str) -> Callable:
         def cb(*_: Any) -> None:
             self.stats[f"reconnect_{name}"] += 1
+            if self.metrics is not None:
+                self.metrics.reconnects.labels(self.metrics.model_name, name).inc()
             log.warning("amqp_reconnected", connection=name)
 
         return cb
@@ -336,6 +361,7 @@ class Worker:
         requeue the rest, close everything."""
         timeout = self.cfg.drain_timeout if drain_timeout is None else drain_timeout
         log.info("worker_draining", in_flight=len(self.active), timeout_s=timeout)
+        self._draining = True
         await self.stop_consuming()
         t_end = time.monotonic() + timeout
         while self.active and time.monotonic() < t_end:
@@ -585,6 +611,8 @@ class Worker:
                 cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj)})
                 await self._finish(kj, cached)
                 return
+        if not await self._within_limits(kj, prompt_ids, label_ids):
+            return
         self._log_start(kj, len(prompt_ids))
         if job.stream:
             kj.sender = self._spawn(self._sender(kj))
@@ -613,6 +641,101 @@ class Worker:
             await self._requeue(kj, f"engine unavailable: {exc!r}")
             return
         kj.admitted_mono = time.monotonic()
+
+    async def _within_limits(self, kj: KeyJob, prompt_ids: list[int], label_ids: list[list[int]] | None) -> bool:
+        """The tenant's limits, then (interactive) the admission budget. A job
+        over them is answered (interactive: rate_limited or overloaded, with
+        retry_after_s) or given back to its queue to wait (batch); returns
+        whether it may run."""
+        job, key = kj.job, kj.key
+        tenant = job.tenant or ""
+        if self.limiter is not None:
+            tokens = len(prompt_ids) + (max(len(x) for x in label_ids) if label_ids else job.params.max_tokens)
+            try:
+                decision = await self.limiter.acquire(tenant, kj.request_id, tokens)
+            except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
+                self.stats["limiter_unavailable"] += 1
+                log.warning("limiter_unavailable", key=key, error=repr(exc))
+                decision = None
+            if decision is not None and not decision.allowed:
+                self._count_rejection("rate_limited", decision.reason, kj.queue_class, tenant)
+                if kj.queue_class == INTERACTIVE:
+                    await self._finish(kj, Result.failure(
+                        key, "rate_limited", f"tenant {tenant!r} is over its {decision.reason} limit",
+                        retry_after_s=round(decision.retry_after_s, 3),
+                    ))  # fmt: skip
+                else:
+                    await self._defer(kj, decision.retry_after_s, decision.reason)
+                return False
+            if decision is not None:
+                kj.limit_tokens = tokens
+        if kj.queue_class == INTERACTIVE:
+            retry = self.admission.try_admit(kj.request_id, len(prompt_ids))
+            if retry is not None:
+                await self._release_limits(kj, used_tokens=0)
+                self._count_rejection("overloaded", "interactive_token_budget", kj.queue_class, tenant)
+                await self._finish(kj, Result.failure(
+                    key, "overloaded",
+                    f"the worker holds {self.admission.held_tokens} interactive prompt tokens not yet started "
+                    f"(budget {self.admission.budget}); retry later", retry_after_s=retry,
+                ))  # fmt: skip
+                return False
+            kj.admission_held = True
+        return True
+
+    def _count_rejection(self, code: str, reason: str, queue_class: str, tenant: str) -> None:
+        self.stats[f"rejected_{code}"] += 1
+        label = self.cfg.limits.metric_label(tenant) if self.cfg.limits is not None else "default"
+        if self.metrics is not None and hasattr(self.metrics, "rejection"):
+            self.metrics.rejection(code, reason, queue_class, label)
+
+    async def _release_limits(self, kj: KeyJob, used_tokens: int) -> None:
+        """The job leaves its tenant's in-flight count and gives back the
+        tokens it was charged but did not use; it leaves the admission budget."""
+        if kj.admission_held:
+            kj.admission_held = False
+            self.admission.release(kj.request_id)
+        if kj.limit_tokens is None or self.limiter is None:
+            return
+        charged, kj.limit_tokens = kj.limit_tokens, None
+        try:
+            await self.limiter.release(kj.job.tenant or "", kj.request_id, max(0, charged - used_tokens))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("limiter_release_failed", key=kj.key, error=repr(exc))
+
+    async def _defer(self, kj: KeyJob, wait_s: float, reason: str) -> None:
+        """A batch job over its tenant's limit waits in the broker: after a
+        short pause it is published again at the tail of its queue (same
+        body and properties, with a confirm) and only then acked, so the
+        jobs of other tenants behind it come forward."""
+        kj.to(JobState.REQUEUED)
+        self._forget(kj)
+        if kj.deadline_handle is not None:
+            kj.deadline_handle.cancel()
+        if kj.claimed:
+            await self._best_effort("release", self.store.release, kj.key, self.cfg.worker_id)
+        await asyncio.sleep(min(max(wait_s, 0.0), self.cfg.defer_wait_max_s))
+        message = kj.primary.message
+        headers = dict(message.headers or {})
+        headers["x-jaxserve-deferred"] = int(headers.get("x-jaxserve-deferred") or 0) + 1
+        copy = aio_pika.Message(
+            message.body,
+            headers=headers,
+            content_type=message.content_type,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            priority=message.priority,
+            timestamp=message.timestamp,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        )
+        assert self.publisher is not None
+        outcome = await self.publisher.publish_message(self.topo.queue_for(kj.queue_class), copy, self.cfg.reply_timeout_s)
+        how = Settlement.ACK if outcome is PublishOutcome.CONFIRMED else Settlement.REQUEUE
+        for d in kj.unsettled():
+            await d.settle(how)
+        self.stats["deferred"] += 1
+        log.info("job_deferred", key=kj.key, reason=reason, tenant=kj.job.tenant, republished=how is Settlement.ACK)
 
     def _log_start(self, kj: KeyJob, prompt_tokens: int) -> None:
         job = kj.job
@@ -716,6 +839,11 @@ class Worker:
             kj = self._by_rid.get(out.request_id)
             if kj is None or kj.state is not JobState.RUNNING:
                 continue
+            n_new = len(out.new_token_ids)
+            if n_new and kj.first_token_mono is not None and self.metrics is not None:
+                now = time.monotonic()
+                self.metrics.observe_tokens(kj.queue_class, now - kj.last_token_mono, n_new)
+                kj.last_token_mono = now
             if out.new_text:
                 if kj.first_token_mono is None:
                     self._first_token(kj)
@@ -727,6 +855,7 @@ class Worker:
                 self._first_token(kj)
             if out.finished:
                 kj.in_engine = False
+                kj.engine_metrics = out.metrics
                 result = self._final_from_output(kj, out)
                 if result.error is not None and result.error.code == "internal" and result.error.retryable:
                     self._spawn(self._requeue(kj, f"engine: {result.error.message}"))
@@ -734,10 +863,14 @@ class Worker:
                     self._spawn(self._finish(kj, result))
 
     def _first_token(self, kj: KeyJob) -> None:
-        """From its first token on, a job's deadline no longer applies."""
-        kj.first_token_mono = time.monotonic()
+        """From its first token on, a job's deadline no longer applies and
+        its prompt leaves the interactive admission budget."""
+        kj.first_token_mono = kj.last_token_mono = time.monotonic()
         if kj.deadline_handle is not None:
             kj.deadline_handle.cancel()
+        if kj.admission_held:
+            kj.admission_held = False
+            self.admission.release(kj.request_id)
 
     def _final_from_output(self, kj: KeyJob, out: RequestOutput) -> Result:
         if out.error is not None:
@@ -778,6 +911,8 @@ class Worker:
         back to the broker (they run again; a job that keeps causing this
         is dead-lettered by the delivery limit)."""
         self.stats["engine_step_errors"] += 1
+        if self.metrics is not None:
+            self.metrics.step_errors.labels(self.metrics.model_name).inc()
         log.error("engine_step_failed", error=repr(exc), running=len(self.active))
         for kj in list(self.active.values()):
             if kj.in_engine and kj.state is JobState.RUNNING:
@@ -851,6 +986,8 @@ class Worker:
                 await kj.sender
             except asyncio.CancelledError:
                 pass
+        used = result.usage.prompt_tokens + result.usage.completion_tokens if result.usage is not None else 0
+        await self._release_limits(kj, used)
         try:
             delivered = set(record.delivered) if record is not None else set()
             if result.ok and record is None:
@@ -902,6 +1039,15 @@ class Worker:
         if replayed:
             log.info("job_replayed", deliveries=len(kj.deliveries), **kw)
             return
+        if self.metrics is not None:
+            ts = _published_at(kj.primary.message)
+            self.metrics.observe_job(
+                kj.queue_class,
+                e2e=time.monotonic() - kj.received_mono,
+                ttft=None if kj.first_token_mono is None else kj.first_token_mono - kj.received_mono,
+                broker_wait=None if ts is None else max(0.0, kj.received_at - ts),
+                engine=kj.engine_metrics,
+            )
         if result.ok:
             assert result.usage is not None
             kw.update(result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq)
@@ -930,10 +1076,14 @@ class Worker:
                 pass
         for d in kj.unsettled():
             await d.settle(Settlement.REQUEUE)
+        await self._release_limits(kj, used_tokens=0)
         if kj.claimed:
             await self._best_effort("release", self.store.release, kj.key, self.cfg.worker_id)
         self.stats["requeued"] += 1
         self._count_job(kj.queue_class, "requeued")
+        if self.metrics is not None:  # bounded: drain, engine, lease, worker
+            kind = reason.split(":")[0].split()[0].lower()
+            self.metrics.requeues.labels(self.metrics.model_name, kj.queue_class, kind).inc()
         log.info("job_requeued", key=kj.key, queue=kj.queue_class, reason=reason, deliveries=len(kj.deliveries))
 
     # ------------------------------------------------------------ control
@@ -977,6 +1127,49 @@ class Worker:
                     kj.claimed = False
                     await self._requeue(kj, f"lease lost to {owner}")
 
+    async def _queue_depth_loop(self, period_s: float = 5.0) -> None:
+        """The broker's view for the metrics: ready messages and consumers of
+        the job queues, the dead letters and the results queue."""
+        names = {"interactive": self.topo.interactive, "batch": self.topo.batch, "dead": self.topo.dead, "results": self.topo.results}
+        while True:
+            conn = self._conns.get("control")
+            if conn is not None and not conn.is_closed and self.metrics is not None:
+                for label, name in names.items():
+                    try:
+                        ch = await conn.channel()
+                        try:
+                            res = (await ch.declare_queue(name, passive=True)).declaration_result
+                            self.metrics.queue_depth.labels(self.metrics.model_name, label).set(res.message_count)
+                            self.metrics.queue_consumers.labels(self.metrics.model_name, label).set(res.consumer_count)
+                        finally:
+                            if not ch.is_closed:
+                                await ch.close()
+                    except Exception:  # noqa: BLE001 - a missing queue or a reconnect: next time
+                        pass
+            await asyncio.sleep(period_s)
+
+    async def _pace_batch(self) -> None:
+        """A worker saturated with interactive work stops taking batch
+        deliveries (its batch consumer pauses) instead of holding them, and
+        takes them again once the pressure is below half the threshold."""
+        pressure = self.admission.pressure
+        limit = self.cfg.admission.pause_batch_at
+        q = self._queues.get(BATCH)
+        if q is None or self._closing or self._draining:
+            return
+        try:
+            if not self._batch_paused and pressure > limit and BATCH in self._consumer_tags:
+                await q.cancel(self._consumer_tags.pop(BATCH))
+                self._batch_paused = True
+                self.stats["batch_paused"] += 1
+                log.info("batch_consumer_paused", interactive_pressure=round(pressure, 2))
+            elif self._batch_paused and pressure < limit / 2:
+                self._consumer_tags[BATCH] = await q.consume(self._make_job_cb(BATCH), no_ack=False)
+                self._batch_paused = False
+                log.info("batch_consumer_resumed", interactive_pressure=round(pressure, 2))
+        except Exception as exc:  # noqa: BLE001 - a reconnect re-consumes anyway
+            log.warning("batch_pacing_failed", error=repr(exc))
+
     # ------------------------------------------------------------ health
     def _readiness(self) -> tuple[bool, str]:
         """``/readyz`` (read from the metrics server's thread: reads only)."""
@@ -984,7 +1177,7 @@ class Worker:
             return False, "stopping"
         if not self.ready.is_set():
             return False, "warming up"
-        if not all(qc in self._consumer_tags for qc in (INTERACTIVE, BATCH)):
+        if INTERACTIVE not in self._consumer_tags or (BATCH not in self._consumer_tags and not self._batch_paused):
             return False, "not consuming"
         return True, "consuming"
 
@@ -1013,6 +1206,10 @@ class Worker:
         while True:
             await asyncio.sleep(1.0)
             self._loop_tick = time.monotonic()
+            computed = getattr(self.engine, "num_computed_tokens", None)
+            if isinstance(computed, int):
+                self.admission.observe(computed, et.busy_s)
+            await self._pace_batch()
             if not et.alive:
                 self._on_engine_fatal(RuntimeError("the engine thread died"))
                 return

@@ -1,0 +1,114 @@
+"""Admission control and per-tenant limits against the real broker (and a
+private Redis for limits shared by two workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from jaxserve.worker.admission import AdmissionConfig
+from jaxserve.worker.limits import LimitsConfig, LimitsFileError, TenantLimit, load_limits
+from jaxserve.worker.store import RedisStore
+from queue_support import EchoEngine, client, harness, prefix, wait_until  # noqa: F401
+from test_queue_faults import private_redis  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def limits(**tenants) -> LimitsConfig:
+    return LimitsConfig(default=TenantLimit(), tenants={k: TenantLimit(**v) for k, v in tenants.items()})
+
+
+async def test_overloaded_when_the_interactive_budget_is_full_while_batch_flows(harness, client):
+    eng = EchoEngine(step_s=0.002, stalled=True)
+    w = await harness.start(eng, admission=AdmissionConfig(max_queued_tokens=40))
+    first = await client.publish({"prompt": "x" * 30, "max_tokens": 3})  # 30 prompt tokens held: admitted
+    await wait_until(lambda: w.admission.held_tokens == 30)
+    refused = await client.submit("y" * 30, max_tokens=3, timeout=10)  # 60 > 40: refused at once
+    assert refused.error.code == "overloaded" and refused.error.retryable and refused.error.retry_after_s > 0
+    assert eng.add_count[refused.id] == 0
+    batch = [await client.publish({"prompt": f"batch {i} " * 8, "max_tokens": 3}, queue="batch") for i in range(5)]
+    eng.unstall()
+    results = await asyncio.gather(client.wait(first, timeout=20), *(client.wait(k, timeout=20) for k in batch))
+    assert all(r.ok for r in results)  # batch is never refused by the interactive budget
+    assert w.stats["rejected_overloaded"] == 1
+    again = await client.submit("y" * 30, max_tokens=3, timeout=10)  # the budget is free again
+    assert again.ok
+
+
+async def test_a_tenant_over_its_burst_is_limited_and_another_is_not(harness, client):
+    eng = EchoEngine(step_s=0.002)
+    await harness.start(eng, limits=limits(acme={"requests_per_s": 0.01, "burst": 2}))
+    acme = [client.submit(f"acme {i}", max_tokens=2, tenant="acme", timeout=10) for i in range(4)]
+    beta = [client.submit(f"beta {i}", max_tokens=2, tenant="beta", timeout=10) for i in range(4)]
+    got_acme, got_beta = await asyncio.gather(asyncio.gather(*acme), asyncio.gather(*beta))
+    assert sorted(r.ok for r in got_acme) == [False, False, True, True]
+    for r in got_acme:
+        if not r.ok:
+            assert r.error.code == "rate_limited" and r.error.retryable and r.error.retry_after_s > 10
+            assert "requests_per_s" in r.error.message
+    assert all(r.ok for r in got_beta)
+
+
+async def test_tokens_per_minute_and_max_in_flight(harness, client):
+    eng = EchoEngine(step_s=0.002, stalled=True)
+    w = await harness.start(eng, limits=limits(acme={"max_in_flight": 1}, big={"tokens_per_min": 100}))
+    held = await client.publish({"prompt": "first", "max_tokens": 3, "tenant": "acme"})
+    await wait_until(lambda: eng.add_count[held] == 1)
+    second = await client.submit("second", max_tokens=3, tenant="acme", timeout=10)
+    assert second.error.code == "rate_limited" and "max_in_flight" in second.error.message
+    eng.unstall()
+    assert (await client.wait(held, timeout=10)).ok
+    assert (await client.submit("third", max_tokens=3, tenant="acme", timeout=10)).ok  # the slot came back
+    # 100 tokens a minute: prompt + max_tokens are charged; the unused part comes back at the end
+    assert (await client.submit("a" * 10, max_tokens=80, tenant="big", timeout=10)).ok  # 10 + 80 charged, all used
+    over = await client.submit("b" * 10, max_tokens=80, tenant="big", timeout=10)
+    assert over.error.code == "rate_limited" and "tokens_per_min" in over.error.message
+    assert w.stats["rejected_rate_limited"] == 2
+
+
+async def test_limits_are_shared_by_two_workers_through_redis(harness, client, prefix, private_redis):
+    cfg = limits(acme={"requests_per_s": 0.01, "burst": 3})
+    workers = [
+        await harness.start(EchoEngine(step_s=0.002), store=RedisStore(private_redis.url, namespace=prefix), limits=cfg)
+        for _ in range(2)
+    ]
+    results = await asyncio.gather(*(client.submit(f"acme {i}", max_tokens=2, tenant="acme", timeout=15) for i in range(10)))
+    assert sum(r.ok for r in results) == 3  # the burst, across both workers
+    assert all(r.error.code == "rate_limited" for r in results if not r.ok)
+    assert all(w.stats["received"] > 0 for w in workers)  # both workers took jobs
+
+
+async def test_batch_tenants_share_capacity_fairly(harness, client):
+    """Tenant A has 30 batch jobs queued ahead of tenant B's 5; A may run one
+    job at a time: its jobs over the limit go back to the tail of the queue,
+    so B's jobs come forward and finish long before A's backlog."""
+    eng = EchoEngine(step_s=0.01, max_num_seqs=4, interactive_reserved_seqs=1)
+    w = await harness.start(eng, limits=limits(A={"max_in_flight": 1}), defer_wait_max_s=0.05)
+    done: dict[str, float] = {}
+    a = [await client.publish({"prompt": f"a{i} long job", "max_tokens": 10, "tenant": "A"}, queue="batch") for i in range(30)]
+    b = [await client.publish({"prompt": f"b{i} job", "max_tokens": 10, "tenant": "B"}, queue="batch") for i in range(5)]
+    for k in a + b:
+        asyncio.ensure_future(client.wait(k, timeout=60)).add_done_callback(lambda f: done.__setitem__(f.result().id, time.monotonic()))
+    await wait_until(lambda: len(done) == 35, timeout=60)
+    a_order = sorted(done[k] for k in a)
+    assert max(done[k] for k in b) < a_order[9]  # B all done before A's tenth
+    assert w.stats["deferred"] > 0 and eng.max_running_seen <= 4
+
+
+def test_limits_file_shape(tmp_path):
+    good = tmp_path / "limits.yaml"
+    good.write_text("default: {requests_per_s: 50, burst: 100}\ntenants:\n  acme: {requests_per_s: 1, burst: 5, tokens_per_min: 20000, max_in_flight: 8}\n")
+    cfg = load_limits(good)
+    assert cfg.for_tenant("acme") == TenantLimit(1.0, 5.0, 20000.0, 8)
+    assert cfg.for_tenant("other") == TenantLimit(50.0, 100.0, None, None)
+    assert cfg.metric_label("acme") == "acme" and cfg.metric_label("zzz") == "other" and cfg.metric_label("") == "default"
+    for text, needle in [("tenants: {acme: {rps: 1}}", "unknown keys"), ("default: {burst: -1}", "positive"),
+                         ("default: {max_in_flight: 1.5}", "integer"), ("other: 1", "expected the keys")]:  # fmt: skip
+        bad = tmp_path / f"bad-{uuid.uuid4().hex[:4]}.yaml"
+        bad.write_text(text)
+        with pytest.raises(LimitsFileError, match=needle):
+            load_limits(bad)
