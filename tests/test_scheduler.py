@@ -613,3 +613,26 @@ def test_schedule_isolated_plans_one_request_and_makes_room_whatever_the_ranks()
     assert s.num_running == 1 and s.get_request("i").status == RequestStatus.PREEMPTED
     with pytest.raises(ValueError, match="no unfinished request 'nope'"):
         s.schedule_isolated("nope")
+
+
+def test_interactive_prefill_goes_before_batch_chunks_in_the_same_step():
+    s = make(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, interactive_reserved_seqs=0)
+    s.add_request(req("b", 40, cls="batch", arrival=0))
+    step(s)  # b takes the whole budget with its first chunk
+    s.add_request(req("i", 8, cls="interactive", arrival=1))
+    out, _ = step(s)
+    # the newly arrived interactive prompt is planned first, b gets the rest
+    assert plan(out) == [("i", 0, 8, True), ("b", 16, 8, False)]
+
+
+def test_interactive_takes_a_seat_from_a_batch_chunk():
+    s = make(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64, interactive_reserved_seqs=0, max_model_len=128)
+    s.add_request(req("b1", 60, max_tokens=8, cls="batch", arrival=0))
+    s.add_request(req("b2", 60, max_tokens=8, cls="batch", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("b1", 0, 60, True), ("b2", 0, 4, False)]  # both seats are batch now
+    s.add_request(req("i", 4, cls="interactive", arrival=2))
+    out, _ = step(s)
+    # b1 decodes; the interactive request needs a seat: b2 (a chunk not planned yet) is preempted
+    assert plan(out) == [("b1", 60, 1, True), ("i", 0, 4, True)]
+    assert out.preempted_req_ids == ["b2"] and s.get_request("b2").status == RequestStatus.PREEMPTED

@@ -16,9 +16,11 @@ One step, in order:
 
 1. Running requests, best first (interactive before batch; then arrival, or
    priority then arrival). Those needing one token (decodes) are served
-   before those with a longer gap (continuing chunked prefills), so a long
-   prompt never delays a decode. A chunk is capped by what is left of the
-   token budget and by ``long_prefill_token_threshold``.
+   first, so a long prompt never delays a decode; then interactive prefill
+   chunks and newly admitted interactive requests (step 3); only then batch
+   prefill chunks and batch admissions: an interactive prefill never waits
+   behind a batch chunk for the token budget. A chunk is capped by what is
+   left of the token budget and by ``long_prefill_token_threshold``.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -27,7 +29,9 @@ One step, in order:
    waiting queue. A request only ever preempts one that ranks at or below
    it; when it ranks lowest it preempts itself.
 3. If nothing was preempted, waiting requests are admitted while the budget,
-   the sequence cap and the blocks allow: interactive first, then batch. A
+   the sequence cap and the blocks allow: interactive first, then batch. An
+   interactive request that finds every sequence slot taken preempts the
+   worst running batch request that has no tokens in the step yet. A
    batch request must leave ``interactive_reserved_seqs`` sequence slots and
    ``interactive_reserved_blocks`` blocks free (running batch requests also
    never grow into the reserved blocks). Admission stops at the first
@@ -297,21 +301,41 @@ class Scheduler:
         self._step += 1
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        cap = cfg.long_prefill_token_threshold
         # request id -> (request, tokens, is_new); insertion order = plan order
         planned: dict[str, tuple[Request, int, bool]] = {}
         preempted: list[Request] = []
 
         self._start_forks()
-        key = self._key
-        self.running.sort(key=key)
-        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-        chunks = [r for r in self.running if r.num_tokens_to_compute > 1]
+        self.running.sort(key=self._key)
         self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
-        for req in itertools.chain(decodes, chunks):
+        interactive = [r for r in self.running if r.request_class == RequestClass.INTERACTIVE]
+        batch = [r for r in self.running if r.request_class != RequestClass.INTERACTIVE]
+        # Interactive first in time: every decode, then interactive chunks and
+        # newly arrived interactive requests, and only then batch chunks and
+        # batch admissions, so an interactive prefill never waits behind a
+        # batch prefill chunk for the step's token budget.
+        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        budget = self._plan_running(decodes, budget, planned, preempted)
+        budget = self._plan_running([r for r in interactive if r.num_tokens_to_compute > 1], budget, planned, preempted)
+        if not preempted:
+            budget = self._admit_waiting(budget, planned, (RequestClass.INTERACTIVE,), preempted)
+        budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
+        if not preempted:
+            self._admit_waiting(budget, planned, (RequestClass.BATCH,))
+        return self._plan(planned, preempted)
+
+    def _plan_running(
+        self, reqs: list[Request], budget: int, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]
+    ) -> int:
+        """Give running requests their chunks (allocating blocks, preempting
+        the worst running request when blocks run out); returns the budget
+        left."""
+        cap = self.config.long_prefill_token_threshold
+        key = self._key
+        for req in reqs:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != RequestStatus.RUNNING or req.request_id in planned:
                 continue  # preempted earlier in this step
             n = min(req.num_tokens_to_compute, budget)
             if cap:
@@ -337,10 +361,7 @@ class Scheduler:
             planned[req.request_id] = (req, n, False)
             budget -= n
             self._rows_left -= self._rows_needed(req, req.num_computed_tokens, n)
-
-        if not preempted:
-            self._admit_waiting(budget, planned)
-        return self._plan(planned, preempted)
+        return budget
 
     @staticmethod
     def _rows_needed(req: Request, start: int, n: int) -> int:
@@ -458,16 +479,33 @@ class Scheduler:
             self.requests[child.request_id] = child
         self._parked.append(req)
 
-    def _admit_waiting(self, budget: int, planned: dict[str, tuple[Request, int, bool]]) -> int:
+    def _admit_waiting(
+        self,
+        budget: int,
+        planned: dict[str, tuple[Request, int, bool]],
+        classes: tuple[RequestClass, ...] = (RequestClass.INTERACTIVE, RequestClass.BATCH),
+        preempted: list[Request] | None = None,
+    ) -> int:
+        """Admit waiting requests of ``classes`` in order while the budget,
+        the sequence cap and the blocks allow. An interactive request that
+        finds every sequence slot taken preempts the worst running batch
+        request not planned in this step (when ``preempted`` is given)."""
         cfg = self.config
         batch_seq_limit = cfg.max_num_seqs - cfg.interactive_reserved_seqs
         now = time.monotonic()
-        while budget > 0 and len(self.running) < cfg.max_num_seqs:
-            queue = self._waiting[RequestClass.INTERACTIVE]
-            if not len(queue):
-                queue = self._waiting[RequestClass.BATCH]
-                if not len(queue):
+        while budget > 0:
+            queue = next((self._waiting[c] for c in classes if len(self._waiting[c])), None)
+            if queue is None:
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                if preempted is None or queue is not self._waiting[RequestClass.INTERACTIVE]:
                     break
+                victims = [r for r in self.running if r.request_class == RequestClass.BATCH and r.request_id not in planned]
+                if not victims:
+                    break
+                victim = max(victims, key=self._key)
+                self._preempt(victim, planned)
+                preempted.append(victim)
             req = queue.peek()
             if req.request_class == RequestClass.BATCH and len(self.running) >= batch_seq_limit:
                 break
