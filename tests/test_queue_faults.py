@@ -177,6 +177,7 @@ ODD_INVALID = {  # refused at the door, each with one invalid_request
     "messages_nested": orjson.dumps({"messages": [{"role": "user", "content": [[{"type": "text"}]]}]}),
     "stop_nested": orjson.dumps({"prompt": "odd", "stop": [["x"]]}),
     "deep_nesting": b'{"prompt": "odd", "extra": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    "deep_nesting_in_content": b'{"messages": [{"role": "user", "content": ' + b"[" * 1000 + b"]" * 1000 + b"}]}",
     "priority_huge": orjson.dumps({"prompt": "odd", "priority": 10**9}),
     "frequency_penalty_inf": b'{"prompt": "odd", "frequency_penalty": 1e999}',
 }

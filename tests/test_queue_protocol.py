@@ -99,6 +99,9 @@ def test_fingerprint_names_the_effect_not_the_delivery():
         (orjson.dumps({"prompt": "p", "stop": ["a"] * 17}), {}, "stop"),
         (orjson.dumps({"messages": []}), {}, "messages"),
         (orjson.dumps({"messages": [{"role": "user", "content": {"nested": [1, [2]]}}]}), {}, "messages[0].content"),
+        # nested as deep as the JSON parser allows: the message's repr of the value must not recurse
+        (b'{"messages": [{"role": "user", "content": ' + b"[" * 1000 + b"]" * 1000 + b"}]}", {}, "messages[0].content"),
+        (b'{"prompt": ' + b'{"a":' * 1000 + b"1" + b"}" * 1000 + b"}", {}, "prompt"),
         (orjson.dumps({"prompt": "p"}), {"content_type": "text/plain"}, "content_type"),
         (orjson.dumps({"prompt": "p"}), {"message_id": None}, "message_id"),
         (orjson.dumps({"prompt": "p"}), {"message_id": b"\xff"}, "message_id"),

@@ -452,3 +452,20 @@ async def test_sqlite_claims_of_a_dead_process_are_free(tmp_path):
     assert await b.renew("k", "worker-b", 30) and not await a.renew("k", "worker-a", 30)
     await a.close()
     await b.close()
+
+
+async def test_a_delivery_that_cannot_be_read_is_answered_and_acked_once(worker, monkeypatch):
+    import jaxserve.worker.worker as wmod
+
+    w, pub = await worker()
+
+    def broken(*a, **k):
+        raise RecursionError("pathological body")
+
+    monkeypatch.setattr(wmod, "parse_job", broken)
+    m = FakeMessage(JOB, "k")
+    await deliver(w, m)
+    await asyncio.wait_for(_until(lambda: m.settlements), 5)
+    assert m.settlements == ["ack"] and w.stats["unreadable"] == 1
+    [final] = pub.finals()
+    assert final["error"]["code"] == "invalid_request" and "RecursionError" in final["error"]["message"]

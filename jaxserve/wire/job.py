@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import math
 import re
+import reprlib
 import time
 from typing import Annotated, Any, Literal
 
@@ -192,8 +193,17 @@ def _bad(message: str) -> RequestError:
     return RequestError("invalid_request", message)
 
 
+_REPR = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 6, 6
+
+
 def _show(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    """A bounded repr of an offending value: shallow (reprlib), so a value
+    nested thousands deep cannot blow the recursion limit, and short."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - an error message must never fail
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -298,6 +308,8 @@ def parse_job(
         job_body = JobBody.model_validate(data)
     except ValidationError as exc:
         raise _bad(_explain(exc)) from None
+    except RecursionError:
+        raise _bad("body is nested too deeply") from None
     return _translate(job_body, key, props, limits, now, len(body))
 
 

@@ -461,6 +461,38 @@ class Worker:
         return on_message
 
     async def _handle(self, message: aio_pika.abc.AbstractIncomingMessage, queue_class: str) -> None:
+        """Every delivery ends answered and settled, whatever its content:
+        an unexpected failure while reading it (a bug, a pathological body)
+        is answered ``invalid_request`` and acked rather than left unsettled,
+        which would hold a prefetch slot for ever."""
+        made: list[Delivery] = []
+        try:
+            kj = await self._read(message, queue_class, made)
+        except Exception as exc:  # noqa: BLE001
+            self.stats["unreadable"] += 1
+            log.error("job_unreadable", message_id=_text(message.message_id), error=repr(exc)[:300])
+            d = made[-1] if made else Delivery(message, queue_class, self.topo.results, None, self.stats)
+            if d.settled is None:  # never settle a delivery twice (the broker would close the channel)
+                d.reply_to = self.topo.results
+                err = RequestError("invalid_request", f"the job could not be read ({type(exc).__name__})")
+                await self._refuse(d, _text(message.message_id), err, len(message.body or b""))
+            return
+        if kj is None:
+            return
+        try:
+            await self._admit(kj)
+        except _Abandoned:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a worker bug: give the job back, never lose it
+            self.stats["admit_failed"] += 1
+            log.error("job_admit_failed", key=kj.key, error=repr(exc), exc_info=exc)
+            await self._requeue(kj, f"worker error: {exc!r}")
+
+    async def _read(
+        self, message: aio_pika.abc.AbstractIncomingMessage, queue_class: str, made: list[Delivery]
+    ) -> KeyJob | None:
+        """A delivery as a new job in the active table, or None when it was
+        answered here (refused, or attached to the job already serving its key)."""
         received_at = time.time()
         self.stats["received"] += 1
         key = _text(message.message_id)
@@ -470,10 +502,12 @@ class Worker:
             if "reply_to" in bad:
                 reply_to = self.topo.results
             d = Delivery(message, queue_class, reply_to, _text(message.correlation_id), self.stats)
+            made.append(d)
             err = RequestError("invalid_request", f"AMQP properties that do not decode: {', '.join(bad)}")
             await self._refuse(d, key, err, len(message.body))
             return
         d = Delivery(message, queue_class, reply_to, _text(message.correlation_id), self.stats)
+        made.append(d)
         try:
             check_reply_to(message.reply_to, self.topo.reserved_names())
         except RequestError as err:
@@ -509,17 +543,10 @@ class Worker:
             existing.attach(d)
             self.stats["fenced"] += 1
             log.info("job_fenced", key=job.key, redelivered=d.redelivered, state=existing.state.value)
-            return
+            return None
         kj = KeyJob(job.key, job, d, received_at)
         self.active[job.key] = kj
-        try:
-            await self._admit(kj)
-        except _Abandoned:
-            pass
-        except Exception as exc:  # noqa: BLE001 - a worker bug: give the job back, never lose it
-            self.stats["admit_failed"] += 1
-            log.error("job_admit_failed", key=job.key, error=repr(exc), exc_info=exc)
-            await self._requeue(kj, f"worker error: {exc!r}")
+        return kj
 
     @staticmethod
     def _reused(key: str) -> RequestError:
