@@ -154,7 +154,10 @@ class Worker:
         self._channels: dict[str, aio_pika.abc.AbstractRobustChannel] = {}
         self._queues: dict[str, aio_pika.abc.AbstractRobustQueue] = {}
         self._consumer_tags: dict[str, str] = {}
-        self.publisher: ReplyPublisher | None = None
+        self.publisher: ReplyPublisher | None = None  # batch replies (and the default)
+        # Interactive replies on a connection of their own, so their confirms
+        # never wait behind a burst of batch replies.
+        self.interactive_publisher: ReplyPublisher | None = None
         self.limits = JobLimits(max_body_bytes=self.cfg.max_body_bytes)
         self._closing = False
         self._fatal = asyncio.Event()
@@ -289,6 +292,12 @@ class Worker:
         pub = await self.publisher.start()
         pub.reconnect_callbacks.add(self._make_reconnect_cb("publish"))
         pub.close_callbacks.add(self._make_close_cb("publish"))
+        self.interactive_publisher = ReplyPublisher(
+            self._url(), name=f"{self.cfg.worker_id} interactive", reconnect_interval=self.cfg.reconnect_interval, stats=self.stats
+        )
+        ipub = await self.interactive_publisher.start()
+        ipub.reconnect_callbacks.add(self._make_reconnect_cb("publish"))
+        ipub.close_callbacks.add(self._make_close_cb("publish"))
         control = await self._open("control")
         if self.cfg.declare:
             await declare_topology(control, self.topo)
@@ -372,8 +381,9 @@ class Worker:
         self._closing = True
         for t in list(self._tasks):
             t.cancel()
-        if self.publisher is not None:
-            await self.publisher.close()
+        for publisher in (self.publisher, self.interactive_publisher):
+            if publisher is not None:
+                await publisher.close()
         for conn in self._conns.values():
             if not conn.is_closed:
                 try:
@@ -564,9 +574,14 @@ class Worker:
         outcome = await self._publish_final(d, result)
         await d.settle(Settlement.ACK if outcome is PublishOutcome.CONFIRMED or outcome.undeliverable else Settlement.REQUEUE)
 
+    def _publisher_for(self, queue_class: str) -> ReplyPublisher:
+        publisher = self.interactive_publisher if queue_class == INTERACTIVE else None
+        publisher = publisher or self.publisher
+        assert publisher is not None
+        return publisher
+
     async def _publish_final(self, d: Delivery, result: Result) -> PublishOutcome:
-        assert self.publisher is not None
-        return await self.publisher.publish(
+        return await self._publisher_for(d.queue_class).publish(
             d.reply_to, result.to_bytes(), correlation_id=d.correlation_id, message_id=result.id, timeout_s=self.cfg.reply_timeout_s
         )
 
@@ -974,7 +989,7 @@ class Worker:
     async def _sender(self, kj: KeyJob) -> None:
         """Publish this job's chunks in order, coalescing deltas that pile
         up while a confirm is pending."""
-        assert self.publisher is not None
+        publisher = self._publisher_for(kj.queue_class)
         while True:
             await kj.outbox.wait()
             kj.outbox.clear()
@@ -983,7 +998,7 @@ class Worker:
                 kj.pending_text.clear()
                 chunk = Chunk(id=kj.key, seq=kj.seq, text=text, run=kj.run)
                 kj.seq += 1
-                outcome = await self.publisher.publish(
+                outcome = await publisher.publish(
                     kj.primary.reply_to,
                     chunk.to_bytes(),
                     correlation_id=kj.primary.correlation_id,
