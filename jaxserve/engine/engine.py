@@ -219,15 +219,7 @@ class Engine:
                 raise RequestError("invalid_request", f"deadline must be a time.monotonic() value, got {deadline!r}")
             if deadline <= time.monotonic():
                 raise RequestError("expired", f"request {request_id!r} expired before admission")
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            try:
-                prompt_ids = [_token_id(t) for t in prompt]
-            except (TypeError, ValueError) as exc:
-                raise RequestError(
-                    "invalid_request", f"prompt must be a string or a list of token ids: {exc}"
-                ) from None
+        prompt_ids = self._prompt_ids(prompt)
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError("invalid_request", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
@@ -276,13 +268,7 @@ class Engine:
         1 + sum(len(label))`` tokens whatever the number of labels, and its
         results do not depend on what else is in the batch."""
         vocab = self.model_config.vocab_size
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            try:
-                prompt_ids = [_token_id(t) for t in prompt]
-            except (TypeError, ValueError) as exc:
-                raise RequestError("invalid_request", f"prompt must be a string or a list of token ids: {exc}") from None
+        prompt_ids = self._prompt_ids(prompt)
         try:
             label_ids = [[_token_id(t) for t in label] for label in labels]
         except (TypeError, ValueError) as exc:
@@ -335,6 +321,16 @@ class Engine:
             self._metrics[req.request_id] = {}
         self._groups[request_id] = group
         self._metrics[request_id] = {"arrival": time.monotonic()}  # the job's (its parent's, when it has one)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt as token ids: a string is encoded, a sequence must hold
+        integers (``RequestError`` otherwise)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return [_token_id(t) for t in prompt]
+        except (TypeError, ValueError) as exc:
+            raise RequestError("invalid_request", f"prompt must be a string or a list of token ids: {exc}") from None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. Returns whether it existed."""
