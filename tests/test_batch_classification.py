@@ -42,7 +42,7 @@ def openai_line(cid: str, url: str, body: dict) -> dict:
 
 
 async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tmp_path):
-    from openai.types import Completion
+    from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
 
     await harness.start(EchoEngine(step_s=0.001, model_name="echo"))
@@ -71,6 +71,7 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
                               ("fmt", "invalid_request", "response_format"), ("lp", "invalid_request", "logprobs"),
                               ("too-long", "context_length_exceeded", "context length")]:  # fmt: skip
         assert got[cid]["response"] is None and got[cid]["error"]["code"] == code and needle in got[cid]["error"]["message"], got[cid]
+        assert BatchError.model_validate(got[cid]["error"]).code == code  # openai's own type for a request's error
     assert summary.bad_lines == 5 and summary.exit_status == 1  # the four refused here plus the broken line
 
 
