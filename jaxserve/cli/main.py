@@ -13,6 +13,8 @@ from jaxserve import __version__
 from jaxserve.cli.bench import bench
 from jaxserve.cli.dead_commands import dead
 from jaxserve.cli.generate import generate
+from jaxserve.cli.loadtest_command import loadtest
+from jaxserve.cli.plan_command import plan
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,6 +35,8 @@ def cli() -> None:
 cli.add_command(generate)
 cli.add_command(bench)
 cli.add_command(dead)
+cli.add_command(loadtest)
+cli.add_command(plan)
 
 try:  # the queue side registers itself once it exists
     from jaxserve.cli import queue_commands as _queue
