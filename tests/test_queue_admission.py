@@ -112,3 +112,46 @@ def test_limits_file_shape(tmp_path):
         bad.write_text(text)
         with pytest.raises(LimitsFileError, match=needle):
             load_limits(bad)
+
+
+async def test_an_interactive_job_that_waited_past_the_target_in_the_broker_is_overloaded(harness, client, prefix):
+    import aio_pika
+    import orjson
+
+    from queue_support import AMQP_URL
+
+    eng = EchoEngine(step_s=0.002)
+    w = await harness.start(eng, admission=AdmissionConfig(target_ttft_s=0.5))
+    conn = await aio_pika.connect(AMQP_URL)
+    try:
+        ch = await conn.channel()
+        stale = int((time.time() - 3.0) * 1000)  # published 3 s ago by the producer's clock
+        await ch.default_exchange.publish(
+            aio_pika.Message(orjson.dumps({"prompt": "late", "max_tokens": 2}), message_id="stale", reply_to=client.reply_queue,
+                             correlation_id="stale", headers={"x-published-at-ms": stale}),
+            routing_key=f"{prefix}.interactive",
+        )
+        r = await client.wait("stale", timeout=10)
+    finally:
+        await conn.close()
+    assert r.error.code == "overloaded" and "waited" in r.error.message and r.error.retry_after_s >= 3.0
+    assert eng.add_count["stale"] == 0 and w.stats["rejected_overloaded"] == 1
+    assert (await client.submit("on time", max_tokens=2, timeout=10)).ok  # a fresh job is served
+
+
+async def test_chunks_say_how_many_tokens_they_carry(harness, client, monkeypatch):
+    from jaxserve.client.client import Stream
+
+    await harness.start(EchoEngine(step_s=0.002))
+    chunks = []
+    orig = Stream._deliver
+
+    def spy(self, msg):
+        chunks.append(msg)
+        orig(self, msg)
+
+    monkeypatch.setattr(Stream, "_deliver", spy)  # before the job is published: no chunk is missed
+    s = await client.stream("count my tokens please", max_tokens=9, timeout=10)
+    text = "".join([d async for d in s])
+    assert text == s.result.text
+    assert sum(c.tokens for c in chunks if c.type == "chunk") == s.result.usage.completion_tokens == 9

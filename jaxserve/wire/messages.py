@@ -82,6 +82,7 @@ class Chunk(_Reply):
     seq: Annotated[int, Field(ge=0)]
     text: str = Field(description="Text delta (never splits a UTF-8 character).")
     run: str | None = Field(default=None, description="Id of this execution of the job.")
+    tokens: Annotated[int, Field(ge=0)] | None = Field(default=None, description="Tokens the delta carries.")
 
 
 class Result(_Reply):

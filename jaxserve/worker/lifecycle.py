@@ -183,6 +183,7 @@ class KeyJob:
         # streaming
         self.seq = 0
         self.pending_text: list[str] = []
+        self.pending_tokens = 0  # tokens behind pending_text (and held-back bytes)
         self.text_parts: list[str] = []
         self.outbox = asyncio.Event()
         self.sender: asyncio.Task | None = None

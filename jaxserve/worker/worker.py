@@ -712,6 +712,17 @@ class Worker:
             if decision is not None:
                 kj.limit_tokens = tokens
         if kj.queue_class == INTERACTIVE:
+            waited = self._broker_wait(kj)
+            if waited is not None and waited > self.cfg.admission.target_ttft_s:
+                # It could not start in time already: the worker (or fleet) is
+                # behind, and the producer should know now, not after more waiting.
+                await self._release_limits(kj, used_tokens=0)
+                self._count_rejection("overloaded", "broker_wait", kj.queue_class, tenant)
+                await self._finish(kj, Result.failure(
+                    key, "overloaded", f"the job waited {waited:.2f}s in the broker, over the {self.cfg.admission.target_ttft_s:g}s "
+                    "target time to first token; retry later", retry_after_s=round(min(waited, 30.0), 3),
+                ))  # fmt: skip
+                return False
             retry = self.admission.try_admit(kj.request_id, len(prompt_ids))
             if retry is not None:
                 await self._release_limits(kj, used_tokens=0)
@@ -724,6 +735,14 @@ class Worker:
                 return False
             kj.admission_held = True
         return True
+
+    @staticmethod
+    def _broker_wait(kj: KeyJob) -> float | None:
+        """Seconds from the producer's publish timestamp (header
+        x-published-at-ms, else the AMQP timestamp) to receipt; None when the
+        job carries none."""
+        ts = _published_at(kj.primary.message)
+        return None if ts is None else max(0.0, kj.received_at - ts)
 
     def _count_rejection(self, code: str, reason: str, queue_class: str, tenant: str) -> None:
         self.stats[f"rejected_{code}"] += 1
@@ -886,6 +905,8 @@ class Worker:
                 now = time.monotonic()
                 self.metrics.observe_tokens(kj.queue_class, now - kj.last_token_mono, n_new)
                 kj.last_token_mono = now
+            if kj.job.stream:
+                kj.pending_tokens += n_new
             if out.new_text:
                 if kj.first_token_mono is None:
                     self._first_token(kj)
@@ -996,7 +1017,8 @@ class Worker:
             while kj.pending_text:
                 text = "".join(kj.pending_text)
                 kj.pending_text.clear()
-                chunk = Chunk(id=kj.key, seq=kj.seq, text=text, run=kj.run)
+                chunk = Chunk(id=kj.key, seq=kj.seq, text=text, run=kj.run, tokens=kj.pending_tokens)
+                kj.pending_tokens = 0
                 kj.seq += 1
                 outcome = await publisher.publish(
                     kj.primary.reply_to,
