@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from jaxserve.client import JobError, QueueFull, retry_with_backoff
+from jaxserve.worker.admission import AdmissionConfig
 from jaxserve.worker.store import Record, RedisStore
 from jaxserve.wire.topology import Topology, TopologyMismatch, declare_topology
 from queue_support import (  # noqa: F401 - fixtures
@@ -161,7 +162,10 @@ async def test_bad_inputs_get_error_replies_and_worker_keeps_serving(harness, cl
 
 async def test_bounded_prefetch_with_stalled_engine(harness, client, prefix):
     eng = EchoEngine(max_num_seqs=4, interactive_reserved_seqs=1, stalled=True)
-    w = await harness.start(eng)
+    # The stall keeps 6 interactive jobs in the broker for several seconds;
+    # past the default 2 s --target-ttft they would rightly be answered
+    # overloaded. This test is about prefetch, so the target is out of reach.
+    w = await harness.start(eng, admission=AdmissionConfig(target_ttft_s=300.0))
     assert w.prefetch == {"interactive": 4, "batch": 3}
     keys = [await client.publish({"prompt": f"b{i}", "max_tokens": 2}, queue="batch") for i in range(20)]
     keys += [await client.publish({"prompt": f"i{i}", "max_tokens": 2}, queue="interactive") for i in range(10)]
