@@ -90,7 +90,7 @@ async def test_thread_death_fails_pending_and_later_futures():
         assert err.__cause__ is crash and "the engine thread died" in str(err)
     await h.until(lambda: h.fatal)
     assert h.fatal == [crash] and h.thread.fatal_error is crash
-    assert not h.thread.alive
+    await h.until(lambda: not h.thread.alive)  # on_fatal runs just before the thread returns
     # and every later command fails at once
     err = await _dead(h.thread.add_request("c", [1], SamplingParams()))
     assert err.__cause__ is crash

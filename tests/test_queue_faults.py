@@ -443,7 +443,9 @@ def test_sigterm_during_warmup_never_consumes(prefix, tmp_path):
     log = tmp_path / "w.log"
     w = start_worker_process(prefix, log, "--engine-arg", "warmup_s=6")
     try:
-        time.sleep(2.0)  # inside the warm-up
+        # Inside the warm-up (a fixed sleep raced the interpreter's start-up
+        # on a loaded machine: SIGTERM came before the handler was installed).
+        wait_log(log, "engine_warmup_started")
         t0 = time.monotonic()
         w.send_signal(signal.SIGTERM)
         code = w.wait(20)

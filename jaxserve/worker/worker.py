@@ -241,6 +241,7 @@ class Worker:
             max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
         )
         self.engine_thread.start()
+        log.info("engine_warmup_started", model=getattr(self.engine, "model_name", None), load_s=round(load_s, 3))
         # Compile every shape bucket before taking any job (no AMQP yet, so
         # nothing can miss a heartbeat while compilation holds the GIL).
         if not (await self._unless_stopped(self.engine_thread.warmup(), stop))[0]:
