@@ -197,7 +197,7 @@ def write_jobs(path: Path, prompts: list[str], tag: str, max_tokens: int) -> lis
         for i, p in enumerate(prompts):
             key = f"{tag}-{i:05d}"
             keys.append(key)
-            f.write(json.dumps({"id": key, "prompt": p, "max_tokens": max_tokens, "temperature": 0}) + "\n")
+            f.write(json.dumps({"id": key, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "cache": False}) + "\n")
     return keys
 
 

@@ -54,7 +54,8 @@ async def depth(client: Any, queue: str) -> int:
 
 async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str) -> dict[str, Any]:
     t0 = time.monotonic()
-    stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=0, timeout=60)
+    stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=0, cache=False,
+                                 timeout=60)
     t_pub = time.monotonic()
     first = None
     async for _delta in stream:
@@ -93,7 +94,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
         while d < target:
             for _ in range(target - d):
                 body = {"prompt": batch_prompts[n_batch % len(batch_prompts)], "max_tokens": args.batch_max_tokens,
-                        "temperature": 0}
+                        "temperature": 0, "cache": False}  # the same prompts recur: the response cache would answer them
                 await loader.publish(body, key=f"{run_tag}-b{n_batch}", queue="batch", reply_to=results_q,
                                      expect_reply=False)
                 n_batch += 1
