@@ -61,9 +61,9 @@ for _ in $(seq 120); do grep -q worker_consuming "$OUT/worker.log" && break; sle
 grep -q worker_consuming "$OUT/worker.log" || { echo "worker did not start" >&2; tail -20 "$OUT/worker.log" >&2; exit 1; }
 
 echo "== loadtest closed $CONCURRENCY" >&2
-$JS loadtest --prefix "$PREFIX" --concurrency "$CONCURRENCY" --duration "$DURATION" --output "$OUT/closed" | tee "$OUT/closed.txt" || true
+$JS loadtest --prefix "$PREFIX" --concurrency "$CONCURRENCY" --duration "$DURATION" --no-progress --output "$OUT/closed" | tee "$OUT/closed.txt" || true
 echo "== loadtest open $RATES" >&2
-$JS loadtest --prefix "$PREFIX" --rate "$RATES" --duration "$DURATION" --output "$OUT/open" | tee "$OUT/open.txt" || true
+$JS loadtest --prefix "$PREFIX" --rate "$RATES" --duration "$DURATION" --no-progress --output "$OUT/open" | tee "$OUT/open.txt" || true
 
 echo "== plan for the measured workload" >&2
 # Its "capacity:" line is the prediction to set beside the measured one;
