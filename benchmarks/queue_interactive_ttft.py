@@ -57,22 +57,30 @@ async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str) -
     stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=0, cache=False,
                                  timeout=60)
     t_pub = time.monotonic()
-    first = None
+    first_text = None
     async for _delta in stream:
-        if first is None:
-            first = time.monotonic()
+        if first_text is None:
+            first_text = time.monotonic()
     t_end = time.monotonic()
+    # TTFT: the first chunk's arrival (its token's text may still be empty:
+    # random weights often start with byte pieces; `first_text_s` is the
+    # first visible text).
+    first = stream.first_chunk_at
     timings = (stream.result.raw.get("timings") if stream.result else None) or {}
     return {
         "key": key,
         "t0": t0,
         "ttft_s": round(first - t0, 5) if first is not None else None,
+        "first_text_s": round(first_text - t0, 5) if first_text is not None else None,
         "publish_s": round(t_pub - t0, 5),
         "total_s": round(t_end - t0, 5),
         "chunks": stream.chunks,
         "worker_queue_s": timings.get("queue_s"),
         "worker_ttft_s": timings.get("ttft_s"),
         "worker_admit_s": timings.get("admit_s"),
+        "ok": bool(stream.result and stream.result.ok),
+        "error": (stream.result.error.code if stream.result and stream.result.error else None),
+        "completion_tokens": ((stream.result.raw.get("usage") or {}).get("completion_tokens") if stream.result else None),
     }
 
 
@@ -186,6 +194,7 @@ def main() -> None:
     ap.add_argument("--batch-depth", type=int, default=400, help="Ready batch jobs before the loaded phase.")
     ap.add_argument("--min-depth", type=int, default=300, help="Top-up level before each loaded sample.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny", help="Preset or checkpoint folder (llama-56m: a batch step of tens of ms).")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=128)
@@ -198,7 +207,7 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
-    engine = {"model": "tiny", "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+    engine = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": args.max_model_len}
     t_script = time.monotonic()
     machine = qc.machine_info()
@@ -226,7 +235,7 @@ def main() -> None:
 
     def summ(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"n": len(rows)}
-        for name in ("ttft_s", "publish_s", "worker_queue_s", "publish_to_received_s", "worker_admit_s", "worker_ttft_s",
+        for name in ("ttft_s", "first_text_s", "publish_s", "worker_queue_s", "publish_to_received_s", "worker_admit_s", "worker_ttft_s",
                      "first_chunk_return_s", "total_s", "batch_depth", "chunks"):
             xs = [r[name] for r in rows if r.get(name) is not None]
             if xs:

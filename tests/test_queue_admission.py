@@ -155,3 +155,13 @@ async def test_chunks_say_how_many_tokens_they_carry(harness, client, monkeypatc
     text = "".join([d async for d in s])
     assert text == s.result.text
     assert sum(c.tokens for c in chunks if c.type == "chunk") == s.result.usage.completion_tokens == 9
+
+
+async def test_a_stream_records_when_its_first_chunk_arrived(harness, client):
+    await harness.start(EchoEngine(step_s=0.02))
+    t0 = time.monotonic()
+    s = await client.stream("time my first token", max_tokens=5, timeout=10)
+    first_delta = None
+    async for _ in s:
+        first_delta = first_delta or time.monotonic()
+    assert s.first_chunk_at is not None and t0 < s.first_chunk_at <= first_delta

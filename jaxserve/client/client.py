@@ -115,7 +115,10 @@ async def retry_with_backoff(
 class Stream:
     """Async iterator of text deltas of one job. After iteration,
     ``result`` holds the final :class:`Result`; ``gaps`` counts chunks that
-    arrived out of order or never arrived."""
+    arrived out of order or never arrived. ``first_chunk_at`` is the
+    ``time.monotonic()`` at which the first chunk reached this client (time
+    to first token, even when that token's text is still empty: a partial
+    UTF-8 character, a special token)."""
 
     def __init__(self, client: "AsyncClient", key: str, timeout: float | None) -> None:
         self.client = client
@@ -125,6 +128,7 @@ class Stream:
         self.gaps = 0
         self.duplicates = 0
         self.chunks = 0
+        self.first_chunk_at: float | None = None
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._yielded: list[str] = []
 
@@ -133,6 +137,8 @@ class Stream:
         return "".join(self._yielded)
 
     def _deliver(self, msg: Chunk | Result) -> None:
+        if self.first_chunk_at is None and isinstance(msg, Chunk):
+            self.first_chunk_at = time.monotonic()
         self._inbox.put_nowait(msg)
 
     async def __aiter__(self) -> AsyncIterator[str]:
