@@ -52,10 +52,11 @@ async def depth(client: Any, queue: str) -> int:
             await ch.close()
 
 
-async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str) -> dict[str, Any]:
+async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str, temperature: float = 0.0) -> dict[str, Any]:
     t0 = time.monotonic()
-    stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=0, cache=False,
-                                 timeout=60)
+    seed = 0 if temperature > 0 else None  # reproducible texts when sampling
+    stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=temperature,
+                                 seed=seed, cache=False, timeout=60)
     t_pub = time.monotonic()
     first_text = None
     async for _delta in stream:
@@ -112,7 +113,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
     try:
         # Warm-up (untimed): compile paths, connections, reply queue.
         for i in range(3):
-            await one_interactive(client, prompts[-1 - i], args.max_tokens, f"{run_tag}-warm{i}")
+            await one_interactive(client, prompts[-1 - i], args.max_tokens, f"{run_tag}-warm{i}", args.temperature)
         idle: list[dict[str, Any]] = []
         loaded: list[dict[str, Any]] = []
         spans: dict[str, list[tuple[float, float]]] = {"idle": [], "loaded": []}
@@ -121,7 +122,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             t_idle = time.monotonic()
             for i in range(args.samples):
                 await asyncio.sleep(args.spacing)
-                r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-i{k}")
+                r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-i{k}", args.temperature)
                 r.update(round=rnd, batch_depth=await depth(client, batch_q))
                 idle.append(r)
                 k += 1
@@ -133,7 +134,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             t_loaded = time.monotonic()
             for i in range(args.samples):
                 d = await top_up(args.min_depth)
-                r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-l{k}")
+                r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-l{k}", args.temperature)
                 r.update(round=rnd, batch_depth=d)
                 loaded.append(r)
                 k += 1
@@ -190,6 +191,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spacing", type=float, default=0.5, help="Seconds between interactive jobs.")
     ap.add_argument("--max-tokens", type=int, default=16, help="Interactive jobs.")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="Interactive jobs (seed 0 when > 0). A chunk carries text, and a random model's greedy "
+                         "tokens can all be empty text (llama-56m): sample there.")
     ap.add_argument("--batch-max-tokens", type=int, default=64, help="Background batch jobs.")
     ap.add_argument("--batch-depth", type=int, default=400, help="Ready batch jobs before the loaded phase.")
     ap.add_argument("--min-depth", type=int, default=300, help="Top-up level before each loaded sample.")
