@@ -65,6 +65,24 @@ def test_seeded_sampling_is_independent_of_batch(logits):
     assert len(draws) > 1
 
 
+def test_plain_temperature_draws_from_the_scaled_logits_whatever_shares_the_batch(logits):
+    """No top-k/top-p/min-p: the draw is categorical over logits / T with the
+    row's own key, the same when another row's filter makes the sort run."""
+    import jax.numpy as jnp
+
+    def expected(row_logits, seed, index, temp):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
+        return int(jax.random.categorical(key, jnp.asarray(row_logits) / temp))
+
+    plain = [_row(temperature=0.8, seed=s, output_index=s % 3) for s in (7, 11, 13, 17)]
+    alone, _ = _run(logits, plain)
+    assert alone.tolist() == [expected(logits[i], r["seed"], r["output_index"], 0.8) for i, r in enumerate(plain)]
+    with_filters = [plain[0], _row(temperature=1.0, top_p=0.5, seed=3), plain[2], _row(temperature=1.0, top_k=2, seed=4)]
+    mixed, _ = _run(logits, with_filters)
+    assert mixed[0] == alone[0] and mixed[2] == alone[2]
+    assert mixed[3] in set(np.argsort(-logits[3])[:2].tolist())
+
+
 def test_top_k_restricts_support(logits):
     top3 = set(np.argsort(-logits[0])[:3].tolist())
     for seed in range(30):

@@ -90,10 +90,10 @@ def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits
 
 
-def _filter_and_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    vocab = logits.shape[-1]
-    temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
-    scaled = logits / temp[:, None]
+def _filter(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """top-k, top-p and min-p over temperature-scaled logits: filtered-out
+    tokens become ``_NEG_INF``."""
+    vocab = scaled.shape[-1]
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     # top-k: keep values >= the k-th largest.
     k = jnp.where(t.top_k > 0, jnp.minimum(t.top_k, vocab), vocab)
@@ -110,7 +110,23 @@ def _filter_and_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     # min-p: drop tokens whose probability is below min_p * max probability.
     probs = jax.nn.softmax(jnp.where(keep, scaled, _NEG_INF), axis=-1)
     keep = keep & (probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
-    filtered = jnp.where(keep, scaled, _NEG_INF)
+    return jnp.where(keep, scaled, _NEG_INF)
+
+
+def _filter_and_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    temp = jnp.where(t.temperature > 0, t.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    # The full-vocabulary sort only when a sampled row filters: plain
+    # temperature sampling (the default job) draws from the scaled logits
+    # directly. Measured on llama-56m (vocab 32000), 24 rows: a step with
+    # the sort 300 ms, greedy 41 ms.
+    # Rows that do not filter keep their logits as they are even when the
+    # sort runs for another row (top_p 1.0 could otherwise drop a tail token
+    # on float rounding): what shares the batch never changes a row's draw.
+    filters = (t.temperature > 0) & ((t.top_k > 0) | (t.top_p < 1.0) | (t.min_p > 0.0))
+    filtered = jax.lax.cond(
+        jnp.any(filters), lambda x, tt: jnp.where(filters[:, None], _filter(x, tt), x), lambda x, _: x, scaled, t
+    )
 
     def draw(seed, index, row):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), index)
