@@ -13,7 +13,17 @@ import torch
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
-def build_engine_checkpoint(folder: Path, *, seed: int = 7, max_position_embeddings: int = 512) -> Path:
+def build_engine_checkpoint(
+    folder: Path,
+    *,
+    seed: int = 7,
+    max_position_embeddings: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from jaxserve.presets import resolve_model
@@ -28,11 +38,11 @@ def build_engine_checkpoint(folder: Path, *, seed: int = 7, max_position_embeddi
     tiny_cfg = json.loads((tiny / "config.json").read_text())
     cfg = LlamaConfig(
         vocab_size=tiny_cfg["vocab_size"],
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         bos_token_id=tiny_cfg.get("bos_token_id"),

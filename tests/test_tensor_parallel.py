@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
+from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 
@@ -142,40 +141,13 @@ CHILD = textwrap.dedent(
 )
 
 
-def build_checkpoint(folder: Path, seed: int = 3) -> Path:
-    """A tiny random Llama (8 heads, 4 kv heads) with the tiny preset's tokenizer,
-    weights large enough (std 0.1, as engine_fixtures) that greedy picks have no near ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jaxserve.presets import resolve_model
-
-    tiny = resolve_model("tiny")
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, folder / name)
-    tiny_cfg = json.loads((tiny / "config.json").read_text())
-    cfg = LlamaConfig(
-        vocab_size=tiny_cfg["vocab_size"], hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=tiny_cfg.get("bos_token_id"),
-        eos_token_id=tiny_cfg.get("eos_token_id"), tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
-    model.eval()
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("tp-ckpt"))
+    # 8 heads over 4 kv heads, so that 2 and 4 devices each hold whole kv heads
+    return build_engine_checkpoint(
+        tmp_path_factory.mktemp("tp-ckpt"), seed=3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+    )
 
 
 def _run_child(*args: str) -> dict:
