@@ -209,27 +209,6 @@ class SweepReport:
     failed: list[tuple[DeadLetter, str]] = dataclasses.field(default_factory=list)  # kept in dead, with why
 
 
-def _copy(message: Any, headers: dict[str, Any], user: str | None) -> Any:
-    import aio_pika
-
-    return aio_pika.Message(
-        body=bytes(message.body),
-        headers=headers,
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
-        delivery_mode=message.delivery_mode or aio_pika.DeliveryMode.PERSISTENT,
-        priority=message.priority,
-        correlation_id=message.correlation_id,
-        reply_to=message.reply_to,
-        message_id=message.message_id,
-        timestamp=message.timestamp,
-        type=message.type,
-        # RabbitMQ refuses a user_id other than the publishing login.
-        user_id=message.user_id if message.user_id == user else None,
-        app_id=message.app_id,
-    )
-
-
 def _requeue_headers(headers: dict[str, Any]) -> dict[str, Any]:
     out = {
         k: v
@@ -260,6 +239,7 @@ async def sweep(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str |
     from yarl import URL
 
     from jaxserve.wire import amqp_compat
+    from jaxserve.wire.republish import copy_message
     from jaxserve.wire.topology import Topology
 
     amqp_compat.install()
@@ -288,7 +268,7 @@ async def sweep(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str |
             target = choose(letter)
             if target is not None:
                 try:
-                    await publish(_copy(message, _requeue_headers(message.headers or {}), user), target)
+                    await publish(copy_message(message, _requeue_headers(message.headers or {}), login_user=user), target)
                 except (aio_pika.exceptions.PublishError, aiormq.exceptions.DeliveryError, asyncio.TimeoutError) as exc:
                     report.failed.append((letter, _why(exc, target)))
                     target = None
@@ -296,7 +276,7 @@ async def sweep(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str |
                     report.requeued.append((letter, target))
             if target is None:
                 try:
-                    await publish(_copy(message, _dead_headers(letter), user), topo.dead)
+                    await publish(copy_message(message, _dead_headers(letter), login_user=user), topo.dead)
                 except BaseException:
                     # Not copied: hand it back untouched (one counted
                     # delivery) rather than lose it.

@@ -62,6 +62,7 @@ from jaxserve.wire import (
     decode_cancel,
     parse_job,
 )
+from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
 from jaxserve.worker.admission import AdmissionConfig, InteractiveAdmission
@@ -780,17 +781,7 @@ class Worker:
         message = kj.primary.message
         headers = dict(message.headers or {})
         headers["x-jaxserve-deferred"] = int(headers.get("x-jaxserve-deferred") or 0) + 1
-        copy = aio_pika.Message(
-            message.body,
-            headers=headers,
-            content_type=message.content_type,
-            message_id=message.message_id,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            priority=message.priority,
-            timestamp=message.timestamp,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        )
+        copy = copy_message(message, headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
         assert self.publisher is not None
         outcome = await self.publisher.publish_message(self.topo.queue_for(kj.queue_class), copy, self.cfg.reply_timeout_s)
         how = Settlement.ACK if outcome is PublishOutcome.CONFIRMED else Settlement.REQUEUE
