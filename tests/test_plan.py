@@ -351,3 +351,18 @@ def test_measure_tiny_with_the_real_engine(tmp_path):
     p = make_plan(PlanWorkload(rps=1, prompt_tokens=TokenDist(20, 30), output_tokens=TokenDist(8, 8)), prof,
                   PlanOptions(kv_memory_bytes=64 * 2**20))  # fmt: skip
     assert p.workers >= 1 and p.max_num_seqs in (1, 2)
+
+
+def test_unreadable_and_malformed_input_files_are_one_line_errors_naming_the_file(tmp_path):
+    from jaxserve.planning import ProfileError, ScaleoutError, WorkloadError, load_limits, read_workload_file
+    from jaxserve.planning import Profile as _Profile
+
+    missing, bad = tmp_path / "missing.json", tmp_path / "bad.json"
+    bad.write_text("{not json")
+    cases = [(_Profile.load, ProfileError, "the profile "), (load_limits, ScaleoutError, ""),
+             (read_workload_file, WorkloadError, "the workload file ")]  # fmt: skip
+    for load, error, what in cases:
+        with pytest.raises(error, match=f"^cannot read {what}'{missing}': No such file or directory$"):
+            load(missing)
+        with pytest.raises(error, match=f"^{bad}: not valid JSON: "):
+            load(bad)

@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jaxserve.planning.files import read_json
+
 PROFILE_KIND = "jaxserve-profile"
 PROFILE_VERSION = 1
 
@@ -179,13 +181,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ProfileError(f"cannot read the profile {str(path)!r}: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ProfileError(f"{path}: not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, ProfileError, "the profile "))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -17,10 +17,11 @@ broker's CPU per job and the workers' event-loop CPU per job. From it:
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from jaxserve.planning.files import read_json
 
 
 class ScaleoutError(ValueError):
@@ -78,10 +79,5 @@ def limits_from_results(data: dict[str, Any], *, efficiency: float = 0.75, sourc
 
 
 def load_limits(path: str | Path, *, efficiency: float = 0.75) -> ScaleoutLimits:
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ScaleoutError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ScaleoutError(f"{path}: not valid JSON: {exc}") from None
+    data = read_json(path, ScaleoutError)
     return limits_from_results(data, efficiency=efficiency, source=str(path))

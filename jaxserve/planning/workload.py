@@ -28,10 +28,11 @@ Flags given on the command line win over the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
+
+from jaxserve.planning.files import parse_json, read_text
 
 
 class WorkloadError(ValueError):
@@ -127,10 +128,7 @@ def _from_loadtest(levels: list) -> dict[str, Any]:
 def read_workload_file(path: str | Path) -> dict[str, Any]:
     """The fields of a JSON or YAML workload file (or of a loadtest.json)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise WorkloadError(f"cannot read the workload file {str(path)!r}: {exc.strerror or exc}") from None
+    text = read_text(path, WorkloadError, "the workload file ")
     if path.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml
@@ -141,10 +139,7 @@ def read_workload_file(path: str | Path) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise WorkloadError(f"{path}: not valid YAML: {exc}") from None
     else:
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise WorkloadError(f"{path}: not valid JSON: {exc}") from None
+        data = parse_json(text, path, WorkloadError)
     if isinstance(data, list):
         return _from_loadtest(data)
     if not isinstance(data, Mapping):
