@@ -41,20 +41,7 @@ WORKER=$!
 cleanup() {
   kill -TERM "$WORKER" 2>/dev/null || true
   wait "$WORKER" 2>/dev/null || true
-  .venv/bin/python - "$PREFIX" <<'PYEOF' || true
-import asyncio, sys
-import aio_pika
-async def main(prefix):
-    conn = await aio_pika.connect("amqp://guest:guest@127.0.0.1:5672/")
-    ch = await conn.channel()
-    for q in ("interactive", "batch", "results", "dead", "control"):
-        try:
-            await ch.queue_delete(f"{prefix}.{q}")
-        except Exception:
-            ch = await conn.channel()
-    await conn.close()
-asyncio.run(main(sys.argv[1]))
-PYEOF
+  PYTHONPATH=benchmarks .venv/bin/python -c "import sys, queue_common; queue_common.delete_topology(sys.argv[1])" "$PREFIX" || true
 }
 trap cleanup EXIT
 for _ in $(seq 120); do grep -q worker_consuming "$OUT/worker.log" && break; sleep 1; done

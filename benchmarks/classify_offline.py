@@ -24,24 +24,23 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+from classify_docs import LABELS, make_docs
+
 REPO = Path(__file__).resolve().parent.parent
-HARNESS = (REPO / ".." / "shared" / "peers" / "llmq").resolve()
-LABELS = ["sports", "politics", "science", "business"]
 MODES = ("score", "generate", "prefill")
 
 
 def documents(n: int) -> list[str]:
+    """The user messages of ``classify_docs.py``'s documents (the same generator and seed)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "jobs.jsonl"
-        subprocess.run([sys.executable, str(HARNESS / "gen_jobs.py"), str(n), str(out), "--seed", "0", "--prefix", "doc"],
-                       check=True, capture_output=True)  # fmt: skip
-        return [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines() if line.strip()]
+        jobs = make_docs(n, Path(tmp))
+        return [json.loads(line)["messages"][0]["content"] for line in jobs.read_text().splitlines() if line.strip()]
 
 
 def main() -> None:
@@ -52,9 +51,6 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import queue_common as qc
 
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.types import SamplingParams
