@@ -21,6 +21,9 @@ def make(**overrides) -> Scheduler:
         block_size=BS,
         num_blocks=64,
         enable_prefix_caching=False,
+        # the mixed step: most tests here pin rules within one step of both
+        # classes; the tests of the interactive prompt's own step turn it on
+        interactive_prefill_alone=False,
     )
     cfg.update(overrides)
     return Scheduler(SchedulerConfig(**cfg))
@@ -418,8 +421,8 @@ def test_stats_track_usage_and_queues():
     assert st.kv_cache_usage == pytest.approx(2 / 63)
 
 
-@pytest.mark.parametrize("seed, policy", [(0, "fcfs"), (1, "priority"), (2, "fcfs")])
-def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
+@pytest.mark.parametrize("seed, policy, alone", [(0, "fcfs", True), (1, "priority", True), (2, "fcfs", False)])
+def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone):
     """A fake paged KV cache records which token sits in each slot; every
     scheduled chunk checks that its context (including prefix-cache hits and
     blocks kept across steps) holds exactly its earlier tokens. The fake model
@@ -431,7 +434,7 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy):
     cfg = SchedulerConfig(
         max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48, block_size=BS, num_blocks=30,
         policy=policy, interactive_reserved_seqs=1, interactive_reserved_blocks=3,
-        enable_prefix_caching=True, long_prefill_token_threshold=10,
+        enable_prefix_caching=True, long_prefill_token_threshold=10, interactive_prefill_alone=alone,
     )
     s = Scheduler(cfg)
     slots: dict[int, int] = {}
@@ -636,3 +639,50 @@ def test_interactive_takes_a_seat_from_a_batch_chunk():
     # b1 decodes; the interactive request needs a seat: b2 (a chunk not planned yet) is preempted
     assert plan(out) == [("b1", 60, 1, True), ("i", 0, 4, True)]
     assert out.preempted_req_ids == ["b2"] and s.get_request("b2").status == RequestStatus.PREEMPTED
+
+
+def test_a_step_that_starts_an_interactive_prompt_holds_interactive_work_only():
+    s = make(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=64, max_model_len=64, interactive_prefill_alone=True)
+    s.add_request(req("b1", 4, max_tokens=8, cls="batch", arrival=0))
+    s.add_request(req("b2", 4, max_tokens=8, cls="batch", arrival=1))
+    s.add_request(req("i1", 4, max_tokens=8, cls="interactive", arrival=2))
+    out, _ = step(s)  # i1's prompt starts: its step is its own
+    assert plan(out) == [("i1", 0, 4, True)]
+    out, _ = step(s)
+    assert plan(out) == [("i1", 4, 1, True), ("b1", 0, 4, True), ("b2", 0, 4, True)]
+    s.add_request(req("i2", 20, max_tokens=8, cls="interactive", arrival=3))
+    # i2's prompt (20 tokens, 16 a step) takes two steps: the running interactive
+    # decode goes along, the batch decodes wait for both
+    out, _ = step(s)
+    assert plan(out) == [("i1", 5, 1, True), ("i2", 0, 15, False)]
+    out, _ = step(s)
+    assert plan(out) == [("i1", 6, 1, True), ("i2", 15, 5, True)]
+    out, _ = step(s)  # nothing interactive to prefill: everyone decodes
+    assert plan(out) == [("i1", 7, 1, True), ("i2", 20, 1, True), ("b1", 4, 1, True), ("b2", 4, 1, True)]
+
+
+def test_interactive_prompt_alone_takes_a_batch_seat_for_free():
+    # every seat is batch; the interactive prompt's own step preempts the newest
+    # batch request, and no batch token was planned, so none is wasted
+    s = make(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64, max_model_len=128, interactive_prefill_alone=True)
+    s.add_request(req("b1", 8, max_tokens=8, cls="batch", arrival=0))
+    s.add_request(req("b2", 8, max_tokens=8, cls="batch", arrival=1))
+    step(s)
+    s.add_request(req("i", 4, cls="interactive", arrival=2))
+    out, _ = step(s)
+    assert plan(out) == [("i", 0, 4, True)] and out.preempted_req_ids == ["b2"]
+    out, _ = step(s)
+    assert plan(out) == [("i", 4, 1, True), ("b1", 8, 1, True)]
+
+
+def test_interactive_prompt_that_cannot_start_leaves_the_batch_step_as_usual():
+    # 10 usable blocks of 4 tokens: the batch request holds 9, the interactive
+    # prompt needs 3 and cannot take them from a running decode: batch goes on
+    s = make(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=11, max_model_len=40, interactive_prefill_alone=True)
+    s.add_request(req("b", 33, max_tokens=4, cls="batch", arrival=0))
+    step(s)
+    assert s.allocator.num_free_blocks == 1
+    s.add_request(req("i", 12, cls="interactive", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("b", 33, 1, True)] and not out.preempted_req_ids
+    assert s.get_request("i").status == RequestStatus.WAITING

@@ -47,6 +47,9 @@ class EngineArgs:
       programs; prefill-sized ones on the reference, or the ragged kernel on
       TPU); ``pallas`` insists (an error where none fits), ``reference``
       never uses them.
+    - ``interactive_prefill_alone``: a step that starts an interactive
+      prompt carries no batch work (``SchedulerConfig``), so the time to an
+      interactive request's first token does not grow with the batch load.
     - ``tensor_parallel_size``: devices one engine shards the model and the
       KV cache over (attention heads, kv heads and the MLP, Megatron style;
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
@@ -68,6 +71,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     max_num_waiting: int = 0
+    interactive_prefill_alone: bool = True
     seed: int = 0
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True

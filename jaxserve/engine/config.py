@@ -48,6 +48,13 @@ class SchedulerConfig:
       compute in one step (0: no cap beyond the step budget).
     - ``max_num_waiting``: waiting requests beyond which ``add_request``
       refuses with ``overloaded`` (retryable); 0: unbounded.
+    - ``interactive_prefill_alone``: a step that can start an interactive
+      prompt (a new interactive request, or an interactive prompt chunk)
+      carries interactive work only; batch sequences skip that step. The
+      interactive prefill then costs what it costs on an idle worker
+      instead of sharing its step with every running batch sequence
+      (measured in BENCHMARKS.md); batch throughput pays one step per
+      interactive prompt.
     """
 
     max_num_seqs: int = 128
@@ -61,6 +68,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     max_num_waiting: int = 0
+    interactive_prefill_alone: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,8 +89,9 @@ class SchedulerConfig:
         _require_int("max_num_waiting", self.max_num_waiting, 0)
         if self.policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "interactive_prefill_alone"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -118,6 +118,7 @@ class Engine:
             enable_prefix_caching=args.enable_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_num_waiting=args.max_num_waiting,
+            interactive_prefill_alone=args.interactive_prefill_alone,
         )
         self.allocator = BlockAllocator(
             self.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching

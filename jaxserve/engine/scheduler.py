@@ -20,7 +20,12 @@ One step, in order:
    chunks and newly admitted interactive requests (step 3); only then batch
    prefill chunks and batch admissions: an interactive prefill never waits
    behind a batch chunk for the token budget. A chunk is capped by what is
-   left of the token budget and by ``long_prefill_token_threshold``.
+   left of the token budget and by ``long_prefill_token_threshold``. With
+   ``interactive_prefill_alone`` (the default), a step that starts an
+   interactive prompt holds interactive work only: the batch decodes wait
+   one step, so the prompt's step is as short as on an idle engine. When no
+   interactive prompt can start after all (no seat or block for it), the
+   step is planned as usual.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -315,14 +320,29 @@ class Scheduler:
         # batch admissions, so an interactive prefill never waits behind a
         # batch prefill chunk for the step's token budget.
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        alone = cfg.interactive_prefill_alone and self._interactive_prompt_pending(interactive)
+        if alone:  # this step is the interactive prompt's own (SchedulerConfig)
+            decodes = [r for r in decodes if r.request_class == RequestClass.INTERACTIVE]
         budget = self._plan_running(decodes, budget, planned, preempted)
         budget = self._plan_running([r for r in interactive if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             budget = self._admit_waiting(budget, planned, (RequestClass.INTERACTIVE,), preempted)
+        if alone and any(n > 1 or is_new for _, n, is_new in planned.values()):
+            return self._plan(planned, preempted)
+        if alone:  # no interactive prompt could start after all: batch decodes as usual
+            budget = self._plan_running(
+                [r for r in self.running if r.num_tokens_to_compute == 1 and r.request_class != RequestClass.INTERACTIVE],
+                budget, planned, preempted,
+            )  # fmt: skip
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
         return self._plan(planned, preempted)
+
+    def _interactive_prompt_pending(self, interactive: list[Request]) -> bool:
+        """Whether an interactive prompt waits to be computed: a waiting
+        interactive request, or a running one with prompt tokens left."""
+        return bool(self._waiting[RequestClass.INTERACTIVE]) or any(r.num_tokens_to_compute > 1 for r in interactive)
 
     def _plan_running(
         self, reqs: list[Request], budget: int, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]
