@@ -448,8 +448,9 @@ def test_cache_layout_must_match_the_kernel():
 
 @pytest.mark.skipif(PLATFORM != "cpu", reason="the CPU's default path")
 def test_engine_default_on_cpu_is_the_reference_over_the_blocks_layout():
-    """auto on the CPU changes nothing: pure-JAX kernels, blocks layout, uint16
-    bits for 16-bit caches, no mesh; pallas is refused with the platform named."""
+    """auto on the CPU with a 16-bit cache: pure-JAX kernels, blocks layout,
+    uint16 bits, no mesh (float32 caches take the C++ kernel over the same
+    layout: tests/test_kernels_cpu.py); pallas is refused with the platform named."""
     pytest.importorskip("structlog")
     from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.engine import Engine
@@ -461,5 +462,5 @@ def test_engine_default_on_cpu_is_the_reference_over_the_blocks_layout():
     assert model.attention == REFERENCE and model.mesh is None and model.tensor_parallel_size == 1
     with pytest.raises(ValueError, match="attention_backend='pallas' cannot run here: .*platform 'cpu'"):
         Engine(EngineArgs(model="tiny", attention_backend="pallas", max_num_seqs=2, max_model_len=128))
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, pallas, got 'triton'"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, pallas, cpu, got 'triton'"):
         EngineArgs(attention_backend="triton")

@@ -40,13 +40,15 @@ class EngineArgs:
       block per loop iteration, and bigger blocks mean fewer, larger gathers
       (64 x 193-token decode on a 2-core host: 12.3 ms with 64-token blocks,
       14.9 ms with 32, 20.3 ms with 16). vLLM's CPU backend uses 128.
-    - ``attention_backend``: ``"auto"`` (default), ``"reference"`` or
-      ``"pallas"`` (``jaxserve.kernels.backends``). ``auto`` runs the
-      pure-JAX kernels on the CPU and the paged-attention kernels JAX ships
-      in Pallas on GPU and TPU when the model's shapes fit them (decode-sized
-      programs; prefill-sized ones on the reference, or the ragged kernel on
-      TPU); ``pallas`` insists (an error where none fits), ``reference``
-      never uses them.
+    - ``attention_backend``: ``"auto"`` (default), ``"reference"``,
+      ``"pallas"`` or ``"cpu"`` (``jaxserve.kernels.backends``). ``auto``
+      runs the C++ paged-attention kernel on the CPU (built on first use;
+      float32 caches; the pure-JAX kernels where it cannot build), and the
+      paged-attention kernels JAX ships in Pallas on GPU and TPU when the
+      model's shapes fit them (decode-sized programs; prefill-sized ones on
+      the reference, or the ragged kernel on TPU); ``pallas`` and ``cpu``
+      insist (an error where they cannot run), ``reference`` always runs
+      the pure-JAX kernels.
     - ``interactive_prefill_alone``: a step that starts an interactive
       prompt carries no batch work (``SchedulerConfig``), so the time to an
       interactive request's first token does not grow with the batch load.
@@ -76,7 +78,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True
     served_model_name: str | None = None
-    attention_backend: Literal["auto", "reference", "pallas"] = "auto"
+    attention_backend: Literal["auto", "reference", "pallas", "cpu"] = "auto"
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

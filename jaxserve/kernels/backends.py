@@ -7,8 +7,13 @@
 - ``"pallas"``: the Pallas kernels JAX ships, through the adapters of
   ``pallas_attention.py``, over the ``heads`` cache layout; an error when
   the platform has none (CPU) or the model's shapes do not fit them;
+- ``"cpu"``: the C++ paged-attention kernel (``kernels/cpu``, built on
+  first use with the host's compiler) over the ``blocks`` layout, for every
+  program on the CPU; an error where it cannot build or the cache is not
+  float32;
 - ``"auto"`` (default): ``"pallas"`` on ``gpu`` and ``tpu`` when the shapes
-  fit, else ``"reference"`` (CPU, sliding-window models on GPU, ...).
+  fit; on the CPU ``"cpu"`` when it builds and the cache is float32; else
+  ``"reference"`` (bfloat16 caches on the CPU, sliding-window models on GPU, ...).
 
 Per compiled program (the token bucket ``T`` is static) with the Pallas
 backend:
@@ -41,9 +46,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.paged_attention import paged_attention, write_kv
+from jaxserve.kernels import cpu as cpu_kernel
 from jaxserve.kernels import pallas_attention as pallas
 
-BACKENDS = ("auto", "reference", "pallas")
+BACKENDS = ("auto", "reference", "pallas", "cpu")
 #: the mesh axis tensor parallelism shards heads over
 TP_AXIS = "tp"
 
@@ -52,14 +58,14 @@ TP_AXIS = "tp"
 class AttentionImpl:
     """The kernel choice of an engine (static, hashable: it lives in the model's graph definition).
 
-    ``kernel``: ``reference``, ``gpu`` or ``tpu``. ``interpret``: run the
+    ``kernel``: ``reference``, ``cpu`` (the C++ kernel), ``gpu`` or ``tpu``. ``interpret``: run the
     Pallas kernels in interpret mode (CPU tests). ``ragged``: on TPU, run
     prefill-sized programs through the ragged kernel. ``max_kernel_tokens``:
     the largest program (token bucket) the per-token paged kernels serve;
     ``None``: ``max(max_num_seqs, 8)``, read from the step's block tables.
     """
 
-    kernel: Literal["reference", "gpu", "tpu"] = "reference"
+    kernel: Literal["reference", "cpu", "gpu", "tpu"] = "reference"
     interpret: bool = False
     ragged: bool = False
     max_kernel_tokens: int | None = None
@@ -67,7 +73,7 @@ class AttentionImpl:
     @property
     def layout(self) -> str:
         """The KV cache layout this choice reads (``kv_cache.py``)."""
-        return "blocks" if self.kernel == "reference" else "heads"
+        return "blocks" if self.kernel in ("reference", "cpu") else "heads"
 
     def kernel_tokens(self, meta: AttentionMetadata) -> int:
         if self.max_kernel_tokens is not None:
@@ -100,6 +106,15 @@ def select_attention(
     platform = platform or jax.default_backend()
     if requested == "reference":
         return REFERENCE, "attention_backend='reference'"
+    if requested == "cpu" or (requested == "auto" and platform == "cpu"):
+        why = cpu_kernel.unsupported(cache_dtype) if platform == "cpu" else f"platform {platform!r} is not the CPU"
+        if why is None and not cpu_kernel.available():
+            why = "the C++ kernel did not build (see the cpu_kernel.unavailable log line)"
+        if why is None:
+            return AttentionImpl(kernel="cpu"), "CPU: C++ paged-attention kernel"
+        if requested == "cpu":
+            raise ValueError(f"attention_backend='cpu' cannot run here: {why}")
+        return REFERENCE, f"auto: reference ({why})"
     if platform in ("gpu", "cuda", "rocm"):
         why = pallas.gpu_kernel_unsupported(head_dim=head_dim, block_size=block_size, sliding_window=sliding_window)
         if why is None:
@@ -137,6 +152,10 @@ def attend(
 ) -> jax.Array:
     """One layer's attention over a per-layer cache in ``impl.layout``
     (already holding this step's keys); ``[T, H, D]`` in ``q.dtype``."""
+    if impl.kernel == "cpu":
+        return cpu_kernel.paged_attention_cpu(
+            q, k_cache, v_cache, meta, positions, scale=scale, sliding_window=sliding_window
+        )
     T = q.shape[0]
     small = T <= impl.kernel_tokens(meta)
     if impl.kernel == "gpu" and small and sliding_window is None:

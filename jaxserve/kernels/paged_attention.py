@@ -111,6 +111,18 @@ def write_kv(
     return k_cache, v_cache
 
 
+def visible_keys(
+    meta: AttentionMetadata, positions: jax.Array, sliding_window: int | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """Per token, the key positions it sees: ``lower <= kpos < limit``
+    (``lower`` is ``None`` without a sliding window). Padding tokens belong
+    to a row of context 0 and see nothing."""
+    positions = positions.astype(jnp.int32)
+    limit = jnp.minimum(positions + 1, meta.context_lens[meta.token_seq])
+    lower = None if sliding_window is None else positions - (sliding_window - 1)
+    return limit, lower
+
+
 def default_chunk_tokens(
     num_tokens: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int, backend: str | None = None
 ) -> int:
@@ -202,8 +214,7 @@ def paged_attention(
     block_tables = meta.block_tables
     token_seq = meta.token_seq
     positions = positions.astype(jnp.int32)
-    limit = jnp.minimum(positions + 1, meta.context_lens[token_seq])  # keys at kpos < limit are visible
-    lower = None if sliding_window is None else positions - (sliding_window - 1)  # and kpos >= lower
+    limit, lower = visible_keys(meta, positions, sliding_window)
     qs = (q.astype(jnp.float32) * scale).astype(cdtype).reshape(T, kvh, G, D)
 
     block_major_possible = (
@@ -479,6 +490,7 @@ def make_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size
 
 __all__ = [
     "paged_attention",
+    "visible_keys",
     "write_kv",
     "dense_causal_attention",
     "default_chunk_tokens",

@@ -1,0 +1,239 @@
+// Paged attention for the CPU backend, as an XLA FFI custom call.
+//
+// Why a hand-written kernel: on the CPU, XLA runs paged attention as batched
+// matmuls of tiny [G, D] x [D, block] tiles (G = query heads per kv head, 2
+// for llama-56m), one library call per block and kv head, which reaches about
+// a quarter of the machine's read bandwidth (BENCHMARKS.md). Attention over a
+// paged cache is a stream over the blocks each query token can see: this
+// kernel walks them in place (no gathered copy) with an online softmax, and
+// its loops over a block's 64 key positions and 64 head dimensions are what
+// the compiler vectorises.
+//
+// Semantics are those of jaxserve.kernels.paged_attention.paged_attention
+// for the "blocks" layout in float32:
+//   q       f32 [T, KVH, G, D]   queries, already scaled by 1/sqrt(D)
+//   k_cache f32 [NB, KVH, D, BS] keys, transposed within a block
+//   v_cache f32 [NB, KVH, BS, D]
+//   tables  i32 [R, M]           block tables, one row per sequence
+//   seq     i32 [T]              the row of each token
+//   limit   i32 [T]              keys at positions < limit are visible
+//   lower   i32 [T]              ... and at positions >= lower (sliding window; 0 without)
+//   out     f32 [T, KVH, G, D]   zeros where nothing is visible
+// Each (token, kv head) pair is computed by one thread in one fixed order,
+// so a token's result never depends on the rest of the batch or on threads.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNeg = -1e30f;
+
+struct Shapes {
+  int64_t T, KVH, G, D, NB, BS, R, M;
+};
+
+// Eight floats as one value (GCC/Clang vector extension): lowered to AVX
+// registers where the host has them, to pairs of SSE registers otherwise.
+typedef float V8 __attribute__((vector_size(32)));
+
+inline V8 Load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// exp for the softmax, written so the compiler vectorises it (glibc's expf
+// is a call per element): Cephes' range reduction and degree-6 polynomial,
+// about 1 ulp in float, inputs clamped to [-87, 88] (masked keys are zeroed
+// separately, so the clamp never decides a weight).
+inline float VecExp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// One (token, kv head) pair: online softmax over the visible blocks.
+// kBS/kD > 0 fix the block size and head dim at compile time (the common
+// 64 x 64 case, fully unrolled); 0 reads them from the shapes.
+template <int64_t kBS, int64_t kD>
+void AttendOne(const Shapes& s, const float* q, const float* k_cache, const float* v_cache,
+               const int32_t* tables, int32_t row, int32_t limit, int32_t lower, float* out,
+               float* scores, float* acc, float* m, float* l) {
+  const int64_t G = s.G;
+  const int64_t D = kD ? kD : s.D;
+  const int64_t BS = kBS ? kBS : s.BS;
+  std::fill(out, out + G * D, 0.0f);
+  lower = std::max<int32_t>(lower, 0);
+  if (row < 0 || row >= s.R || limit <= lower) return;
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, kNeg);
+  std::fill(l, l + G, 0.0f);
+  const int64_t first = lower / BS, last = (static_cast<int64_t>(limit) - 1) / BS;
+  for (int64_t j = first; j <= last && j < s.M; ++j) {
+    const int32_t block = tables[row * s.M + j];
+    if (block < 0 || block >= s.NB) continue;  // never valid in a table; skipped, not read
+    const int64_t base = j * BS;
+    const int64_t c0 = std::max<int64_t>(0, lower - base);
+    const int64_t c1 = std::min<int64_t>(BS, limit - base);
+    const float* kb = k_cache + block * s.KVH * D * BS;  // [D, BS] of this kv head (offset by the caller)
+    const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
+    for (int64_t g = 0; g < G; ++g) {
+      float* __restrict sc = scores + g * BS;
+      const float* qg = q + g * D;
+      if constexpr (kBS == 64) {
+        // the 64 scores stay in eight 8-lane registers across the d loop
+        V8 a[8] = {};
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qg[d];
+          const float* krow = kb + d * BS;
+          for (int i = 0; i < 8; ++i) a[i] += qd * Load8(krow + 8 * i);
+        }
+        for (int i = 0; i < 8; ++i) std::memcpy(sc + 8 * i, &a[i], sizeof(V8));
+      } else {
+        for (int64_t c = 0; c < BS; ++c) sc[c] = 0.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          const float qd = qg[d];
+          const float* __restrict krow = kb + d * BS;
+          for (int64_t c = 0; c < BS; ++c) sc[c] += qd * krow[c];
+        }
+      }
+      for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
+      float mx = m[g];
+      for (int64_t c = 0; c < BS; ++c) mx = std::max(mx, sc[c]);
+      const float alpha = VecExp(m[g] - mx);
+      float sum = 0.0f;
+      for (int64_t c = 0; c < BS; ++c) {
+        const float p = (c >= c0 && c < c1) ? VecExp(sc[c] - mx) : 0.0f;
+        sc[c] = p;
+        sum += p;
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+      float* __restrict ag = acc + g * D;
+      if constexpr (kD == 64) {
+        V8 o[8];
+        for (int i = 0; i < 8; ++i) o[i] = alpha * Load8(ag + 8 * i);
+        for (int64_t c = c0; c < c1; ++c) {
+          const float p = sc[c];
+          const float* vrow = vb + c * D;
+          for (int i = 0; i < 8; ++i) o[i] += p * Load8(vrow + 8 * i);
+        }
+        for (int i = 0; i < 8; ++i) std::memcpy(ag + 8 * i, &o[i], sizeof(V8));
+      } else {
+        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+        for (int64_t c = c0; c < c1; ++c) {
+          const float p = sc[c];
+          const float* __restrict vrow = vb + c * D;
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] == 0.0f ? 0.0f : 1.0f / l[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+  }
+}
+
+// Work shared by the calling thread and the pool's tasks. Held by shared_ptr:
+// a task the pool starts late finds nothing left and must not touch freed state.
+struct Job {
+  Shapes s;
+  const float *q, *k, *v;
+  const int32_t *tables, *seq, *limit, *lower;
+  float* out;
+  int64_t items, chunk;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Run() {
+    const int64_t GD = s.G * s.D;
+    std::vector<float> scores(s.G * s.BS), acc(GD), m(s.G), l(s.G);
+    int64_t finished = 0;
+    for (;;) {
+      const int64_t start = next.fetch_add(chunk);
+      if (start >= items) break;
+      const int64_t stop = std::min(items, start + chunk);
+      const auto attend = (s.BS == 64 && s.D == 64) ? AttendOne<64, 64> : AttendOne<0, 0>;
+      for (int64_t it = start; it < stop; ++it) {
+        const int64_t t = it / s.KVH, h = it % s.KVH;
+        // this kv head's slice of the block: the caches are [NB, KVH, ...]
+        attend(s, q + it * GD, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t],
+                  out + it * GD, scores.data(), acc.data(), m.data(), l.data());
+      }
+      finished += stop - start;
+    }
+    done.fetch_add(finished);
+  }
+};
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
+                              ffi::Buffer<ffi::S32> lower, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
+  }
+  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
+  if (kd[1] != s.KVH || kd[2] != s.D || vd[0] != s.NB || vd[1] != s.KVH || vd[2] != s.BS || vd[3] != s.D) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: cache shapes do not match q");
+  }
+  if (seq.element_count() != s.T || limit.element_count() != s.T || lower.element_count() != s.T) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: seq, limit and lower need one entry per token");
+  }
+  auto job = std::make_shared<Job>();
+  job->s = s;
+  job->q = q.typed_data();
+  job->k = k_cache.typed_data();
+  job->v = v_cache.typed_data();
+  job->tables = tables.typed_data();
+  job->seq = seq.typed_data();
+  job->limit = limit.typed_data();
+  job->lower = lower.typed_data();
+  job->out = out->typed_data();
+  job->items = s.T * s.KVH;
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, job->items / 8));
+  job->chunk = std::max<int64_t>(1, job->items / (8 * (helpers + 1)));
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
+  job->Run();
+  // The caller ran out of chunks; wait for chunks other threads still hold.
+  while (job->done.load() < job->items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

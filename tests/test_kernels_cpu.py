@@ -1,0 +1,136 @@
+"""The C++ CPU paged-attention kernel (jaxserve/kernels/cpu) against dense
+attention and the pure-JAX kernel: shuffled blocks, garbage in unused
+blocks, padding tokens, prefix chunks, sliding windows, GQA groups, both
+the generic and the 64 x 64 unrolled code paths, and row independence."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention import NUM_PAD, SCALE, SEQS, _build, _reference
+
+from jaxserve.kernels import cpu
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.backends import select_attention
+from jaxserve.kernels.paged_attention import paged_attention, write_kv
+
+
+def test_the_kernel_builds_where_a_compiler_exists():
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler on this machine: the engine falls back to the pure-JAX kernel")
+    assert cpu.available()
+
+
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the C++ kernel did not build here")
+
+
+@jax.jit
+def _cpu_step(q, kc, vc, k_new, v_new, meta, positions):
+    kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
+    return cpu.paged_attention_cpu(q, kc, vc, meta, positions, scale=SCALE)
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch_matches_dense_and_padding_gets_zeros(seed):
+    case = _build(seed=seed)
+    out = np.asarray(_cpu_step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
+                               case["positions"]))  # fmt: skip
+    ref, n_real = _reference(case)
+    np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+    assert n_real == sum(n for _, n in SEQS) and out.shape[0] == n_real + NUM_PAD
+    np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+@needs_kernel
+def test_sliding_window_matches_dense():
+    case = _build(seed=3)
+    window = 9
+    step = jax.jit(lambda q, kc, vc, kn, vn, meta, pos: cpu.paged_attention_cpu(
+        q, *write_kv(kc, vc, kn, vn, meta.slot_mapping), meta, pos, scale=SCALE, sliding_window=window))  # fmt: skip
+    out = np.asarray(step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
+                          case["positions"]))  # fmt: skip
+    ref, n_real = _reference(case, sliding_window=window)
+    np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+
+
+def _paged_case(seed: int, *, block_size: int, head_dim: int, kv_heads: int, group: int, seqs):
+    """A per-layer cache of shuffled blocks full of garbage, and one step's
+    tokens over it: ``seqs`` lists (context before the step, tokens in it)."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-(c + n) // block_size) for c, n in seqs)
+    num_blocks = len(seqs) * width + 2
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(seqs) + 1, width), np.int32)
+    tok_seq, pos = [], []
+    for s, (cached, new) in enumerate(seqs):
+        nb = -(-(cached + new) // block_size)
+        tables[s, :nb] = perm[s * width : s * width + nb]
+        tok_seq += [s] * new
+        pos += list(range(cached, cached + new))
+    tok_seq += [len(seqs)] * 2  # two padding tokens
+    pos += [0, 0]
+    T = len(tok_seq)
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        token_seq=jnp.asarray(np.array(tok_seq, np.int32)),
+        block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray(np.array([c + n for c, n in seqs] + [0], np.int32)),
+        logits_indices=jnp.zeros(len(seqs) + 1, jnp.int32),
+    )
+    k = jnp.asarray(rng.standard_normal((num_blocks, kv_heads, head_dim, block_size)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((T, kv_heads * group, head_dim)), jnp.float32)
+    return q, k, v, meta, jnp.asarray(np.array(pos, np.int32))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size,head_dim", [(64, 64), (16, 32), (64, 128)])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_matches_the_pure_jax_kernel(block_size, head_dim, group):
+    # decodes at block boundaries and mid-block, a long prefill chunk over a
+    # cached prefix, a fresh prompt; 64 x 64 takes the unrolled code path
+    seqs = [(200, 1), (block_size - 1, 1), (block_size, 1), (70, 40), (0, 23)]
+    q, k, v, meta, positions = _paged_case(7, block_size=block_size, head_dim=head_dim, kv_heads=2, group=group,
+                                           seqs=seqs)  # fmt: skip
+    scale = head_dim**-0.5
+    for window in (None, 50):
+        ref = jax.jit(lambda q, k, v: paged_attention(q, k, v, meta, positions, block_size=block_size, scale=scale,
+                                                      sliding_window=window))(q, k, v)  # fmt: skip
+        out = jax.jit(lambda q, k, v: cpu.paged_attention_cpu(q, k, v, meta, positions, scale=scale,
+                                                               sliding_window=window))(q, k, v)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=3e-5, atol=3e-5)
+
+
+@needs_kernel
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch():
+    seqs = [(130, 1), (64, 1), (5, 30), (300, 1)]
+    q, k, v, meta, positions = _paged_case(11, block_size=64, head_dim=64, kv_heads=4, group=2, seqs=seqs)
+    run = jax.jit(lambda q, meta, positions: cpu.paged_attention_cpu(q, k, v, meta, positions, scale=0.125))
+    full = np.asarray(run(q, meta, positions))
+    # token 0 alone (the others turned into padding) and token 32 (the last
+    # sequence's decode) moved to the front
+    alone_seq = meta.token_seq.at[1:].set(len(seqs))
+    alone = np.asarray(run(q, dataclasses.replace(meta, token_seq=alone_seq), positions))
+    np.testing.assert_array_equal(alone[0], full[0])
+    order = np.r_[32, np.arange(32), np.arange(33, q.shape[0])]
+    moved = np.asarray(run(q[order], dataclasses.replace(meta, token_seq=meta.token_seq[order]), positions[order]))
+    np.testing.assert_array_equal(moved, full[order])
+
+
+def test_auto_picks_the_kernel_for_float32_caches_only():
+    shapes = dict(head_dim=64, num_kv_heads=4, block_size=64, sliding_window=None, platform="cpu")
+    impl, reason = select_attention("auto", cache_dtype=jnp.float32, **shapes)
+    assert (impl.kernel, impl.layout) == (("cpu", "blocks") if cpu.available() else ("reference", "blocks")), reason
+    impl, reason = select_attention("auto", cache_dtype=jnp.bfloat16, **shapes)
+    assert impl.kernel == "reference" and "float32" in reason
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: the CPU kernel reads float32"):
+        select_attention("cpu", cache_dtype=jnp.bfloat16, **shapes)
+    with pytest.raises(ValueError, match="platform 'gpu' is not the CPU"):
+        select_attention("cpu", cache_dtype=jnp.float32, **{**shapes, "platform": "gpu"})
+    assert select_attention("reference", cache_dtype=jnp.float32, **shapes)[0].kernel == "reference"
