@@ -173,6 +173,7 @@ def test_wheel_carries_the_presets_and_runs_outside_the_repository(tmp_path):
     for init in (REPO / "jaxserve").rglob("__init__.py"):
         rel = init.relative_to(REPO).as_posix()
         assert rel in names, f"package {init.parent.relative_to(REPO)} is missing from the wheel"
+    assert "jaxserve/kernels/cpu/paged_attention_cpu.cc" in names, "the CPU kernel's source is not in the wheel"
     assert {n.split("/", 1)[0] for n in names} == {"jaxserve", f"jaxserve-{VERSION}.dist-info"}
 
     # 3. a fresh environment with only the wheel installed
