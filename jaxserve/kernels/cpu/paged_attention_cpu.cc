@@ -99,6 +99,19 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     const int64_t c1 = std::min<int64_t>(BS, limit - base);
     const float* kb = k_cache + block * s.KVH * D * BS;  // [D, BS] of this kv head (offset by the caller)
     const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
+    // The next block lies elsewhere in memory (blocks are allocated in any
+    // order): ask for it now, so its first cache lines are not a stall per page.
+    if (j < last && j + 1 < s.M) {
+      const int32_t next = tables[row * s.M + j + 1];
+      if (next >= 0 && next < s.NB) {
+        const char* nk = reinterpret_cast<const char*>(k_cache + next * s.KVH * D * BS);
+        const char* nv = reinterpret_cast<const char*>(v_cache + next * s.KVH * BS * D);
+        for (int64_t off = 0; off < D * BS * static_cast<int64_t>(sizeof(float)); off += 64) {
+          __builtin_prefetch(nk + off);
+          __builtin_prefetch(nv + off);
+        }
+      }
+    }
     for (int64_t g = 0; g < G; ++g) {
       float* __restrict sc = scores + g * BS;
       const float* qg = q + g * D;
@@ -121,7 +134,16 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       }
       for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
       float mx = m[g];
-      for (int64_t c = 0; c < BS; ++c) mx = std::max(mx, sc[c]);
+      if constexpr (kBS == 64) {  // eight lanes of running maxima, not one 64-long chain
+        V8 vm = Load8(sc);
+        for (int i = 1; i < 8; ++i) {
+          const V8 x = Load8(sc + 8 * i);
+          vm = vm > x ? vm : x;
+        }
+        for (int i = 0; i < 8; ++i) mx = std::max(mx, vm[i]);
+      } else {
+        for (int64_t c = 0; c < BS; ++c) mx = std::max(mx, sc[c]);
+      }
       const float alpha = VecExp(m[g] - mx);
       float sum = 0.0f;
       for (int64_t c = 0; c < BS; ++c) {
