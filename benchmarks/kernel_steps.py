@@ -23,15 +23,14 @@ divided by the step time. Writes ``benchmarks/results/kernel-steps-<UTC>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+
 PREFILL = [(128, 16), (256, 8), (512, 4), (2048, 1), (128, 8)]  # (prompt length, prompts)
 DECODE = (64, 192)  # sequences, context
 
@@ -133,9 +132,7 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{row[b]['ms']}" for b in runners) + " | "
               + " | ".join(f"{row[b]['tokens_per_s']:.0f}" for b in runners) + " | "
               + " | ".join(f"{100 * row[b]['dense_share']:.0f}%" for b in runners) + " |")  # fmt: skip
-    stamp = time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
-    path = REPO / "benchmarks" / "results" / f"kernel-steps-{stamp}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = qc.write_stamped("kernel-steps", result)
     print(f"\nwrote {path}")
 
 

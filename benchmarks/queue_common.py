@@ -411,3 +411,11 @@ def write_results(name: str, data: dict[str, Any]) -> Path:
     path = RESULTS_DIR / (f"queue-{name}-{date}.json" if name else f"queue-{date}.json")
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def write_stamped(prefix: str, data: dict[str, Any]) -> Path:
+    """``benchmarks/results/<prefix>-<UTC date-time>.json`` (one file per run)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{prefix}-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path

@@ -1,0 +1,111 @@
+"""Where one compiled engine step spends its time, op by op (``jax.profiler``).
+
+    .venv/bin/python benchmarks/trace_step.py --step prefill      # 16 x 128-token prompts, one 2048-token step
+    .venv/bin/python benchmarks/trace_step.py --step decode       # 64 sequences at context 192
+
+Builds a ``ModelRunner`` on the preset's weights with the engine's default
+kernel choice, runs the step a few times untraced, then ``--repeats`` times
+under ``jax.profiler.trace(create_perfetto_trace=True)``, and sums the
+trace's complete events of the XLA CPU thunks per step: the YNNPACK fusions
+(the matmuls, with whatever XLA fused into them), the attention custom calls
+(``ffi_call``: the C++ kernel) and the other fusions by kind (element-wise
+work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+
+
+def category(name: str) -> str | None:
+    """The bucket of one trace event's name (None: not an XLA op, or a
+    container such as ``cond`` whose inner ops are counted themselves)."""
+    if name.startswith("ynn_fusion"):
+        return "matmuls (ynn fusions)"
+    if name.startswith("ffi_call"):
+        return "attention (ffi custom call)"
+    if re.match(r"^[a-z_]+_fusion(\.\d+)?$", name) or re.match(r"^(scatter|gather|copy|transpose|reduce)", name):
+        return "other: " + re.sub(r"(\.\d+)?$", "", name)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-56m")
+    ap.add_argument("--step", choices=["prefill", "decode"], default="prefill")
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.engine.buckets import Buckets
+    from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.kernels.backends import select_attention
+    from jaxserve.models.loader import load_model
+    from jaxserve.presets import resolve_model
+
+    loaded = load_model(resolve_model(args.model))
+    cfg = loaded.config
+    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
+                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
+    loaded.model.attention = impl
+    runner = ModelRunner(loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                         head_dim=cfg.head_dim, num_blocks=300, block_size=64, max_num_seqs=64,
+                         max_num_batched_tokens=2048, max_model_len=2048,
+                         buckets=Buckets(tokens=(64, 2048), seqs=(64,)))  # fmt: skip
+    runner.warmup()
+    greedy = {"temperature": 0.0, "logprobs": False}
+    rng = np.random.default_rng(0)
+    if args.step == "decode":
+        work = [SeqWork(token_ids=[5], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
+                for i in range(64)]  # fmt: skip
+    else:
+        work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(), start_pos=0,
+                        block_ids=list(range(1 + 2 * i, 3 + 2 * i)), sampling=greedy) for i in range(16)]  # fmt: skip
+    for _ in range(3):
+        runner.execute(work).fetch()
+    folder = Path(tempfile.mkdtemp(prefix="jaxserve-trace-"))
+    walls = []
+    try:
+        with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                runner.execute(work).fetch()
+                walls.append(time.perf_counter() - t)
+        (trace,) = glob.glob(str(folder / "**" / "*.trace.json.gz"), recursive=True)
+        events = json.load(gzip.open(trace))["traceEvents"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    per_step = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and (cat := category(e.get("name", ""))) is not None:
+            per_step[cat] += e["dur"] / 1000 / args.repeats  # microseconds -> ms per step
+    ops = sum(per_step.values())
+    result = {"command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "step": args.step,
+              "kernel": impl.kernel, "reason": reason, "step_ms_median": round(1000 * float(np.median(walls)), 1),
+              "ops_ms_per_step": {k: round(v, 2) for k, v in per_step.most_common()}}  # fmt: skip
+    print(f"{args.step} step, {impl.kernel} attention: median {result['step_ms_median']} ms wall\n")
+    print("| ops | ms per step | share of op time |\n|---|---|---|")
+    for k, v in per_step.most_common(12):
+        print(f"| {k} | {v:.1f} | {100 * v / ops:.0f}% |")
+    path = qc.write_stamped(f"trace-{args.step}", result)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
