@@ -150,13 +150,24 @@ def checkpoint(tmp_path_factory):
     )
 
 
+# XLA's CPU runtime aborts a process whose virtual devices do not all reach an
+# all-reduce within 40 s; on a 2-core machine that happened once in three full
+# runs of this session (3 of 4 devices arrived), in the Pallas interpret child.
+# That abort, and only that, earns one more try: any other failure, or a
+# wrong result, fails at once.
+_RENDEZVOUS_ABORT = "Termination timeout for `all reduce"
+
+
 def _run_child(*args: str) -> dict:
     """The child script on 4 virtual CPU devices (XLA_FLAGS set before JAX starts there)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, *args],
-        env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
-    )
+    for _attempt in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, *args],
+            env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
+        )
+        if proc.returncode == 0 or _RENDEZVOUS_ABORT not in proc.stderr:
+            break
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, (
         f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
