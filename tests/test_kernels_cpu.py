@@ -134,3 +134,20 @@ def test_auto_picks_the_kernel_for_float32_caches_only():
     with pytest.raises(ValueError, match="platform 'gpu' is not the CPU"):
         select_attention("cpu", cache_dtype=jnp.float32, **{**shapes, "platform": "gpu"})
     assert select_attention("reference", cache_dtype=jnp.float32, **shapes)[0].kernel == "reference"
+
+
+@needs_kernel
+def test_the_engine_default_on_cpu_is_the_kernel_and_plans_no_block_major_step():
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.engine import Engine
+
+    engine = Engine(EngineArgs(model="tiny", max_num_seqs=2, max_model_len=128))
+    runner = engine.runner
+    assert engine.attention.kernel == "cpu" and runner.kv_cache.layout == "blocks"
+    # a decode step of sequences holding the whole cache would be block-major
+    # on the pure-JAX kernel; the C++ kernel never reads that plan
+    tables = np.zeros((3, runner.max_blocks_per_seq), np.int32)
+    usable = np.arange(1, runner.num_blocks)
+    tables[0, : len(usable[::2])], tables[1, : len(usable[1::2])] = usable[::2], usable[1::2]
+    owner, index, major = runner._block_major_plan(tables, 2, np.ones(2, np.int32))
+    assert not runner.plans_block_major and not bool(major) and np.all(owner == runner.max_num_seqs)

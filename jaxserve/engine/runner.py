@@ -126,7 +126,11 @@ class ModelRunner:
         # The model carries its kernel choice (the cache layout it reads) and
         # its tensor-parallel mesh (jaxserve.models.sharding): the cache is
         # created in that layout, sharded on its kv heads over the mesh.
-        layout = getattr(model, "attention", REFERENCE).layout
+        attention = getattr(model, "attention", REFERENCE)
+        layout = attention.layout
+        #: only the pure-JAX kernel reads the block-major plan (``_block_major_plan``);
+        #: for the others each step gets the same empty one, no host work
+        self.plans_block_major = attention.kernel == REFERENCE.kernel
         self.mesh = getattr(model, "mesh", None)
         self._replicated = (
             None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -455,10 +459,13 @@ class ModelRunner:
         the cache once instead of gathering each sequence's blocks: it wins
         when the step's sequences hold most of the cache, and it needs one
         token per sequence and no block shared by two sequences (prefix
-        caching shares blocks).
+        caching shares blocks). Kernels other than the pure-JAX one never
+        run it: their steps say so (``plans_block_major``).
         """
         owner = np.full(self.num_blocks, self.max_num_seqs, np.int32)  # the padding row
         index = np.zeros(self.num_blocks, np.int32)
+        if not self.plans_block_major:
+            return owner, index, np.asarray(False)
         table = block_tables[:rows]
         row, col = np.nonzero(table > 0)
         blocks = table[row, col]

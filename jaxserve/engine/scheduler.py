@@ -320,8 +320,12 @@ class Scheduler:
         # batch admissions, so an interactive prefill never waits behind a
         # batch prefill chunk for the step's token budget.
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        # A step that starts an interactive prompt is that prompt's own
+        # (SchedulerConfig.interactive_prefill_alone): batch decodes wait.
         alone = cfg.interactive_prefill_alone and self._interactive_prompt_pending(interactive)
-        if alone:  # this step is the interactive prompt's own (SchedulerConfig)
+        held: list[Request] = []
+        if alone:
+            held = [r for r in decodes if r.request_class != RequestClass.INTERACTIVE]
             decodes = [r for r in decodes if r.request_class == RequestClass.INTERACTIVE]
         budget = self._plan_running(decodes, budget, planned, preempted)
         budget = self._plan_running([r for r in interactive if r.num_tokens_to_compute > 1], budget, planned, preempted)
@@ -329,11 +333,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, planned, (RequestClass.INTERACTIVE,), preempted)
         if alone and any(n > 1 or is_new for _, n, is_new in planned.values()):
             return self._plan(planned, preempted)
-        if alone:  # no interactive prompt could start after all: batch decodes as usual
-            budget = self._plan_running(
-                [r for r in self.running if r.num_tokens_to_compute == 1 and r.request_class != RequestClass.INTERACTIVE],
-                budget, planned, preempted,
-            )  # fmt: skip
+        # no interactive prompt could start after all: the batch decodes as usual
+        budget = self._plan_running(held, budget, planned, preempted)
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))

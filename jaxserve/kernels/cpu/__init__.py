@@ -103,11 +103,10 @@ def available() -> bool:
         return ok
 
 
-def unsupported(cache_dtype, layout: str = "blocks") -> str | None:
-    """Why the C++ kernel cannot serve a cache (``None``: it can). It reads
-    float32 caches in the ``blocks`` layout; availability is :func:`available`."""
-    if layout != "blocks":
-        return f"the CPU kernel reads the 'blocks' cache layout, not {layout!r}"
+def unsupported(cache_dtype) -> str | None:
+    """Why the C++ kernel cannot serve a cache of ``cache_dtype`` (``None``:
+    it can). It reads float32 caches (in the ``blocks`` layout, which
+    choosing it implies); availability is :func:`available`."""
     if jnp.dtype(cache_dtype) != jnp.float32:
         return f"the CPU kernel reads float32 caches, not {jnp.dtype(cache_dtype).name}"
     return None
