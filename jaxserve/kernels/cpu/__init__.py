@@ -28,10 +28,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import structlog
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.paged_attention import visible_keys
+from jaxserve.presets import cache_dir
 
 log = structlog.get_logger(__name__)
 
@@ -55,10 +57,6 @@ def _compiler() -> str | None:
 
 
 def _library_path(compiler: str) -> Path:
-    from jaxserve.presets import cache_dir  # noqa: PLC0415 - presets imports heavy modules lazily too
-
-    import jaxlib  # noqa: PLC0415
-
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(" ".join((compiler, jaxlib.__version__, *FLAGS)).encode())
