@@ -145,8 +145,14 @@ class Run:
     def worker(self, args: list[str], *, env: dict[str, str] | None = None, url: str | None = None, echo: bool = True) -> WorkerProc:
         n = len(self.workers)
         engine = ["--engine", ECHO_ENGINE] if echo else []
+        # The suite is about faults, not admission: a fault that stalls the
+        # worker for seconds leaves interactive jobs in the broker past
+        # --target-ttft, and the broker-wait rule (tests/test_queue_admission.py)
+        # rightly answers them `overloaded`; out of reach here, as in
+        # tests/test_queue_worker.py's stalled-prefetch test.
+        admission = ["--target-ttft", "600"]
         w = WorkerProc(self.ctx.src, self.dir / f"worker-{n}.log", url or self.ctx.url, self.prefix,
-                       [*engine, "--drain-timeout", "3", *args], env=env)
+                       [*engine, "--drain-timeout", "3", *admission, *args], env=env)
         self.workers.append(w)
         return w.start()
 
