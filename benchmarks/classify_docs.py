@@ -61,8 +61,10 @@ def jaxserve_inputs(llmq_jobs: Path, folder: Path) -> tuple[Path, Path]:
 def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.Namespace, extra: list[str]) -> dict:
     prefix = qc.new_prefix(f"cls-{name}")
     engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    prefetch = args.batch_prefetch or args.max_num_seqs
     worker = qc.WorkerProc(prefix, engine, ["--store", "memory", "--log-level", "warning",
-                                            "--batch-prefetch", str(args.max_num_seqs)], folder / f"{name}-worker.log")  # fmt: skip
+                                            "--batch-prefetch", str(prefetch), *args.worker_arg],
+                           folder / f"{name}-worker.log")  # fmt: skip
     try:
         startup = worker.wait_consuming(timeout=600)
         out = folder / f"{name}-out.jsonl"
@@ -120,6 +122,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-in-flight", type=int, default=512)
+    ap.add_argument("--batch-prefetch", type=int, default=None, help="jaxserve worker --batch-prefetch (default: --max-num-seqs)")
+    ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
     ap.add_argument("--load-max", type=float, default=1.5, help="llmq harness: wait for a 1-min load below this")
     args = ap.parse_args()
     from jaxserve.presets import resolve_model

@@ -71,12 +71,17 @@ class _Req:
         self.full, self.reason = expected_completion(self.prompt_text, params.max_tokens, tuple(params.stop))
         self.pieces = [p for p in re.findall(r"\S*\s*", self.full) if p]
         self.pos = 0
+        self.held_first = HELD_FIRST_MARKER in self.prompt_text
         self.label_logprobs: list[float] | None = None
         self.label_tokens = 0
 
 
 # A prompt containing this makes EchoEngine fail that request's step (alone).
 FAIL_MARKER = "<<fail-step>>"
+# A prompt containing this gets a first token whose text is held back (as a
+# real detokenizer holds part of a UTF-8 character), after which the engine
+# stalls until the test unstalls it.
+HELD_FIRST_MARKER = "<<held-first>>"
 
 
 class EchoEngine:
@@ -219,6 +224,11 @@ class EchoEngine:
             if r.label_logprobs is not None:
                 del self.running[rid]
                 outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="stop", prompt_tokens=r.prompt_tokens + r.label_tokens, label_logprobs=list(r.label_logprobs)))
+                continue
+            if r.held_first:
+                r.held_first = False
+                outs.append(RequestOutput(rid, [1], ""))  # a token, its text held back
+                self.gate.clear()
                 continue
             delta = r.pieces[r.pos] if r.pos < len(r.pieces) else ""
             r.pos += 1

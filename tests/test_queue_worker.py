@@ -18,6 +18,7 @@ from jaxserve.worker.store import Record, RedisStore
 from jaxserve.wire.topology import Topology, TopologyMismatch, declare_topology
 from queue_support import (  # noqa: F401 - fixtures
     AMQP_URL,
+    HELD_FIRST_MARKER,
     EchoEngine,
     client,
     expected_completion,
@@ -90,6 +91,32 @@ async def test_raw_chunks_in_order_final_carries_key(harness, prefix):
         assert [c["seq"] for c in chunks] == list(range(len(chunks)))
         assert bodies[-1]["type"] == "result" and msgs[-1].message_id == key and bodies[-1]["id"] == key
         assert "".join(c["text"] for c in chunks) == bodies[-1]["text"] == expected_completion("one two three", 12)[0]
+    finally:
+        await conn.close()
+
+
+async def test_first_token_is_streamed_while_its_text_is_held_back(harness, prefix):
+    """Time to first token is the first chunk: a first token whose text the
+    detokenizer still holds (part of a UTF-8 character) goes out as an
+    empty chunk carrying the token, not with the next decodable text."""
+    eng = await harness.start(EchoEngine(step_s=0.001))
+    conn, q = await _raw_reply_queue(prefix)
+    try:
+        key = "held-" + uuid.uuid4().hex
+        prompt = f"{HELD_FIRST_MARKER} one two"
+        await raw_publish(prefix, orjson.dumps({"prompt": prompt, "max_tokens": 3, "stream": True}), message_id=key,
+                          reply_to=q.name, correlation_id="c")
+        # the engine stalls right after the held token: only the first chunk can be out
+        first = await _collect(q, lambda ms: len(ms) >= 1)
+        assert orjson.loads(first[0].body) | {"run": None} == {"type": "chunk", "id": key, "seq": 0, "text": "", "run": None, "tokens": 1}
+        await asyncio.sleep(0.2)
+        assert await q.get(no_ack=True, fail=False) is None  # nothing more while stalled
+        eng.engine.unstall()
+        rest = await _collect(q, lambda ms: any(orjson.loads(m.body)["type"] == "result" for m in ms))
+        bodies = [orjson.loads(m.body) for m in first + rest]
+        chunks = [b for b in bodies if b["type"] == "chunk"]
+        assert [c["seq"] for c in chunks] == list(range(len(chunks))) and len(chunks) >= 2
+        assert "".join(c["text"] for c in chunks) == bodies[-1]["text"] == expected_completion(prompt, 3)[0]
     finally:
         await conn.close()
 

@@ -80,7 +80,10 @@ class Chunk(_Reply):
     type: Literal["chunk"] = "chunk"
     id: str = Field(description="The job's key (its message_id).")
     seq: Annotated[int, Field(ge=0)]
-    text: str = Field(description="Text delta (never splits a UTF-8 character).")
+    text: str = Field(
+        description="Text delta (never splits a UTF-8 character). May be empty: the first token is sent at once "
+        "even when its text is still held back (part of a character), so the first chunk marks time to first token."
+    )
     run: str | None = Field(default=None, description="Id of this execution of the job.")
     tokens: Annotated[int, Field(ge=0)] | None = Field(default=None, description="Tokens the delta carries.")
 

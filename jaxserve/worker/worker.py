@@ -908,6 +908,13 @@ class Worker:
                     kj.outbox.set()
             elif out.new_token_ids and kj.first_token_mono is None:
                 self._first_token(kj)
+                if kj.job.stream:
+                    # The first token goes out at once, even while its text
+                    # is held back (part of a UTF-8 character, a piece that
+                    # may merge with the next): the caller's time to first
+                    # token is this chunk, not the first decodable text.
+                    kj.pending_text.append("")
+                    kj.outbox.set()
             if out.finished:
                 kj.in_engine = False
                 kj.engine_metrics = out.metrics
