@@ -161,11 +161,14 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
     clock); per phase: the worker loop's lag and the engine's batch size."""
     data = json.load(open(path))
     jobs = data["jobs"]
+    steps_by_start = sorted(data["steps"])
     for phase in ("idle", "loaded"):
         for r in res[phase]:
             j = jobs.get(r["key"], {})
             if "received" in j:
                 r["publish_to_received_s"] = round(j["received"] - r["t0"], 5)
+                if r.get("worker_ttft_s") is not None:
+                    r["timeline"] = timeline(steps_by_start, j, j["received"] + r["worker_ttft_s"])
     out: dict[str, Any] = {}
     for phase, spans in res["spans"].items():
         lag = sorted(x[1] for x in data["loop_lag"] if any(a <= x[0] <= b for a, b in spans))
@@ -178,6 +181,25 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
             "engine_step_ms_median": round(1000 * qc.median([s[1] for s in steps]), 3) if steps else None,
         }
     return out
+
+
+def timeline(steps: list[list[float]], job: dict[str, float], first_token: float) -> dict[str, Any]:
+    """Where one job's delivery -> first token went, on the worker's clock:
+    the rest of the engine step running when it was received, the steps
+    that ran after that before the one that made its first token, and that
+    step's own duration (steps are ``(start, duration, ...)``)."""
+    t = job["received"]
+    inflight = [s for s in steps if s[0] <= t < s[0] + s[1]]
+    after = [s for s in steps if s[0] >= t and s[0] + s[1] <= first_token + 1e-4]
+    own = after[-1] if after else None
+    return {
+        "inflight_rest_ms": round(1000 * (inflight[0][0] + inflight[0][1] - t), 2) if inflight else 0.0,
+        "admitted_ms": round(1000 * (job["admitted"] - t), 2) if "admitted" in job else None,
+        "steps_between": len(after) - 1 if after else 0,
+        "steps_between_ms": round(1000 * sum(s[1] for s in after[:-1]), 2) if after else 0.0,
+        "own_step_ms": round(1000 * own[1], 2) if own else None,
+        "after_own_step_ms": round(1000 * (first_token - own[0] - own[1]), 2) if own else None,
+    }
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -272,6 +294,14 @@ def main() -> None:
             for phase, summ_ in (("idle", idle), ("loaded", loaded))
         },
     }
+    if profile is not None:
+        # Medians of each part of the worker's delivery -> first token.
+        summary["timeline_median_ms"] = {
+            phase: {name: qc.median([r["timeline"][name] for r in res[phase] if r.get("timeline", {}).get(name) is not None])
+                    for name in ("inflight_rest_ms", "admitted_ms", "steps_between", "steps_between_ms", "own_step_ms",
+                                 "after_own_step_ms")}
+            for phase in ("idle", "loaded")
+        }
     data = {
         "benchmark": "queue_interactive_ttft",
         "command": " ".join([".venv/bin/python", "benchmarks/queue_interactive_ttft.py", *sys.argv[1:]]),

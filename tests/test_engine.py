@@ -277,3 +277,29 @@ def test_async_scheduling_equals_sync(checkpoint):
     assert n_sync == 0 and n_async > 10
     assert overlapped == sync
     assert sync["r1"][2] == "stop" and len(sync["r1"][0]) < 9
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_admitted_by_before_plan_joins_that_plan(checkpoint, async_scheduling):
+    """``step()`` collects the step in flight and plans the next inside one
+    call; a request the ``before_plan`` hook adds (the worker's thread admits
+    arrivals there) is in the step planned by that very call, so its first
+    token comes back from the next call, not the one after."""
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
+                               block_size=16, async_scheduling=async_scheduling))
+    engine.warmup()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("r0", [11, 12, 13, 14], params)
+    assert engine.step() == []  # r0's prefill launched
+    calls = []
+
+    def arrive():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            engine.add_request("r1", [21, 22, 23], params)
+
+    engine.before_plan = arrive
+    second = {o.request_id: len(o.new_token_ids) for o in engine.step()}
+    assert second == {"r0": 1} and calls == [0]
+    third = {o.request_id: len(o.new_token_ids) for o in engine.step()}
+    assert third == {"r0": 1, "r1": 1} and calls == [0, 1]

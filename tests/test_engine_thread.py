@@ -32,6 +32,8 @@ class FakeEngine:
         self.gated = gated
         self.in_step = threading.Event()
         self.release = threading.Event()
+        self.before_plan = None  # set by EngineThread; step() calls it after the gate, as it plans
+        self.log: list[str] = []  # commands and plans, in the order they happened
 
     def has_unfinished(self) -> bool:
         return bool(self.script)
@@ -44,12 +46,16 @@ class FakeEngine:
         action = self.script.pop(0)
         if isinstance(action, BaseException):
             raise action
+        if self.before_plan is not None:
+            self.before_plan()
+        self.log.append("plan")
         return [RequestOutput(request_id=f"s{self.step_calls}", new_token_ids=[1], new_text="x")]
 
     def add_request(self, request_id, prompt, params, **_kw) -> None:
-        pass
+        self.log.append(f"add {request_id}")
 
     def abort(self, request_id: str) -> bool:
+        self.log.append(f"abort {request_id}")
         return True
 
     def warmup(self) -> None:
@@ -187,3 +193,41 @@ async def test_stop_fails_commands_queued_behind_it_without_on_fatal():
     assert err.__cause__ is None and "stopped" in str(err)
     assert h.fatal == [] and h.thread.fatal_error is None
     await _dead(h.thread.abort("y"))
+
+
+async def test_admissions_queued_during_a_step_join_its_plan_other_commands_wait_in_order():
+    """Requests that arrive while a step computes are admitted by the
+    engine's before_plan hook, inside that step, so they are in the plan it
+    makes; a non-admission command and everything behind it keep their order
+    and run after the step, while the step still counts as busy."""
+    engine = FakeEngine(gated=True)
+    h = Harness(engine)
+    await h.thread.call(lambda e: e.script.extend(["ok", "ok"]))
+    await h.until(engine.in_step.is_set)
+    params = SamplingParams(max_tokens=1)
+    a, b = h.thread.add_request("a", [1], params), h.thread.add_request("b", [1], params)
+    stop_c = h.thread.abort("c")
+    d = h.thread.add_request("d", [1], params)
+    busy_during = []
+    engine.before_plan = (lambda hook: lambda: (hook(), busy_during.append(h.thread.busy_since_mono)))(engine.before_plan)
+    engine.release.set()
+    await asyncio.wait_for(asyncio.gather(a, b, stop_c, d), 5)
+    await h.until(lambda: engine.log.count("plan") == 2)
+    assert engine.log == ["add a", "add b", "plan", "abort c", "add d", "plan"]
+    assert busy_during[0] is not None  # the admissions ran within the busy step
+    h.thread.stop()
+
+
+def test_the_worker_engine_defaults_favour_interactive_jobs(monkeypatch):
+    """A queue worker's engine plans each step after the arrivals of the
+    previous one (no async scheduling), unless the operator asks for it."""
+    from jaxserve.engine.engine import Engine
+    from jaxserve.worker.factory import build_engine, parse_engine_args
+
+    seen = []
+    monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, **kw: seen.append(kw) or kw))
+    build_engine("tiny", max_num_seqs=8)
+    build_engine("tiny", **parse_engine_args(["async_scheduling=true", "policy=fcfs"]))
+    assert seen[0] == {"model": "tiny", "max_num_seqs": 8, "policy": "priority", "async_scheduling": False,
+                       "interactive_reserved_seqs": 2}
+    assert seen[1]["async_scheduling"] is True and seen[1]["policy"] == "fcfs"

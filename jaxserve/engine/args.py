@@ -34,7 +34,9 @@ class EngineArgs:
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async
       scheduling). A request ending on a stop id then computes one extra,
-      discarded token.
+      discarded token. On by default here (offline throughput); a queue
+      worker turns it off unless asked (``jaxserve.worker.factory``), since
+      a step launched ahead cannot take a job that arrives meanwhile.
     - ``block_size``: tokens per KV block, also the prefix cache's unit of
       sharing. 64 by default: paged attention reads a sequence's context one
       block per loop iteration, and bigger blocks mean fewer, larger gathers

@@ -30,7 +30,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +165,13 @@ class Engine:
         self.num_steps = 0
         self.async_scheduling = args.async_scheduling
         self.num_overlapped_steps = 0  # steps collected after the next one was launched
+        # Called on the engine's thread right before each batched step is
+        # planned (inside step(), after the step in flight was collected or,
+        # with async scheduling, launched): a caller that queues requests
+        # from other threads admits them here, so that a request that arrived
+        # while the previous step computed joins this plan, not the next one
+        # (the worker's EngineThread does). It must not raise.
+        self.before_plan: Callable[[], None] | None = None
         concurrency = (self.num_blocks - 1) // self.scheduler_config.max_blocks_per_seq
         log.info(
             "engine.kv_cache",
@@ -507,6 +514,8 @@ class Engine:
         """Plan and launch the next step. ``prev``: the in-flight step's device
         tokens and each sampling request's row in them, for tokens still
         pending (see ``_collect_overlapped``)."""
+        if self.before_plan is not None:
+            self.before_plan()
         self._planning = True
         plan = self.scheduler.schedule()
         self._planning = False

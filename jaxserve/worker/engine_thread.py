@@ -6,6 +6,14 @@ futures; step outputs are delivered to the event loop with
 ``loop.call_soon_threadsafe``. While the engine has work the thread loops
 ``step()``; when idle it blocks on the command queue.
 
+Arrivals join the very next plan. ``Engine.step`` collects the step in
+flight and plans the next one inside one call, so a request queued while a
+step computes would otherwise wait for the plan after that one: a whole
+extra step before an interactive prompt starts. The thread therefore sets
+the engine's ``before_plan`` hook to run the admissions (``add_request``,
+``add_score_request``) queued so far; any other command, and everything
+queued behind it, keeps its order and runs after the step.
+
 Failure handling:
 
 - A ``step()`` that raises is reported to ``on_step_error`` (on the loop) and
@@ -88,7 +96,12 @@ class EngineThread:
         self.on_step_error = on_step_error
         self.on_fatal = on_fatal
         self.max_consecutive_step_failures = max_consecutive_step_failures
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future, is_admission) or _STOP
+        # Commands the before_plan hook took off the queue but left for the
+        # loop (a non-admission, to keep the order); the loop runs them first.
+        self._deferred: list[Any] = []
+        if hasattr(engine, "before_plan"):
+            engine.before_plan = self._admit_arrivals
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         # Guards the hand-over between _call queueing a command and the dying
@@ -111,12 +124,12 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def _call(self, fn: Callable[[], Any]) -> asyncio.Future:
+    def _call(self, fn: Callable[[], Any], admission: bool = False) -> asyncio.Future:
         fut = self.loop.create_future()
         with self._lock:
             dead = self._dead
             if dead is None:
-                self._cmds.put((fn, fut))
+                self._cmds.put((fn, fut, admission))
         if dead is not None:
             fut.set_exception(self._dead_error())
         return fut
@@ -143,7 +156,8 @@ class EngineThread:
         return self._call(
             lambda: self.engine.add_request(
                 request_id, prompt, params, request_class=request_class, priority=priority, deadline=deadline
-            )
+            ),
+            admission=True,
         )
 
     def add_score_request(
@@ -161,7 +175,8 @@ class EngineThread:
         return self._call(
             lambda: self.engine.add_score_request(
                 request_id, prompt, labels, request_class=request_class, priority=priority, deadline=deadline
-            )
+            ),
+            admission=True,
         )
 
     def abort(self, request_id: str) -> asyncio.Future:
@@ -199,21 +214,41 @@ class EngineThread:
         except RuntimeError:  # loop closed
             pass
 
-    def _run_cmd(self, item: Any) -> bool:
+    def _run_cmd(self, item: Any, within_step: bool = False) -> bool:
         if item is _STOP:
             return False
-        fn, fut = item
-        self.busy_since_mono = time.monotonic()
+        fn, fut, _admission = item
+        if not within_step:
+            self.busy_since_mono = time.monotonic()
         result = error = None
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - forwarded to the awaiting coroutine
             error = exc
-        # Not busy any more before the caller can see the outcome.
+        # Not busy any more before the caller can see the outcome (within a
+        # step, the step still is).
         self.last_progress_mono = time.monotonic()
-        self.busy_since_mono = None
+        if not within_step:
+            self.busy_since_mono = None
         self._resolve(fut, result, error)
         return True
+
+    def _admit_arrivals(self) -> None:
+        """The engine's ``before_plan`` hook (see the module docstring): run
+        the admissions queued so far; stop at the first other command, which
+        waits in ``_deferred`` for the loop, with everything behind it still
+        queued."""
+        if self._deferred:
+            return
+        while True:
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if item is _STOP or not item[2]:
+                self._deferred.append(item)
+                return
+            self._run_cmd(item, within_step=True)
 
     def _run(self) -> None:
         escaped: BaseException | None = None
@@ -229,14 +264,17 @@ class EngineThread:
         engine = self.engine
         while True:
             # Block when idle; otherwise drain pending commands and step.
-            if not engine.has_unfinished():
+            if not engine.has_unfinished() and not self._deferred:
                 if not self._run_cmd(self._cmds.get()):
                     return
             while True:
-                try:
-                    item = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
+                if self._deferred:
+                    item = self._deferred.pop(0)
+                else:
+                    try:
+                        item = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
                 if not self._run_cmd(item):
                     return
             if not engine.has_unfinished():
@@ -304,7 +342,7 @@ class EngineThread:
             dead = (f"the engine thread died: {cause!r}", cause)
         with self._lock:
             self._dead = dead
-            pending = []
+            pending, self._deferred = self._deferred, []
             while True:
                 try:
                     pending.append(self._cmds.get_nowait())
