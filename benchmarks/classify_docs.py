@@ -62,20 +62,30 @@ def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.
     prefix = qc.new_prefix(f"cls-{name}")
     engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     prefetch = args.batch_prefetch or args.max_num_seqs
+    extra_args, env = list(args.worker_arg), {}
+    profile_path = folder / f"{name}-worker-profile.json"
+    if args.profile:  # benchmarks/queue_profile.py's instrumented engine
+        extra_args += ["--engine", "queue_profile:build_engine"]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
     worker = qc.WorkerProc(prefix, engine, ["--store", "memory", "--log-level", "warning",
-                                            "--batch-prefetch", str(prefetch), *args.worker_arg],
-                           folder / f"{name}-worker.log")  # fmt: skip
+                                            "--batch-prefetch", str(prefetch), *extra_args],
+                           folder / f"{name}-worker.log", env=env)  # fmt: skip
     try:
         startup = worker.wait_consuming(timeout=600)
         out = folder / f"{name}-out.jsonl"
         cmd = [qc.jaxserve_exe(), "batch", str(inp), "-o", str(out), "--prefix", prefix, "--amqp-url", qc.AMQP_URL,
                "--no-progress", "--max-in-flight", str(args.max_in_flight), "--idle-timeout", "300", *extra]  # fmt: skip
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
+        wall, m1 = time.perf_counter() - t0, time.monotonic()
     finally:
         worker.stop()
         qc.delete_topology(prefix)
+    profile = None
+    if args.profile and profile_path.exists():
+        import queue_profile
+
+        profile = queue_profile.summarize(str(profile_path), m0, m1)
     lines = [json.loads(x) for x in out.read_text().splitlines() if x.strip()]
     ok = [x for x in lines if x.get("status") == "ok"]
     prompt_tokens = sum(x["usage"]["prompt_tokens"] for x in ok)
@@ -84,7 +94,7 @@ def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.
         "jobs_per_s": round(len(ok) / wall, 3), "prompt_tokens": prompt_tokens,
         "prompt_tokens_per_s": round(prompt_tokens / wall, 1), "batch_rc": proc.returncode,
         "batch_summary": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
-        "example": (ok[0].get("text") if ok else None),
+        "example": (ok[0].get("text") if ok else None), "worker_profile": profile,
     }  # fmt: skip
 
 
@@ -124,6 +134,9 @@ def main() -> None:
     ap.add_argument("--max-in-flight", type=int, default=512)
     ap.add_argument("--batch-prefetch", type=int, default=None, help="jaxserve worker --batch-prefetch (default: --max-num-seqs)")
     ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
+    ap.add_argument("--profile", action="store_true",
+                    help="jaxserve workers with benchmarks/queue_profile.py's instrumentation: engine occupancy per step, "
+                         "each job's phases (measurement only; the figures of a profiled run are not quoted as speed)")
     ap.add_argument("--load-max", type=float, default=1.5, help="llmq harness: wait for a 1-min load below this")
     args = ap.parse_args()
     from jaxserve.presets import resolve_model

@@ -349,7 +349,7 @@ def main() -> None:
     profile_path = tmp / "worker-profile.json"
     if args.profile:
         worker_extra += ["--engine", "queue_profile:build_engine"]
-        worker_env = {"PYTHONPATH": str(Path(__file__).resolve().parent), "QUEUE_PROFILE_OUT": str(profile_path)}
+        worker_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
         if args.cprofile:
             worker_env["QUEUE_PROFILE_CPROFILE"] = str(tmp / "worker-loop.pstats")
     worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)

@@ -228,6 +228,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="Worker with benchmarks/queue_profile.py's instrumentation: per interactive job, publish -> "
                          "delivery on the worker's loop (same monotonic clock), and the loop's lag per phase.")
+    ap.add_argument("--late-admission", action="store_true",
+                    help="With --profile: the engine ignores the worker's before_plan hook (the behaviour before "
+                         "3652a22; add --worker-arg=--engine-arg --worker-arg=async_scheduling=true for its defaults)")
     ap.add_argument("--label", default="ttft")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-save", action="store_true")
@@ -242,8 +245,9 @@ def main() -> None:
     worker_extra, worker_env = list(args.worker_arg), {}
     profile_path = tmp / "worker-profile.json"
     if args.profile:
-        worker_extra += ["--engine", "queue_profile:build_engine"]
-        worker_env = {"PYTHONPATH": str(Path(__file__).resolve().parent), "QUEUE_PROFILE_OUT": str(profile_path)}
+        factory = "build_engine_late_admission" if args.late_admission else "build_engine"
+        worker_extra += ["--engine", f"queue_profile:{factory}"]
+        worker_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
     worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)
     print(f"worker pid {worker.pid} prefix {prefix}: {' '.join(worker.cmd)}", file=sys.stderr)
     try:

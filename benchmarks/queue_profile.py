@@ -249,3 +249,17 @@ def loop_breakdown(pstats_path: str, jobs: int) -> dict[str, Any]:
         "by_group_ms_per_job": {k: round(1000 * v / max(jobs, 1), 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
         "top_self_time": [{"fn": w.replace(os.getcwd() + "/", ""), "ms_per_job": round(1000 * t / max(jobs, 1), 4)} for t, w in top[:15]],
     }
+
+
+def build_engine_late_admission(**kwargs: Any) -> Any:
+    """``build_engine`` with the behaviour before commit 3652a22, for A/B
+    runs: the engine ignores the worker's ``before_plan`` hook, so a job that
+    arrives during a step waits for the plan after the next one (pair with
+    ``--engine-arg async_scheduling=true``, the old worker default)."""
+    engine = build_engine(**kwargs)
+
+    class _LateAdmission(type(engine)):  # type: ignore[misc, valid-type]
+        before_plan = property(lambda self: None, lambda self, _hook: None)
+
+    engine.__class__ = _LateAdmission
+    return engine

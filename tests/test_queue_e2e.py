@@ -112,7 +112,10 @@ async def test_cut_connection_during_stream_loses_nothing(harness, client, prefi
     assert "".join(got) == want == s.result.text
     r = await client.wait(other, timeout=30)
     assert r.ok and r.text == expected_completion("a plain job", 100)[0]
-    assert w.stats["reconnect_interactive"] >= 1 and w.stats["reconnect_batch"] >= 1 and w.stats["reconnect_publish"] >= 1
+    # every connection comes back (a consumer whose queue had nothing left to
+    # deliver may do so after both jobs ended, on a busy machine)
+    names = ("reconnect_interactive", "reconnect_batch", "reconnect_publish")
+    await wait_until(lambda: all(w.stats[n] >= 1 for n in names), timeout=20)
     assert eng.add_count[s.key] == 1 and eng.add_count[other] == 1  # never run twice
     # the redeliveries were fenced and acked: nothing left in the queues
     await wait_until(lambda: not w.active, timeout=10)
