@@ -60,7 +60,8 @@ def jaxserve_inputs(llmq_jobs: Path, folder: Path) -> tuple[Path, Path]:
 
 def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.Namespace, extra: list[str]) -> dict:
     prefix = qc.new_prefix(f"cls-{name}")
-    engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_model_len": args.max_model_len}
     prefetch = args.batch_prefetch or args.max_num_seqs
     extra_args, env = list(args.worker_arg), {}
     profile_path = folder / f"{name}-worker-profile.json"
@@ -131,6 +132,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="jaxserve engine max_model_len, as the llmq harness's VLLM_MAX_MODEL_LEN (it also sizes the KV "
+                         "cache: max_num_seqs requests of this length, which the worker allocates before it is ready)")
     ap.add_argument("--max-in-flight", type=int, default=512)
     ap.add_argument("--batch-prefetch", type=int, default=None, help="jaxserve worker --batch-prefetch (default: --max-num-seqs)")
     ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
