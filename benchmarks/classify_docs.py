@@ -66,8 +66,8 @@ def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.
     extra_args, env = list(args.worker_arg), {}
     profile_path = folder / f"{name}-worker-profile.json"
     if args.profile:  # benchmarks/queue_profile.py's instrumented engine
-        extra_args += ["--engine", "queue_profile:build_engine"]
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
+        flags, env = qc.profiled_worker(profile_path)
+        extra_args += flags
     worker = qc.WorkerProc(prefix, engine, ["--store", "memory", "--log-level", "warning",
                                             "--batch-prefetch", str(prefetch), *extra_args],
                            folder / f"{name}-worker.log", env=env)  # fmt: skip

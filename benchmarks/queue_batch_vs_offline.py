@@ -348,8 +348,8 @@ def main() -> None:
     worker_extra, worker_env = list(args.worker_arg), {}
     profile_path = tmp / "worker-profile.json"
     if args.profile:
-        worker_extra += ["--engine", "queue_profile:build_engine"]
-        worker_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
+        flags, worker_env = qc.profiled_worker(profile_path)
+        worker_extra += flags
         if args.cprofile:
             worker_env["QUEUE_PROFILE_CPROFILE"] = str(tmp / "worker-loop.pstats")
     worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)

@@ -419,3 +419,12 @@ def write_stamped(prefix: str, data: dict[str, Any]) -> Path:
     path = RESULTS_DIR / f"{prefix}-{time.strftime('%Y-%m-%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+def profiled_worker(profile_path: Path, factory: str = "build_engine") -> tuple[list[str], dict[str, str]]:
+    """``jaxserve worker`` flags and environment for one of
+    ``queue_profile.py``'s instrumented engine factories, which writes its
+    record to ``profile_path`` when the worker exits (benchmarks/ joins the
+    caller's ``PYTHONPATH`` so the worker can import it)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
+    return ["--engine", f"queue_profile:{factory}"], {"PYTHONPATH": path, "QUEUE_PROFILE_OUT": str(profile_path)}

@@ -246,8 +246,8 @@ def main() -> None:
     profile_path = tmp / "worker-profile.json"
     if args.profile:
         factory = "build_engine_late_admission" if args.late_admission else "build_engine"
-        worker_extra += ["--engine", f"queue_profile:{factory}"]
-        worker_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")])), "QUEUE_PROFILE_OUT": str(profile_path)}
+        flags, worker_env = qc.profiled_worker(profile_path, factory)
+        worker_extra += flags
     worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)
     print(f"worker pid {worker.pid} prefix {prefix}: {' '.join(worker.cmd)}", file=sys.stderr)
     try:
