@@ -197,9 +197,16 @@ def write_and_attend(
     sliding_window: int | None = None,
     cache_dtype=None,
     mesh: jax.sharding.Mesh | None = None,
+    query_meta: AttentionMetadata | None = None,
+    query_positions: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's ``k``/``v`` ``[T, KVH, D]`` into one layer's cache and
     attend with ``q`` ``[T, H, D]``; returns ``(k_cache, v_cache, out)``.
+
+    ``query_meta`` and ``query_positions`` (default: ``meta`` and
+    ``positions``) describe the query tokens when they are not the step's
+    ``T`` tokens, e.g. only the rows a step samples from (``q`` is then
+    ``[R, H, D]``, and so is ``out``); the keys written are still all ``T``.
 
     With ``mesh`` (tensor parallelism), both run per device on its heads
     (``shard_map`` over ``tp``): the cache must be sharded on its kv-heads
@@ -207,28 +214,31 @@ def write_and_attend(
     heads axis (head ``h`` of device ``i`` uses kv head ``h // G`` of the
     same device, since both are split in contiguous, equal runs)."""
 
-    def local(q, k, v, k_cache, v_cache, meta, positions):
+    query_meta = meta if query_meta is None else query_meta
+    query_positions = positions if query_positions is None else query_positions
+
+    def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions):
         k_cache, v_cache = write_kv(
             k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout
         )
         out = attend(
-            impl, q, k_cache, v_cache, meta, positions, block_size=block_size, scale=scale,
+            impl, q, k_cache, v_cache, query_meta, query_positions, block_size=block_size, scale=scale,
             sliding_window=sliding_window, cache_dtype=cache_dtype,
         )
         return k_cache, v_cache, out
 
     if mesh is None:
-        return local(q, k, v, k_cache, v_cache, meta, positions)
+        return local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
     heads = P(None, TP_AXIS, None)
     cache = cache_spec(impl.layout)
     sharded = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache, cache, P(), P()),
+        in_specs=(heads, heads, heads, cache, cache, P(), P(), P()),
         out_specs=(cache, cache, heads),
         check_vma=False,
     )
-    return sharded(q, k, v, k_cache, v_cache, meta, positions)
+    return sharded(q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
 
 
 __all__ = ["AttentionImpl", "BACKENDS", "REFERENCE", "TP_AXIS", "attend", "cache_spec", "select_attention",

@@ -40,9 +40,12 @@ def forward_fn(
     positions: jax.Array,
     kv_cache: KVCache,
     meta: AttentionMetadata,
+    output_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
+    """Hidden states of every token, or of the token rows ``output_rows`` only
+    (see ``LlamaForCausalLM.__call__``), and the updated cache."""
     model = nnx.merge(graphdef, state)
-    return model(input_ids, positions, kv_cache, meta)
+    return model(input_ids, positions, kv_cache, meta, output_rows)
 
 
 def logits_fn(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:

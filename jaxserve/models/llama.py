@@ -35,6 +35,7 @@ to ``__call__`` must be in ``attention.layout``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -111,7 +112,7 @@ class LlamaDecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Llama-family causal LM over the paged KV cache.
 
-    ``model(input_ids[T], positions[T], kv_cache, meta) -> (hidden[T, E] float32, kv_cache)``
+    ``model(input_ids[T], positions[T], kv_cache, meta[, output_rows[R]]) -> (hidden[T or R, E] float32, kv_cache)``
     and ``model.compute_logits(hidden[N, E]) -> float32[N, vocab]``.
     """
 
@@ -141,7 +142,18 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        output_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
+        """The final-norm hidden state ``[T, E]`` of every token, or with
+        ``output_rows`` (int32 ``[R]``, ``R < T``) of those token rows only,
+        ``[R, E]`` in that order.
+
+        With ``output_rows`` the last layer computes its keys and values for
+        every token (the cache needs them) but its queries, attention,
+        output projection and MLP only for the wanted rows: nothing reads
+        the other tokens' last-layer output. In a prefill step, where a
+        few rows per prompt are sampled or scored, that is most of one
+        layer's work (about 1/L of the step) saved exactly."""
         c = self.config
         T = input_ids.shape[0]
         H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -163,9 +175,11 @@ class LlamaForCausalLM(nnx.Module):
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.float32).T  # [E, T]
 
-        def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, T] -> [T, n, D]
-            return jnp.transpose(x.reshape(n, D, T), (2, 0, 1))
+        def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, tokens] -> [tokens, n, D]
+            return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
 
+        prune = output_rows is not None and output_rows.shape[0] < T
+        last = len(self.layers) - 1
         k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
         for i, block in enumerate(self.layers):
             w = block.arrays()
@@ -173,9 +187,18 @@ class LlamaForCausalLM(nnx.Module):
             qkv = _add_bias(_mm(w["wqkv"], x), w["bqkv"])
             # tensor parallel: rows are group-major (jaxserve.models.sharding)
             q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
-            q = apply_rope(heads(q_rows, H), cos, sin)
             k = apply_rope(heads(k_rows, KVH), cos, sin)
             v = heads(v_rows, KVH)
+            q_meta, q_positions, q_cos, q_sin = meta, positions, cos, sin
+            if prune and i == last:  # from here on only the wanted rows
+                q_rows, h = q_rows[:, output_rows], h[:, output_rows]
+                q_positions, q_cos, q_sin = positions[output_rows], cos[output_rows], sin[output_rows]
+                # (no block-major plan: that is for steps of one token per sequence)
+                q_meta = dataclasses.replace(
+                    meta, token_seq=meta.token_seq[output_rows], slot_mapping=meta.slot_mapping[output_rows],
+                    block_owner=None, block_index=None, block_major=None,
+                )  # fmt: skip
+            q = apply_rope(heads(q_rows, H), q_cos, q_sin)
             k_layers[i], v_layers[i], attn = write_and_attend(
                 attention,
                 q.astype(dtype),
@@ -190,8 +213,10 @@ class LlamaForCausalLM(nnx.Module):
                 sliding_window=window,
                 cache_dtype=cache_dtype,
                 mesh=mesh,
+                query_meta=q_meta,
+                query_positions=q_positions,
             )
-            h = h + _add_bias(_mm(w["wo"], attn.reshape(T, q_size).T), w["bo"])
+            h = h + _add_bias(_mm(w["wo"], attn.reshape(q.shape[0], q_size).T), w["bo"])
             x = rms_norm(h, w["post_norm"], eps, axis=0)
             gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
             if groups == 1:

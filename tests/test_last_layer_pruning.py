@@ -1,0 +1,143 @@
+"""The last layer computed for the sampled rows only (``output_rows``) gives
+those rows' hidden states of the full forward pass, and the same cache.
+
+The model-level check runs every test family (biases, tied embeddings, a
+sliding window) on both CPU kernels over a mixed step: a prompt chunk that
+continues a cached prefix, a fresh prompt and a decode token, on shuffled
+blocks, padded, with the rows picked out of order and repeated (padding
+rows of ``logits_indices`` point at token 0). The engine-level check runs
+the same requests (greedy, sampled, label scoring) with the pruning on and
+off and wants the same tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model_fixtures as mf
+from engine_fixtures import build_engine_checkpoint
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.types import SamplingParams
+from jaxserve.kernels import cpu as cpu_kernel
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.backends import REFERENCE, AttentionImpl
+from jaxserve.kernels.kv_cache import KVCache
+from jaxserve.models import load_model
+from jaxserve.models.functional import forward_fn, split_model
+
+BLOCK = 8
+NUM_BLOCKS = 24
+T = 64
+KERNELS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ kernel"))]
+
+
+def _mixed_step(vocab: int):
+    """Three sequences: 0 continues a 10-token cached prefix with 20 tokens,
+    1 is a fresh 30-token prompt, 2 decodes one token at position 17."""
+    rng = np.random.default_rng(4)
+    tables = np.zeros((4, 6), np.int32)
+    blocks = rng.permutation(np.arange(1, NUM_BLOCKS))
+    tables[0, :4], tables[1, :4], tables[2, :3] = blocks[:4], blocks[4:8], blocks[8:11]
+    starts, counts = [10, 0, 17], [20, 30, 1]
+    ids = np.zeros(T, np.int32)
+    pos = np.zeros(T, np.int32)
+    seq = np.full(T, 3, np.int32)  # padding: the empty last row
+    slot = np.arange(T, dtype=np.int32) % BLOCK  # padding writes into the null block
+    at = 0
+    for s, (start, n) in enumerate(zip(starts, counts)):
+        p = np.arange(start, start + n)
+        ids[at : at + n] = rng.integers(3, vocab, n)
+        pos[at : at + n], seq[at : at + n] = p, s
+        slot[at : at + n] = tables[s, p // BLOCK] * BLOCK + p % BLOCK
+        at += n
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray([30, 30, 18, 0], jnp.int32), logits_indices=jnp.zeros(8, jnp.int32),
+    )  # fmt: skip
+    # the rows a step would keep: last tokens, score rows, a repeat, padding (0)
+    rows = jnp.asarray([29, 50, 27, 28, 29, 0, 0, 10], jnp.int32)
+    return jnp.asarray(ids), jnp.asarray(pos), meta, rows
+
+
+def _filled_cache(model) -> KVCache:
+    """A cache whose every slot holds some key and value (the prefixes the
+    step reads), the same for both runs."""
+    c = model.config
+    cache = KVCache.create(c.num_hidden_layers, NUM_BLOCKS, BLOCK, c.num_key_value_heads, c.head_dim, jnp.float32)
+    rng = np.random.default_rng(9)
+    return cache.replace(
+        k=[jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in cache.k],
+        v=[jnp.asarray(rng.normal(size=a.shape), jnp.float32) for a in cache.v],
+    )
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prune_ck")
+    return {name: make(str(root / name)) for name, make in mf.FAMILIES.items()}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("family", list(mf.FAMILIES))
+def test_output_rows_equal_the_full_forward_rows(family, kernel, folders):
+    model = load_model(folders[family]).model
+    model.attention = REFERENCE if kernel == "reference" else AttentionImpl(kernel="cpu")
+    graphdef, state = split_model(model)
+    ids, pos, meta, rows = _mixed_step(model.config.vocab_size)
+    run = jax.jit(lambda st, cache, r: forward_fn(graphdef, st, ids, pos, cache, meta, r))
+    full, full_cache = jax.jit(lambda st, cache: forward_fn(graphdef, st, ids, pos, cache, meta))(
+        state, _filled_cache(model)
+    )
+    picked, picked_cache = run(state, _filled_cache(model), rows)
+    assert full.shape == (T, model.config.hidden_size)
+    assert picked.shape == (rows.shape[0], model.config.hidden_size)
+    np.testing.assert_allclose(np.asarray(picked), np.asarray(full)[np.asarray(rows)], rtol=1e-5, atol=1e-5)
+    for a, b in zip((*full_cache.k, *full_cache.v), (*picked_cache.k, *picked_cache.v)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_all_rows_wanted_means_the_plain_forward(folders):
+    """``output_rows`` as long as the step (nothing to save) is the full pass."""
+    model = load_model(folders["llama2"]).model
+    graphdef, state = split_model(model)
+    ids, pos, meta, _ = _mixed_step(model.config.vocab_size)
+    every = jnp.arange(T, dtype=jnp.int32)[::-1]
+    full, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta)
+    picked, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta, every)
+    np.testing.assert_array_equal(np.asarray(picked), np.asarray(full))
+
+
+@pytest.fixture(scope="module")
+def engine_checkpoint(tmp_path_factory):
+    return build_engine_checkpoint(tmp_path_factory.mktemp("prune_engine_ck"))
+
+
+def _serve(checkpoint, prune: bool) -> dict:
+    eng = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
+                            block_size=16, enable_prefix_caching=False, seed=0))  # fmt: skip
+    eng.runner.prune_last_layer = prune
+    eng.warmup()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(10, 400, size=n).tolist() for n in (45, 9, 30)]
+    eng.add_request("greedy", prompts[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
+    eng.add_request("sampled", prompts[1], SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True))
+    eng.add_score_request("score", prompts[2], [[11, 12, 13], [40], [7, 8]])
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                assert out.error is None, out.error
+                done[out.request_id] = out
+    return done
+
+
+def test_engine_outputs_are_the_same_with_and_without_pruning(engine_checkpoint):
+    on, off = _serve(engine_checkpoint, True), _serve(engine_checkpoint, False)
+    for rid in ("greedy", "sampled"):
+        assert on[rid].token_ids == off[rid].token_ids, rid
+    np.testing.assert_allclose(on["greedy"].logprobs, off["greedy"].logprobs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(on["score"].label_logprobs, off["score"].label_logprobs, rtol=1e-5, atol=1e-6)
