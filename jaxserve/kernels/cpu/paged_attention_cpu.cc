@@ -21,6 +21,10 @@
 //   out     f32 [T, KVH, G, D]   zeros where nothing is visible
 // Each (token, kv head) pair is computed by one thread in one fixed order,
 // so a token's result never depends on the rest of the batch or on threads.
+// In the 64 x 64 case the pair's query heads share each key and value load
+// two at a time where the host has 32 vector registers (AVX-512), and the
+// keys of a block no query can see yet (a prompt's last, partly written
+// block) are not scored; neither changes any head's order of operations.
 
 #include <algorithm>
 #include <atomic>
@@ -38,6 +42,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNeg = -1e30f;
+constexpr int64_t kPrefetchBytes = 512;  // of the next block's keys and of its values
+
+#if defined(__AVX512F__)
+constexpr bool kPairHeads = true;
+#else
+constexpr bool kPairHeads = false;
+#endif
 
 struct Shapes {
   int64_t T, KVH, G, D, NB, BS, R, M;
@@ -74,6 +85,104 @@ inline float VecExp(float x) {
   return y * scale;
 }
 
+// Scores of up to two query rows against one 64-key block (keys transposed:
+// kb is [64 dims][64 keys]): NC chunks of 8 keys (4: only the first 32 keys
+// can be visible). Both rows share every key load; each row's sums run over
+// d in the same order as for one row alone, so a row's scores do not
+// depend on whether it was paired.
+template <int NC, bool kTwo>
+inline void Scores64(const float* kb, const float* q0, const float* q1, float* sc0, float* sc1) {
+  V8 a[NC] = {}, b[NC] = {};
+  for (int64_t d = 0; d < 64; ++d) {
+    const float x0 = q0[d];
+    const float x1 = kTwo ? q1[d] : 0.0f;
+    const float* krow = kb + d * 64;
+    for (int i = 0; i < NC; ++i) {
+      const V8 k = Load8(krow + 8 * i);
+      a[i] += x0 * k;
+      if (kTwo) b[i] += x1 * k;
+    }
+  }
+  for (int i = 0; i < NC; ++i) std::memcpy(sc0 + 8 * i, &a[i], sizeof(V8));
+  if (kTwo) {
+    for (int i = 0; i < NC; ++i) std::memcpy(sc1 + 8 * i, &b[i], sizeof(V8));
+  }
+}
+
+// Masks a row's block scores to keys [c0, c1) and folds them into its online
+// softmax: returns the rescale factor of the row's accumulator and leaves
+// the weights (0 outside [c0, c1)) in sc.
+template <int64_t kBS>
+inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m, float* l) {
+  // (keys past c1 may not have been computed: Block64's half-block case)
+  for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
+  float mx = *m;
+  if constexpr (kBS == 64) {  // eight lanes of running maxima, not one 64-long chain
+    V8 vm = Load8(sc);
+    for (int i = 1; i < 8; ++i) {
+      const V8 x = Load8(sc + 8 * i);
+      vm = vm > x ? vm : x;
+    }
+    for (int i = 0; i < 8; ++i) mx = std::max(mx, vm[i]);
+  } else {
+    for (int64_t c = 0; c < BS; ++c) mx = std::max(mx, sc[c]);
+  }
+  const float alpha = VecExp(*m - mx);
+  float sum = 0.0f;
+  for (int64_t c = 0; c < BS; ++c) {
+    const float p = (c >= c0 && c < c1) ? VecExp(sc[c] - mx) : 0.0f;
+    sc[c] = p;
+    sum += p;
+  }
+  *l = *l * alpha + sum;
+  *m = mx;
+  return alpha;
+}
+
+// acc rows (64 dims) rescaled by alpha and accumulated with the weights over
+// keys [c0, c1) of a [64 keys][64 dims] value block; two rows share each
+// value load, and each row's order of operations is that of one row alone.
+template <bool kTwo>
+inline void Values64(const float* vb, int64_t c0, int64_t c1, const float* p0, const float* p1, float alpha0,
+                     float alpha1, float* acc0, float* acc1) {
+  V8 o[8], r[8];
+  for (int i = 0; i < 8; ++i) o[i] = alpha0 * Load8(acc0 + 8 * i);
+  if (kTwo) {
+    for (int i = 0; i < 8; ++i) r[i] = alpha1 * Load8(acc1 + 8 * i);
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    const float w0 = p0[c];
+    const float w1 = kTwo ? p1[c] : 0.0f;
+    const float* vrow = vb + c * 64;
+    for (int i = 0; i < 8; ++i) {
+      const V8 v = Load8(vrow + 8 * i);
+      o[i] += w0 * v;
+      if (kTwo) r[i] += w1 * v;
+    }
+  }
+  for (int i = 0; i < 8; ++i) std::memcpy(acc0 + 8 * i, &o[i], sizeof(V8));
+  if (kTwo) {
+    for (int i = 0; i < 8; ++i) std::memcpy(acc1 + 8 * i, &r[i], sizeof(V8));
+  }
+}
+
+// One block for query rows g0 (and g0 + 1 when kTwo) of the 64 x 64 case.
+template <bool kTwo>
+inline void Block64(const float* kb, const float* vb, const float* q, int64_t g0, int64_t c0, int64_t c1,
+                    float* scores, float* acc, float* m, float* l) {
+  const int64_t g1 = kTwo ? g0 + 1 : g0;
+  float* sc0 = scores + g0 * 64;
+  float* sc1 = scores + g1 * 64;
+  if (c1 <= 32) {
+    Scores64<4, kTwo>(kb, q + g0 * 64, q + g1 * 64, sc0, sc1);
+  } else {
+    Scores64<8, kTwo>(kb, q + g0 * 64, q + g1 * 64, sc0, sc1);
+  }
+  const float alpha0 = SoftmaxStep<64>(sc0, 64, c0, c1, m + g0, l + g0);
+  const float alpha1 = kTwo ? SoftmaxStep<64>(sc1, 64, c0, c1, m + g1, l + g1) : 0.0f;
+  Values64<kTwo>(vb, c0, c1, sc0, sc1, alpha0, alpha1, acc + g0 * 64, acc + g1 * 64);
+}
+
 // One (token, kv head) pair: online softmax over the visible blocks.
 // kBS/kD > 0 fix the block size and head dim at compile time (the common
 // 64 x 64 case, fully unrolled); 0 reads them from the shapes.
@@ -100,76 +209,49 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     const float* kb = k_cache + block * s.KVH * D * BS;  // [D, BS] of this kv head (offset by the caller)
     const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
     // The next block lies elsewhere in memory (blocks are allocated in any
-    // order): ask for it now, so its first cache lines are not a stall per page.
+    // order): ask for its first cache lines now, so they are not a stall per
+    // page; within a block the hardware prefetcher follows the stream.
+    // (Prefetching every line of both blocks cost more than it saved: 256
+    // instructions a block, mostly for lines a prefill chunk's earlier
+    // tokens had already brought in; measured, BENCHMARKS.md session 7.)
     if (j < last && j + 1 < s.M) {
       const int32_t next = tables[row * s.M + j + 1];
       if (next >= 0 && next < s.NB) {
         const char* nk = reinterpret_cast<const char*>(k_cache + next * s.KVH * D * BS);
         const char* nv = reinterpret_cast<const char*>(v_cache + next * s.KVH * BS * D);
-        for (int64_t off = 0; off < D * BS * static_cast<int64_t>(sizeof(float)); off += 64) {
+        for (int64_t off = 0; off < kPrefetchBytes; off += 64) {
           __builtin_prefetch(nk + off);
           __builtin_prefetch(nv + off);
         }
       }
     }
+    if constexpr (kBS == 64 && kD == 64) {
+      // With 32 vector registers (AVX-512), query heads go in pairs: each key
+      // and value row is loaded once for both. With 16 (AVX2) the pair's 16
+      // accumulators would spill, so each head runs alone.
+      int64_t g = 0;
+      if constexpr (kPairHeads) {
+        for (; g + 1 < G; g += 2) Block64<true>(kb, vb, q, g, c0, c1, scores, acc, m, l);
+      }
+      for (; g < G; ++g) Block64<false>(kb, vb, q, g, c0, c1, scores, acc, m, l);
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       float* __restrict sc = scores + g * BS;
       const float* qg = q + g * D;
-      if constexpr (kBS == 64) {
-        // the 64 scores stay in eight 8-lane registers across the d loop
-        V8 a[8] = {};
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qg[d];
-          const float* krow = kb + d * BS;
-          for (int i = 0; i < 8; ++i) a[i] += qd * Load8(krow + 8 * i);
-        }
-        for (int i = 0; i < 8; ++i) std::memcpy(sc + 8 * i, &a[i], sizeof(V8));
-      } else {
-        for (int64_t c = 0; c < BS; ++c) sc[c] = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float qd = qg[d];
-          const float* __restrict krow = kb + d * BS;
-          for (int64_t c = 0; c < BS; ++c) sc[c] += qd * krow[c];
-        }
+      for (int64_t c = 0; c < BS; ++c) sc[c] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float qd = qg[d];
+        const float* __restrict krow = kb + d * BS;
+        for (int64_t c = 0; c < BS; ++c) sc[c] += qd * krow[c];
       }
-      for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
-      float mx = m[g];
-      if constexpr (kBS == 64) {  // eight lanes of running maxima, not one 64-long chain
-        V8 vm = Load8(sc);
-        for (int i = 1; i < 8; ++i) {
-          const V8 x = Load8(sc + 8 * i);
-          vm = vm > x ? vm : x;
-        }
-        for (int i = 0; i < 8; ++i) mx = std::max(mx, vm[i]);
-      } else {
-        for (int64_t c = 0; c < BS; ++c) mx = std::max(mx, sc[c]);
-      }
-      const float alpha = VecExp(m[g] - mx);
-      float sum = 0.0f;
-      for (int64_t c = 0; c < BS; ++c) {
-        const float p = (c >= c0 && c < c1) ? VecExp(sc[c] - mx) : 0.0f;
-        sc[c] = p;
-        sum += p;
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
+      const float alpha = SoftmaxStep<0>(sc, BS, c0, c1, m + g, l + g);
       float* __restrict ag = acc + g * D;
-      if constexpr (kD == 64) {
-        V8 o[8];
-        for (int i = 0; i < 8; ++i) o[i] = alpha * Load8(ag + 8 * i);
-        for (int64_t c = c0; c < c1; ++c) {
-          const float p = sc[c];
-          const float* vrow = vb + c * D;
-          for (int i = 0; i < 8; ++i) o[i] += p * Load8(vrow + 8 * i);
-        }
-        for (int i = 0; i < 8; ++i) std::memcpy(ag + 8 * i, &o[i], sizeof(V8));
-      } else {
-        for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-        for (int64_t c = c0; c < c1; ++c) {
-          const float p = sc[c];
-          const float* __restrict vrow = vb + c * D;
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
-        }
+      for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float p = sc[c];
+        const float* __restrict vrow = vb + c * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
       }
     }
   }
