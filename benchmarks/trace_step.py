@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/trace_step.py --step prefill      # 16 x 128-token prompts, one 2048-token step
     .venv/bin/python benchmarks/trace_step.py --step decode       # 64 sequences at context 192
+    .venv/bin/python benchmarks/trace_step.py --step mixed        # a classification step: 16 x 250-token prompts + 96 decodes
 
 Builds a ``ModelRunner`` on the preset's weights with the engine's default
 kernel choice, runs the step a few times untraced, then ``--repeats`` times
@@ -46,7 +47,7 @@ def category(name: str) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-56m")
-    ap.add_argument("--step", choices=["prefill", "decode"], default="prefill")
+    ap.add_argument("--step", choices=["prefill", "decode", "mixed"], default="prefill")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
 
@@ -64,14 +65,23 @@ def main() -> None:
     impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
                                     sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
     loaded.model.attention = impl
+    if args.step == "mixed":  # the shape of classify_docs.py's steps (256 sequences, 4096-token budget)
+        sizes = dict(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=1024,
+                     buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)))  # fmt: skip
+    else:
+        sizes = dict(num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
+                     buckets=Buckets(tokens=(64, 2048), seqs=(64,)))  # fmt: skip
     runner = ModelRunner(loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, num_blocks=300, block_size=64, max_num_seqs=64,
-                         max_num_batched_tokens=2048, max_model_len=2048,
-                         buckets=Buckets(tokens=(64, 2048), seqs=(64,)))  # fmt: skip
+                         head_dim=cfg.head_dim, block_size=64, **sizes)  # fmt: skip
     runner.warmup()
     greedy = {"temperature": 0.0, "logprobs": False}
     rng = np.random.default_rng(0)
-    if args.step == "decode":
+    if args.step == "mixed":
+        work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 250).tolist(), start_pos=0,
+                        block_ids=list(range(1 + 5 * i, 6 + 5 * i)), sampling=greedy) for i in range(16)]  # fmt: skip
+        work += [SeqWork(token_ids=[7], start_pos=250, block_ids=list(range(100 + 5 * i, 105 + 5 * i)), sampling=greedy)
+                 for i in range(96)]  # fmt: skip
+    elif args.step == "decode":
         work = [SeqWork(token_ids=[5], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
                 for i in range(64)]  # fmt: skip
     else:
