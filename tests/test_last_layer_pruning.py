@@ -100,15 +100,17 @@ def test_output_rows_equal_the_full_forward_rows(family, kernel, folders):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_all_rows_wanted_means_the_plain_forward(folders):
-    """``output_rows`` as long as the step (nothing to save) is the full pass."""
+@pytest.mark.parametrize("count", [T, T + 3])
+def test_as_many_rows_as_the_step_are_picked_from_the_full_pass(folders, count):
+    """``output_rows`` as long as the step or longer (nothing to save): the
+    full pass, then those rows in their order."""
     model = load_model(folders["llama2"]).model
     graphdef, state = split_model(model)
     ids, pos, meta, _ = _mixed_step(model.config.vocab_size)
-    every = jnp.arange(T, dtype=jnp.int32)[::-1]
+    wanted = np.random.default_rng(count).integers(0, T, count).astype(np.int32)
     full, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta)
-    picked, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta, every)
-    np.testing.assert_array_equal(np.asarray(picked), np.asarray(full))
+    picked, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta, jnp.asarray(wanted))
+    np.testing.assert_array_equal(np.asarray(picked), np.asarray(full)[wanted])
 
 
 @pytest.fixture(scope="module")

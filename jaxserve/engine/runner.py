@@ -179,8 +179,9 @@ class ModelRunner:
         ``prev_tokens[feed]`` (the previous step's greedy tokens, still on
         the device) instead of ``input_ids``."""
         input_ids = jnp.where(feed >= 0, prev_tokens[jnp.maximum(feed, 0)], input_ids)
-        if self.prune_last_layer and input_ids.shape[0] > self.max_num_seqs:
-            # only the sampled and scored rows go on: the last layer computes just them
+        if self.prune_last_layer:
+            # only the sampled and scored rows go on (in programs of more tokens
+            # than that, the last layer computes just them)
             hidden, kv_cache = forward_fn(
                 self.graphdef, state, input_ids, positions, kv_cache, meta, meta.logits_indices
             )

@@ -145,15 +145,16 @@ class LlamaForCausalLM(nnx.Module):
         output_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """The final-norm hidden state ``[T, E]`` of every token, or with
-        ``output_rows`` (int32 ``[R]``, ``R < T``) of those token rows only,
-        ``[R, E]`` in that order.
+        ``output_rows`` (int32 ``[R]``) of those token rows only, ``[R, E]``
+        in that order.
 
-        With ``output_rows`` the last layer computes its keys and values for
-        every token (the cache needs them) but its queries, attention,
-        output projection and MLP only for the wanted rows: nothing reads
-        the other tokens' last-layer output. In a prefill step, where a
-        few rows per prompt are sampled or scored, that is most of one
-        layer's work (about 1/L of the step) saved exactly."""
+        When ``R < T`` the last layer computes its keys and values for every
+        token (the cache needs them) but its queries, attention, output
+        projection and MLP only for the wanted rows: nothing reads the other
+        tokens' last-layer output. In a prefill step, where a few rows per
+        prompt are sampled or scored, that is most of one layer's work
+        (about 1/L of the step) saved exactly. Otherwise the rows are picked
+        from the full pass."""
         c = self.config
         T = input_ids.shape[0]
         H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -229,6 +230,8 @@ class LlamaForCausalLM(nnx.Module):
         # transpose into a later vocabulary matmul: a dot contracting its
         # left operand's first dimension has no bfloat16 kernel on the CPU
         # ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
+        if output_rows is not None and not prune:
+            h = h[:, output_rows]
         h = jax.lax.optimization_barrier(rms_norm(h, self.norm[...], eps, axis=0).T)
         return h, kv_cache.replace(k=k_layers, v=v_layers)
 
