@@ -151,3 +151,30 @@ def test_the_engine_default_on_cpu_is_the_kernel_and_plans_no_block_major_step()
     tables[0, : len(usable[::2])], tables[1, : len(usable[1::2])] = usable[::2], usable[1::2]
     owner, index, major = runner._block_major_plan(tables, 2, np.ones(2, np.int32))
     assert not runner.plans_block_major and not bool(major) and np.all(owner == runner.max_num_seqs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 9])
+def test_feature_major_unrotated_queries_match_rotated_ones(window):
+    """``paged_attention_cpu_fm`` (q as the fused projection leaves it:
+    ``[H * D, T]``, rotated and scaled by the kernel) equals the token-major
+    kernel on the same queries rotated by ``apply_rope`` first."""
+    from jaxserve.models.rope import apply_rope, rope_cos_sin
+
+    case = _build(seed=5)
+    q = case["q"]
+    T, H, D = q.shape
+    cos, sin = rope_cos_sin(case["positions"], 1.0 / (10000.0 ** (np.arange(0, D, 2) / D)))
+    q_fm = jnp.transpose(q, (1, 2, 0)).reshape(H * D, T)  # row h * D + d, column t
+
+    @jax.jit
+    def both(q, q_fm, cos, sin, kc, vc, kn, vn, meta, pos):
+        kc, vc = write_kv(kc, vc, kn, vn, meta.slot_mapping)
+        want = cpu.paged_attention_cpu(apply_rope(q, cos, sin), kc, vc, meta, pos, scale=SCALE, sliding_window=window)
+        got = cpu.paged_attention_cpu_fm(q_fm, cos, sin, kc, vc, meta, pos, scale=SCALE, sliding_window=window)
+        return want, got
+
+    want, got = both(q, q_fm, cos, sin, case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
+                     case["positions"])  # fmt: skip
+    assert got.shape == (T, H, D)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -199,6 +199,7 @@ def write_and_attend(
     mesh: jax.sharding.Mesh | None = None,
     query_meta: AttentionMetadata | None = None,
     query_positions: jax.Array | None = None,
+    query_rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's ``k``/``v`` ``[T, KVH, D]`` into one layer's cache and
     attend with ``q`` ``[T, H, D]``; returns ``(k_cache, v_cache, out)``.
@@ -208,6 +209,11 @@ def write_and_attend(
     ``T`` tokens, e.g. only the rows a step samples from (``q`` is then
     ``[R, H, D]``, and so is ``out``); the keys written are still all ``T``.
 
+    ``query_rope`` (``cos``, ``sin`` ``[Tq, D]``; the C++ CPU kernel only,
+    without a mesh): ``q`` is the fused projection's feature-major,
+    not yet rotated ``[H * D, Tq]``, and the kernel rotates it (see
+    ``kernels.cpu.paged_attention_cpu_fm``); ``out`` is ``[Tq, H, D]`` as ever.
+
     With ``mesh`` (tensor parallelism), both run per device on its heads
     (``shard_map`` over ``tp``): the cache must be sharded on its kv-heads
     axis (``cache_spec``), and ``q``/``k``/``v``/``out`` are split on their
@@ -216,6 +222,14 @@ def write_and_attend(
 
     query_meta = meta if query_meta is None else query_meta
     query_positions = positions if query_positions is None else query_positions
+    if query_rope is not None:
+        if impl.kernel != "cpu" or mesh is not None:
+            raise ValueError(f"query_rope needs the cpu kernel without a mesh, not {impl.kernel!r} (mesh {mesh})")
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout)
+        out = cpu_kernel.paged_attention_cpu_fm(
+            q, *query_rope, k_cache, v_cache, query_meta, query_positions, scale=scale, sliding_window=sliding_window
+        )
+        return k_cache, v_cache, out
 
     def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions):
         k_cache, v_cache = write_kv(

@@ -19,7 +19,10 @@ Feature-major activations: inside the layers the residual stream is
 On the CPU the matmul libraries run this orientation faster for the small
 token counts of decode steps (measured for llama-56m's 8 layers at 64 tokens:
 20.4 ms vs 23.2 ms for ``x @ W``; equal at 512 tokens). Attention, RoPE and
-the KV writes work on small ``[T, heads, head_dim]`` transposes.
+the KV writes work on small ``[T, heads, head_dim]`` transposes, except that
+the C++ CPU kernel takes the queries as the projection leaves them and
+rotates them itself (float32 weights, one device): XLA's transposing,
+rotating fusion for q cost about as much as that attention in prefill steps.
 
 Numerics: weights in ``dtype`` (float32 or bfloat16); matmuls in that dtype
 with float32 accumulation; RMSNorm, RoPE, softmax and the residual stream in
@@ -180,6 +183,10 @@ class LlamaForCausalLM(nnx.Module):
             return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
 
         prune = output_rows is not None and output_rows.shape[0] < T
+        # The C++ kernel takes q as the projection leaves it (feature-major, not
+        # rotated): no transposed, rotated copy of q per layer. float32 weights
+        # only (the other path rounds q to the weight dtype first).
+        fused_rope = attention.kernel == "cpu" and mesh is None and dtype == jnp.float32
         last = len(self.layers) - 1
         k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
         for i, block in enumerate(self.layers):
@@ -199,10 +206,13 @@ class LlamaForCausalLM(nnx.Module):
                     meta, token_seq=meta.token_seq[output_rows], slot_mapping=meta.slot_mapping[output_rows],
                     block_owner=None, block_index=None, block_major=None,
                 )  # fmt: skip
-            q = apply_rope(heads(q_rows, H), q_cos, q_sin)
+            if fused_rope:  # the kernel rotates and scales q as it reads it
+                q, q_rope = q_rows, (q_cos, q_sin)
+            else:
+                q, q_rope = apply_rope(heads(q_rows, H), q_cos, q_sin).astype(dtype), None
             k_layers[i], v_layers[i], attn = write_and_attend(
                 attention,
-                q.astype(dtype),
+                q,
                 k,
                 v,
                 k_layers[i],
@@ -216,8 +226,9 @@ class LlamaForCausalLM(nnx.Module):
                 mesh=mesh,
                 query_meta=q_meta,
                 query_positions=q_positions,
+                query_rope=q_rope,
             )
-            h = h + _add_bias(_mm(w["wo"], attn.reshape(q.shape[0], q_size).T), w["bo"])
+            h = h + _add_bias(_mm(w["wo"], attn.reshape(attn.shape[0], q_size).T), w["bo"])
             x = rms_norm(h, w["post_norm"], eps, axis=0)
             gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
             if groups == 1:

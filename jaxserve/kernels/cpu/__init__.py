@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 import structlog
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
@@ -40,6 +41,9 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
+#: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)
+TARGET_FM = "jaxserve_paged_attention_cpu_fm"
+SYMBOL_FM = "JaxservePagedAttentionCpuFm"
 DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
 # -ffast-math lets the compiler vectorise exp (glibc's libmvec) and reorder
 # the sums inside one (token, head) pair; the order is still fixed per pair.
@@ -92,6 +96,7 @@ def available() -> bool:
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+                jax.ffi.register_ffi_target(TARGET_FM, jax.ffi.pycapsule(getattr(lib, SYMBOL_FM)), platform="cpu")
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-JAX kernel"
                 why = f"{type(exc).__name__}: {exc}"
@@ -138,4 +143,41 @@ def paged_attention_cpu(
     return out.reshape(T, H, D).astype(q.dtype)
 
 
-__all__ = ["available", "paged_attention_cpu", "unsupported"]
+def paged_attention_cpu_fm(
+    q_fm: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    meta: AttentionMetadata,
+    positions: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:
+    """:func:`paged_attention_cpu` of the queries ``q_fm`` as the fused
+    projection leaves them: feature-major ``[H * D, T]`` (head-major rows)
+    and not yet rotated; the kernel applies RoPE with ``cos``/``sin``
+    ``[T, D]`` (``jaxserve.models.rope``'s rotate-half convention) and the
+    scale as it reads them. Returns ``[T, H, D]`` float32."""
+    HD, T = q_fm.shape
+    D = cos.shape[-1]
+    kvh = k_cache.shape[1]
+    if HD % (kvh * D) or cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(
+            f"q rows {HD} must be a multiple of {kvh} kv heads x head dim {D}, and cos/sin "
+            f"{cos.shape}/{sin.shape} must be [{T}, {D}]"
+        )
+    H = HD // D
+    limit, lower = visible_keys(meta, positions, sliding_window)
+    if lower is None:
+        lower = jnp.zeros_like(limit)
+    out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), jnp.float32))(
+        q_fm.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache,
+        meta.block_tables.astype(jnp.int32), meta.token_seq.astype(jnp.int32), limit.astype(jnp.int32),
+        lower.astype(jnp.int32), scale=np.float32(scale),
+    )  # fmt: skip
+    return out.reshape(T, H, D)
+
+
+__all__ = ["available", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported"]

@@ -25,6 +25,12 @@
 // two at a time where the host has 32 vector registers (AVX-512), and the
 // keys of a block no query can see yet (a prompt's last, partly written
 // block) are not scored; neither changes any head's order of operations.
+//
+// A second entry point (PagedAttentionFmImpl) takes q as the fused
+// projection leaves it, feature-major [KVH * G * D, T] and not yet rotated,
+// with cos/sin [T, D] and the scale: each thread reads a tile of 16 tokens'
+// columns at once (one cache line per feature row), rotates and scales them
+// (HF rotate_half), then attends as above.
 
 #include <algorithm>
 #include <atomic>
@@ -269,22 +275,63 @@ struct Job {
   const int32_t *tables, *seq, *limit, *lower;
   float* out;
   int64_t items, chunk;
+  // Feature-major queries (``q`` is then [KVH * G * D, T], not rotated and not
+  // scaled): each pair rotates its rows with cos/sin [T, D] and scales them.
+  bool feature_major = false;
+  const float *cos = nullptr, *sin = nullptr;
+  float scale = 1.0f;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+
+  static constexpr int64_t kTile = 16;  // tokens whose queries are read together
+
+  // The queries of tokens [t0, t0 + n), rotated (HF rotate_half) and scaled,
+  // token-major into qtile [n, KVH * G * D]. Reading kTile columns of each
+  // feature row at once touches one cache line per row, not one per value.
+  void LoadQueries(int64_t t0, int64_t n, float* qtile) const {
+    const int64_t HD = s.KVH * s.G * s.D, D = s.D, half = s.D / 2;
+    for (int64_t r = 0; r < HD; ++r) {
+      const float* src = q + r * s.T + t0;
+      for (int64_t j = 0; j < n; ++j) qtile[j * HD + r] = src[j];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* c = cos + (t0 + j) * D;
+      const float* sn = sin + (t0 + j) * D;
+      for (int64_t head = 0; head < HD / D; ++head) {
+        float* x = qtile + j * HD + head * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float x1 = x[d], x2 = x[d + half];
+          x[d] = (x1 * c[d] - x2 * sn[d]) * scale;
+          x[d + half] = (x2 * c[d + half] + x1 * sn[d + half]) * scale;
+        }
+      }
+    }
+  }
 
   void Run() {
     const int64_t GD = s.G * s.D;
     std::vector<float> scores(s.G * s.BS), acc(GD), m(s.G), l(s.G);
+    std::vector<float> qtile(feature_major ? kTile * s.KVH * GD : 0);
     int64_t finished = 0;
     for (;;) {
       const int64_t start = next.fetch_add(chunk);
       if (start >= items) break;
       const int64_t stop = std::min(items, start + chunk);
       const auto attend = (s.BS == 64 && s.D == 64) ? AttendOne<64, 64> : AttendOne<0, 0>;
+      int64_t tile0 = -1, tile_n = 0;
       for (int64_t it = start; it < stop; ++it) {
         const int64_t t = it / s.KVH, h = it % s.KVH;
+        const float* qi = q + it * GD;
+        if (feature_major) {
+          if (t < tile0 || t >= tile0 + tile_n) {
+            tile0 = t;
+            tile_n = std::min<int64_t>(kTile, (stop - 1) / s.KVH + 1 - t);
+            LoadQueries(tile0, tile_n, qtile.data());
+          }
+          qi = qtile.data() + ((t - tile0) * s.KVH + h) * GD;
+        }
         // this kv head's slice of the block: the caches are [NB, KVH, ...]
-        attend(s, q + it * GD, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t],
+        attend(s, qi, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t],
                   out + it * GD, scores.data(), acc.data(), m.data(), l.data());
       }
       finished += stop - start;
@@ -292,6 +339,33 @@ struct Job {
     done.fetch_add(finished);
   }
 };
+
+// Runs a prepared job on the calling thread and the pool's.
+void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
+  job->items = job->s.T * job->s.KVH;
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, job->items / 8));
+  job->chunk = std::max<int64_t>(1, job->items / (8 * (helpers + 1)));
+  if (job->feature_major) {  // whole tiles of tokens per chunk, so each tile's queries are read once
+    const int64_t tile = Job::kTile * job->s.KVH;
+    job->chunk = (job->chunk + tile - 1) / tile * tile;
+  }
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
+  job->Run();
+  // The caller ran out of chunks; wait for chunks other threads still hold.
+  while (job->done.load() < job->items) std::this_thread::yield();
+}
+
+ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buffer<ffi::F32>& v_cache,
+                       ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower) {
+  const auto kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  if (kd[1] != s.KVH || kd[2] != s.D || vd[0] != s.NB || vd[1] != s.KVH || vd[2] != s.BS || vd[3] != s.D) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: cache shapes do not match q");
+  }
+  if (seq.element_count() != s.T || limit.element_count() != s.T || lower.element_count() != s.T) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: seq, limit and lower need one entry per token");
+  }
+  return ffi::Error::Success();
+}
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
@@ -302,12 +376,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
   }
   Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
-  if (kd[1] != s.KVH || kd[2] != s.D || vd[0] != s.NB || vd[1] != s.KVH || vd[2] != s.BS || vd[3] != s.D) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: cache shapes do not match q");
-  }
-  if (seq.element_count() != s.T || limit.element_count() != s.T || lower.element_count() != s.T) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: seq, limit and lower need one entry per token");
-  }
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
   auto job = std::make_shared<Job>();
   job->s = s;
   job->q = q.typed_data();
@@ -318,13 +387,48 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   job->limit = limit.typed_data();
   job->lower = lower.typed_data();
   job->out = out->typed_data();
-  job->items = s.T * s.KVH;
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, job->items / 8));
-  job->chunk = std::max<int64_t>(1, job->items / (8 * (helpers + 1)));
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
-  job->Run();
-  // The caller ran out of chunks; wait for chunks other threads still hold.
-  while (job->done.load() < job->items) std::this_thread::yield();
+  RunJob(pool, job);
+  return ffi::Error::Success();
+}
+
+// The same attention for queries straight out of the fused projection,
+// feature-major [KVH * G * D, T] and not yet rotated: the kernel applies
+// RoPE (cos/sin [T, D]) and the scale as it reads each pair's rows, so the
+// step needs no transposed, rotated copy of q (XLA's fusion for it cost
+// about as much as the attention itself in prefill steps).
+ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
+                                ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> k_cache,
+                                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
+                                ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
+                                ffi::Buffer<ffi::S32> lower, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  const auto od = out->dimensions();
+  if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q needs rank 2, k, v and out rank 4, tables rank 2");
+  }
+  Shapes s{qd[1], od[1], od[2], od[3], kd[0], kd[3], td[0], td[1]};
+  if (od[0] != s.T || qd[0] != s.KVH * s.G * s.D || s.D % 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q rows must be KVH * G * D (D even), one column per token");
+  }
+  if (cos.element_count() != s.T * s.D || sin.element_count() != s.T * s.D) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
+  }
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
+  auto job = std::make_shared<Job>();
+  job->s = s;
+  job->q = q.typed_data();
+  job->feature_major = true;
+  job->cos = cos.typed_data();
+  job->sin = sin.typed_data();
+  job->scale = scale;
+  job->k = k_cache.typed_data();
+  job->v = v_cache.typed_data();
+  job->tables = tables.typed_data();
+  job->seq = seq.typed_data();
+  job->limit = limit.typed_data();
+  job->lower = lower.typed_data();
+  job->out = out->typed_data();
+  RunJob(pool, job);
   return ffi::Error::Success();
 }
 
@@ -340,4 +444,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFm, PagedAttentionFmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
