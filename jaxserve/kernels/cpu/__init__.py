@@ -132,15 +132,20 @@ def paged_attention_cpu(
     kvh = k_cache.shape[1]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
+    qs = (q.astype(jnp.float32) * scale).reshape(T, kvh, H // kvh, D)
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qs.shape, jnp.float32))(
+        qs, k_cache, v_cache, *_paging(meta, positions, sliding_window)
+    )
+    return out.reshape(T, H, D).astype(q.dtype)
+
+
+def _paging(meta: AttentionMetadata, positions: jax.Array, sliding_window: int | None) -> tuple[jax.Array, ...]:
+    """The kernel's int32 block tables, token rows and visible key range ``[lower, limit)`` per token."""
     limit, lower = visible_keys(meta, positions, sliding_window)
     if lower is None:
         lower = jnp.zeros_like(limit)
-    qs = (q.astype(jnp.float32) * scale).reshape(T, kvh, H // kvh, D)
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qs.shape, jnp.float32))(
-        qs, k_cache, v_cache, meta.block_tables.astype(jnp.int32), meta.token_seq.astype(jnp.int32),
-        limit.astype(jnp.int32), lower.astype(jnp.int32),
-    )  # fmt: skip
-    return out.reshape(T, H, D).astype(q.dtype)
+    i32 = jnp.int32
+    return meta.block_tables.astype(i32), meta.token_seq.astype(i32), limit.astype(i32), lower.astype(i32)
 
 
 def paged_attention_cpu_fm(
@@ -169,13 +174,10 @@ def paged_attention_cpu_fm(
             f"{cos.shape}/{sin.shape} must be [{T}, {D}]"
         )
     H = HD // D
-    limit, lower = visible_keys(meta, positions, sliding_window)
-    if lower is None:
-        lower = jnp.zeros_like(limit)
-    out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), jnp.float32))(
-        q_fm.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32), k_cache, v_cache,
-        meta.block_tables.astype(jnp.int32), meta.token_seq.astype(jnp.int32), limit.astype(jnp.int32),
-        lower.astype(jnp.int32), scale=np.float32(scale),
+    f32 = jnp.float32
+    out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), f32))(
+        q_fm.astype(f32), cos.astype(f32), sin.astype(f32), k_cache, v_cache,
+        *_paging(meta, positions, sliding_window), scale=np.float32(scale),
     )  # fmt: skip
     return out.reshape(T, H, D)
 

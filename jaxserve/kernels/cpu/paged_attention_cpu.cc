@@ -367,16 +367,10 @@ ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buf
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
-                              ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
-                              ffi::Buffer<ffi::S32> lower, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
-  }
-  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
+std::shared_ptr<Job> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_cache,
+                            ffi::Buffer<ffi::F32>& v_cache, ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq,
+                            ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
+                            ffi::ResultBuffer<ffi::F32>& out) {
   auto job = std::make_shared<Job>();
   job->s = s;
   job->q = q.typed_data();
@@ -387,6 +381,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   job->limit = limit.typed_data();
   job->lower = lower.typed_data();
   job->out = out->typed_data();
+  return job;
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                              ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
+                              ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
+                              ffi::Buffer<ffi::S32> lower, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
+  }
+  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
+  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, out);
   RunJob(pool, job);
   return ffi::Error::Success();
 }
@@ -414,20 +422,11 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
   }
   if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
-  auto job = std::make_shared<Job>();
-  job->s = s;
-  job->q = q.typed_data();
+  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, out);
   job->feature_major = true;
   job->cos = cos.typed_data();
   job->sin = sin.typed_data();
   job->scale = scale;
-  job->k = k_cache.typed_data();
-  job->v = v_cache.typed_data();
-  job->tables = tables.typed_data();
-  job->seq = seq.typed_data();
-  job->limit = limit.typed_data();
-  job->lower = lower.typed_data();
-  job->out = out->typed_data();
   RunJob(pool, job);
   return ffi::Error::Success();
 }
