@@ -222,23 +222,23 @@ def write_and_attend(
 
     query_meta = meta if query_meta is None else query_meta
     query_positions = positions if query_positions is None else query_positions
-    if query_rope is not None:
-        if impl.kernel != "cpu" or mesh is not None:
-            raise ValueError(f"query_rope needs the cpu kernel without a mesh, not {impl.kernel!r} (mesh {mesh})")
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout)
-        out = cpu_kernel.paged_attention_cpu_fm(
-            q, *query_rope, k_cache, v_cache, query_meta, query_positions, scale=scale, sliding_window=sliding_window
-        )
-        return k_cache, v_cache, out
+    if query_rope is not None and (impl.kernel != "cpu" or mesh is not None):
+        raise ValueError(f"query_rope needs the cpu kernel without a mesh, not {impl.kernel!r} (mesh {mesh})")
 
     def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions):
         k_cache, v_cache = write_kv(
             k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout
         )
-        out = attend(
-            impl, q, k_cache, v_cache, query_meta, query_positions, block_size=block_size, scale=scale,
-            sliding_window=sliding_window, cache_dtype=cache_dtype,
-        )
+        if query_rope is not None:
+            out = cpu_kernel.paged_attention_cpu_fm(
+                q, *query_rope, k_cache, v_cache, query_meta, query_positions, scale=scale,
+                sliding_window=sliding_window,
+            )  # fmt: skip
+        else:
+            out = attend(
+                impl, q, k_cache, v_cache, query_meta, query_positions, block_size=block_size, scale=scale,
+                sliding_window=sliding_window, cache_dtype=cache_dtype,
+            )
         return k_cache, v_cache, out
 
     if mesh is None:

@@ -276,7 +276,8 @@ struct Job {
   float* out;
   int64_t items, chunk;
   // Feature-major queries (``q`` is then [KVH * G * D, T], not rotated and not
-  // scaled): each pair rotates its rows with cos/sin [T, D] and scales them.
+  // scaled): each thread rotates (cos/sin [T, D]) and scales a tile of
+  // tokens' queries at a time (LoadQueries) before attending with them.
   bool feature_major = false;
   const float *cos = nullptr, *sin = nullptr;
   float scale = 1.0f;
@@ -401,7 +402,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 // The same attention for queries straight out of the fused projection,
 // feature-major [KVH * G * D, T] and not yet rotated: the kernel applies
-// RoPE (cos/sin [T, D]) and the scale as it reads each pair's rows, so the
+// RoPE (cos/sin [T, D]) and the scale as it reads each tile of tokens, so the
 // step needs no transposed, rotated copy of q (XLA's fusion for it cost
 // about as much as the attention itself in prefill steps).
 ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
