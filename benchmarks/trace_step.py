@@ -9,8 +9,9 @@ kernel choice, runs the step a few times untraced, then ``--repeats`` times
 under ``jax.profiler.trace(create_perfetto_trace=True)``, and sums the
 trace's complete events of the XLA CPU thunks per step: the YNNPACK fusions
 (the matmuls, with whatever XLA fused into them), the attention custom calls
-(``ffi_call``: the C++ kernel) and the other fusions by kind (element-wise
-work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
+(``ffi_call``: the C++ kernels, attention and, in programs of 48-64 tokens,
+the dense layers' matmuls; ``--top`` lists single ops in step order to tell
+them apart) and the other fusions by kind (element-wise work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def category(name: str) -> str | None:
     if name.startswith("ynn_fusion"):
         return "matmuls (ynn fusions)"
     if name.startswith("ffi_call"):
-        return "attention (ffi custom call)"
+        return "C++ kernels (ffi custom calls)"
     if re.match(r"^[a-z_]+_fusion(\.\d+)?$", name) or re.match(r"^(scatter|gather|copy|transpose|reduce)", name):
         return "other: " + re.sub(r"(\.\d+)?$", "", name)
     return None
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--step", choices=["prefill", "decode", "mixed"], default="prefill")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--top", type=int, default=0, help="also list the N costliest single ops (name, ms and calls per step)")
     args = ap.parse_args()
 
     import jax
@@ -101,10 +103,12 @@ def main() -> None:
         events = json.load(gzip.open(trace))["traceEvents"]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    per_step = collections.Counter()
+    per_step, per_op, calls = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and (cat := category(e.get("name", ""))) is not None:
             per_step[cat] += e["dur"] / 1000 / args.repeats  # microseconds -> ms per step
+            per_op[e["name"]] += e["dur"] / 1000 / args.repeats
+            calls[e["name"]] += 1 / args.repeats
     ops = sum(per_step.values())
     result = {"command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "step": args.step,
               "kernel": impl.kernel, "reason": reason, "step_ms_median": round(1000 * float(np.median(walls)), 1),
@@ -113,6 +117,11 @@ def main() -> None:
     print("| ops | ms per step | share of op time |\n|---|---|---|")
     for k, v in per_step.most_common(12):
         print(f"| {k} | {v:.1f} | {100 * v / ops:.0f}% |")
+    if args.top:
+        result["top_ops"] = [{"name": k, "ms": round(v, 3), "calls": round(calls[k], 1)} for k, v in per_op.most_common(args.top)]
+        print(f"\n| op | ms per step | calls per step |\n|---|---|---|")
+        for row in result["top_ops"]:
+            print(f"| {row['name']} | {row['ms']:.2f} | {row['calls']:g} |")
     path = qc.write_stamped(f"trace-{args.step}", result)
     print(f"\nwrote {path}")
 

@@ -39,12 +39,14 @@ to ``__call__`` must be in ``attention.layout``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, TP_AXIS, write_and_attend
 from jaxserve.kernels.kv_cache import KVCache
@@ -65,9 +67,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
     return x * jax.lax.rsqrt(var + eps) * w
 
 
-def _mm(w: jax.Array, x: jax.Array) -> jax.Array:
+def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
-    accumulation; float32 result."""
+    accumulation; float32 result. With ``cpu_kernel``, the C++ matmul takes
+    the shapes where it pays (float32, the few-token programs of decode steps)."""
+    if cpu_kernel and cpu_kernels.matmul_pays(w, x):
+        return cpu_kernels.matmul_cpu(w, x)
     return jnp.dot(w, x.astype(w.dtype), preferred_element_type=jnp.float32)
 
 
@@ -186,13 +191,14 @@ class LlamaForCausalLM(nnx.Module):
         # The C++ kernel takes q as the projection leaves it (feature-major, not
         # rotated): no transposed, rotated copy of q per layer. float32 weights
         # only (the other path rounds q to the weight dtype first).
-        fused_rope = attention.kernel == "cpu" and mesh is None and dtype == jnp.float32
+        fused_rope = cpu_dense = self._cpu_kernels()
+        mm = functools.partial(_mm, cpu_kernel=cpu_dense)
         last = len(self.layers) - 1
         k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            qkv = _add_bias(_mm(w["wqkv"], x), w["bqkv"])
+            qkv = _add_bias(mm(w["wqkv"], x), w["bqkv"])
             # tensor parallel: rows are group-major (jaxserve.models.sharding)
             q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
             k = apply_rope(heads(k_rows, KVH), cos, sin)
@@ -228,14 +234,14 @@ class LlamaForCausalLM(nnx.Module):
                 query_positions=q_positions,
                 query_rope=q_rope,
             )
-            h = h + _add_bias(_mm(w["wo"], attn.reshape(attn.shape[0], q_size).T), w["bo"])
+            h = h + _add_bias(mm(w["wo"], attn.reshape(attn.shape[0], q_size).T), w["bo"])
             x = rms_norm(h, w["post_norm"], eps, axis=0)
-            gu = _add_bias(_mm(w["w_gate_up"], x), w["b_gate_up"])
+            gu = _add_bias(mm(w["w_gate_up"], x), w["b_gate_up"])
             if groups == 1:
                 g, u = jnp.split(gu, 2, axis=0)
             else:
                 g, u = split_fused(gu, [c.intermediate_size, c.intermediate_size], groups)
-            h = h + _add_bias(_mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
+            h = h + _add_bias(mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
 
         # Token-major for the caller. The barrier keeps XLA from folding this
         # transpose into a later vocabulary matmul: a dot contracting its
@@ -260,7 +266,13 @@ class LlamaForCausalLM(nnx.Module):
         the CPU runs the vocabulary matmul fastest for few rows (11.5 ms vs
         13.5 ms for 64 x 512 x 32000 here); the greedy sampler reduces over
         axis 0 directly."""
-        return _mm(self.output_embedding(), hidden.T)
+        return _mm(self.output_embedding(), hidden.T, cpu_kernel=self._cpu_kernels())
+
+    def _cpu_kernels(self) -> bool:
+        """Whether the C++ kernels serve this model's float32 programs: the
+        CPU attention kernel chosen (so the library is built and
+        registered), one device and float32 weights."""
+        return self.attention.kernel == "cpu" and self.mesh is None and self.dtype == jnp.float32
 
     # convenience -----------------------------------------------------------
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype=None) -> KVCache:

@@ -1,8 +1,12 @@
-"""The CPU paged-attention kernel (``paged_attention_cpu.cc``), built on first use.
+"""The CPU kernels, built on first use: paged attention
+(``paged_attention_cpu.cc``) and the dense matmul of decode steps
+(``matmul_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
-token's blocks in place (its header comment says how). It is compiled with
+token's blocks in place (its header comment says how). Its matmuls of a few
+dozen tokens run at about half the machine's rate, which ``matmul_cpu.cc``
+recovers without packing. Both sources are compiled with
 the host's C++ compiler the first time a process needs it, against the XLA
 FFI headers that ship with jaxlib, into ``<cache>/kernels/`` (the presets'
 cache folder: ``$JAXSERVE_CACHE_DIR`` or ``~/.cache/jaxserve``), keyed by a
@@ -38,12 +42,22 @@ from jaxserve.presets import cache_dir
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cc")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cc", "matmul_cpu.cc"))
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)
 TARGET_FM = "jaxserve_paged_attention_cpu_fm"
 SYMBOL_FM = "JaxservePagedAttentionCpuFm"
+TARGET_MATMUL = "jaxserve_matmul_cpu"
+SYMBOL_MATMUL = "JaxserveMatmulCpu"
+#: :func:`matmul_cpu` takes token counts that are a multiple of this
+MATMUL_TOKEN_MULTIPLE = 16
+#: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
+#: token counts, and for more output rows (the vocabulary projection), XLA's
+#: own matmul measured as fast or faster (BENCHMARKS.md, session 8)
+MATMUL_MIN_TOKENS = 48
+MATMUL_MAX_TOKENS = 64
+MATMUL_MAX_ROWS = 8192
 DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
 # -ffast-math lets the compiler vectorise exp (glibc's libmvec) and reorder
 # the sums inside one (token, head) pair; the order is still fixed per pair.
@@ -62,16 +76,17 @@ def _compiler() -> str | None:
 
 def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join((compiler, jaxlib.__version__, *FLAGS)).encode())
-    return cache_dir() / "kernels" / f"paged_attention_cpu-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _build(compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)]
+        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -95,8 +110,8 @@ def available() -> bool:
                     _build(compiler, path)
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-                jax.ffi.register_ffi_target(TARGET_FM, jax.ffi.pycapsule(getattr(lib, SYMBOL_FM)), platform="cpu")
+                for target, symbol in ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL)):
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-JAX kernel"
                 why = f"{type(exc).__name__}: {exc}"
@@ -182,4 +197,38 @@ def paged_attention_cpu_fm(
     return out.reshape(T, H, D)
 
 
-__all__ = ["available", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported"]
+def _matmul_shapes_ok(w: jax.Array, x: jax.Array) -> bool:
+    return (
+        w.ndim == 2 and x.ndim == 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32
+        and w.shape[1] == x.shape[0] and x.shape[1] % MATMUL_TOKEN_MULTIPLE == 0
+    )  # fmt: skip
+
+
+def matmul_pays(w: jax.Array, x: jax.Array) -> bool:
+    """Whether the model should take :func:`matmul_cpu` for ``w @ x``: shapes
+    it computes, with a token count in ``[MATMUL_MIN_TOKENS,
+    MATMUL_MAX_TOKENS]`` and at most ``MATMUL_MAX_ROWS`` output rows, where
+    it measured faster than XLA's matmul (BENCHMARKS.md, session 8: fewer
+    tokens, and the vocabulary projection, are XLA's). Availability is
+    :func:`available`."""
+    T = x.shape[-1]
+    return (
+        _matmul_shapes_ok(w, x) and MATMUL_MIN_TOKENS <= T <= MATMUL_MAX_TOKENS
+        and w.shape[0] <= MATMUL_MAX_ROWS
+    )  # fmt: skip
+
+
+def matmul_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
+    """``w @ x`` for float32 weights ``[O, I]`` and feature-major inputs
+    ``[I, T]``, ``T`` a multiple of 16, from the C++ kernel: each output one
+    float32 sum in k order, so a token's result does not depend on the rest
+    of the batch. Call :func:`available` first."""
+    if not _matmul_shapes_ok(w, x):
+        raise ValueError(
+            f"matmul_cpu takes float32 [O, I] @ [I, T] with T a multiple of {MATMUL_TOKEN_MULTIPLE}, "
+            f"not {w.dtype.name}{list(w.shape)} @ {x.dtype.name}{list(x.shape)}"
+        )
+    return jax.ffi.ffi_call(TARGET_MATMUL, jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x)
+
+
+__all__ = ["available", "matmul_cpu", "matmul_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported"]

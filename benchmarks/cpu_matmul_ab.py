@@ -1,0 +1,90 @@
+"""Decode steps with and without the C++ dense matmul, side by side in one process.
+
+    .venv/bin/python benchmarks/cpu_matmul_ab.py [--repeats 15]
+
+Two ``ModelRunner`` instances on the ``llama-56m`` weights with the engine's
+CPU attention kernel: one compiled with ``jaxserve.kernels.cpu.matmul_cpu``
+serving the dense layers and the vocabulary projection of programs of up
+to ``MATMUL_MAX_TOKENS`` tokens (the default), one with XLA's matmul for
+everything (``MATMUL_MAX_TOKENS = 0`` while it compiles; both runners
+compile every bucket ahead, so the setting is fixed in each program). The
+same decode steps (``--seqs`` sequences of one token at context 192, greedy)
+run through ``execute`` + ``fetch``, the runners alternating per repeat.
+Prints each step's medians, the ratio and whether the greedy tokens agree.
+Writes ``benchmarks/results/cpu-matmul-ab-<UTC>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-56m")
+    ap.add_argument("--seqs", default="64,32,16", help="decode batch sizes, comma-separated (multiples of 16)")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    import jax.numpy as jnp
+
+    from jaxserve.engine.buckets import Buckets
+    from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.kernels import cpu as cpu_kernels
+    from jaxserve.kernels.backends import select_attention
+    from jaxserve.models.loader import load_model
+    from jaxserve.presets import resolve_model
+
+    loaded = load_model(resolve_model(args.model))
+    cfg = loaded.config
+    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
+                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
+    loaded.model.attention = impl
+    sizes = sorted(int(s) for s in args.seqs.split(","))
+    top = sizes[-1]
+    default_max = cpu_kernels.MATMUL_MAX_TOKENS
+    runners = {}
+    for name, max_tokens in (("cpu", default_max), ("xla", 0)):
+        cpu_kernels.MATMUL_MAX_TOKENS = max_tokens
+        try:
+            runners[name] = ModelRunner(
+                loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim, num_blocks=4 * top + 20, block_size=64, max_num_seqs=top,
+                max_num_batched_tokens=max(top, 256), max_model_len=1024,
+                buckets=Buckets(tokens=tuple(sorted({*sizes, max(top, 256)})), seqs=tuple(sizes)),
+            )  # fmt: skip
+            runners[name].warmup()
+        finally:
+            cpu_kernels.MATMUL_MAX_TOKENS = default_max
+    greedy = {"temperature": 0.0, "logprobs": False}
+    rows = {}
+    for n in sizes:
+        work = [SeqWork(token_ids=[5 + i], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
+                for i in range(n)]  # fmt: skip
+        tokens = {k: r.execute(work).fetch()[0].tolist() for k, r in runners.items()}
+        times = {k: [] for k in runners}
+        for rep in range(args.repeats):
+            for k in (("cpu", "xla") if rep % 2 == 0 else ("xla", "cpu")):
+                t = time.perf_counter()
+                runners[k].execute(work).fetch()
+                times[k].append(time.perf_counter() - t)
+        cpu, xla = (1000 * statistics.median(times[k]) for k in ("cpu", "xla"))
+        rows[str(n)] = {"cpu_matmul_ms": round(cpu, 2), "xla_ms": round(xla, 2), "speedup": round(xla / cpu, 3),
+                        "same_tokens": tokens["cpu"] == tokens["xla"],
+                        "cpu_runs_ms": [round(1000 * x, 2) for x in times["cpu"]],
+                        "xla_runs_ms": [round(1000 * x, 2) for x in times["xla"]]}  # fmt: skip
+        print(f"{n} x decode: xla {xla:.2f} ms, C++ matmul {cpu:.2f} ms = {xla / cpu:.3f}x; "
+              f"same tokens: {rows[str(n)]['same_tokens']}")  # fmt: skip
+    path = qc.write_stamped("cpu-matmul-ab", {
+        "command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "kernel": impl.kernel,
+        "reason": reason, "max_tokens": default_max, "steps": rows, "machine": qc.machine_info(),
+    })  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
