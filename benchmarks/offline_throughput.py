@@ -12,7 +12,8 @@ and 1).
 How: these machines are shared, and their speed moves by a factor of three
 within minutes, so the systems must be measured close together in time. For
 each N every system is started once, in ``--serve`` mode (``peers/``: loads,
-warms up, waits), and then ``--repeats`` rounds each time one run per system
+warms up, waits), and then, after ``--warmup-rounds`` untimed runs of each (default 1,
+recorded as round -1), ``--repeats`` rounds each time one run per system
 in turn (rotating order), only one system computing at a time: the idle
 peers are paused (SIGSTOP to their process trees, SIGCONT after the run;
 left running, vLLM's idle engine core used up to 0.6 CPU-seconds during a
@@ -317,31 +318,45 @@ def run_prompt_count(n: int, args, folder: Path, prompts_file: Path, logdir: Pat
                 raise RuntimeError(f"{system} did not start: {rec}\n{peer.stderr_tail()}")
             ready[system] = rec
             log(f"{system} ready ({rec.get('startup_s')} s to load and warm up)")
+        def one_run(system: str, rnd: int) -> dict:
+            """One run of ``system`` with the other peers paused."""
+            others = {s: tree_cpu_seconds(p.proc.pid) for s, p in peers.items() if s != system}
+            probe = matmul_probe() if args.probe else None
+            load = os.getloadavg()[0]
+            paused = [peers[s].proc.pid for s in others] if args.pause_idle else []
+            for pid in paused:  # idle peers may still spin (vLLM's engine core polls)
+                signal_tree(pid, signal.SIGSTOP)
+            try:
+                peers[system].send(f"run {inner}")
+                rec = peers[system].next_record(args.timeout)
+            finally:
+                for pid in paused:
+                    signal_tree(pid, signal.SIGCONT)
+            idle_cpu = {s: round(tree_cpu_seconds(peers[s].proc.pid) - c, 2) for s, c in others.items()}
+            rec.update(system=system, num_prompts=n, round=rnd, ok=rec.get("event") == "result",
+                       load_avg_1m_before=round(load, 2), probe_gflop_s_before=probe, idle_peers_cpu_s=idle_cpu)
+            what = "warm-up" if rnd < 0 else f"round {rnd + 1}/{args.repeats}"
+            if rec["ok"]:
+                log(f"{what}, {n} prompts: {system} "
+                    f"{rec['output_tokens_per_s']:.1f} tok/s (probe {probe} GFLOP/s, idle peers {idle_cpu})")
+            else:
+                rec["stderr_tail"] = peers[system].stderr_tail()
+                log(f"{what}, {n} prompts: {system} FAILED {json.dumps(rec)[:1500]}")
+            return rec
+
+        # Untimed first runs of the full workload (round -1, left out of the
+        # summary): each system's first run after the others' start-up moved
+        # by up to a fifth from its later ones (session 8).
+        for _ in range(args.warmup_rounds):
+            for system in args.systems:
+                warm = one_run(system, -1)
+                warm["warmup"] = True
+                runs.append(warm)
         for rnd in range(args.repeats):
             k = rnd % len(args.systems)
             order = args.systems[k:] + args.systems[:k]
             for system in order:
-                others = {s: tree_cpu_seconds(p.proc.pid) for s, p in peers.items() if s != system}
-                probe = matmul_probe() if args.probe else None
-                load = os.getloadavg()[0]
-                paused = [peers[s].proc.pid for s in others] if args.pause_idle else []
-                for pid in paused:  # idle peers may still spin (vLLM's engine core polls)
-                    signal_tree(pid, signal.SIGSTOP)
-                try:
-                    peers[system].send(f"run {inner}")
-                    rec = peers[system].next_record(args.timeout)
-                finally:
-                    for pid in paused:
-                        signal_tree(pid, signal.SIGCONT)
-                idle_cpu = {s: round(tree_cpu_seconds(peers[s].proc.pid) - c, 2) for s, c in others.items()}
-                rec.update(system=system, num_prompts=n, round=rnd, ok=rec.get("event") == "result",
-                           load_avg_1m_before=round(load, 2), probe_gflop_s_before=probe, idle_peers_cpu_s=idle_cpu)
-                if rec["ok"]:
-                    log(f"round {rnd + 1}/{args.repeats}, {n} prompts: {system} "
-                        f"{rec['output_tokens_per_s']:.1f} tok/s (probe {probe} GFLOP/s, idle peers {idle_cpu})")
-                else:
-                    rec["stderr_tail"] = peers[system].stderr_tail()
-                    log(f"round {rnd + 1}/{args.repeats}, {n} prompts: {system} FAILED {json.dumps(rec)[:1500]}")
+                rec = one_run(system, rnd)
                 runs.append(rec)
     finally:
         for peer in peers.values():
@@ -363,7 +378,8 @@ def summarize(runs: list[dict], nums: list[int], systems: list[str], costs: dict
     for n in nums:
         row = {}
         for s in systems:
-            tps = [r["output_tokens_per_s"] for r in runs if r["system"] == s and r["num_prompts"] == n and r["ok"]]
+            tps = [r["output_tokens_per_s"] for r in runs
+                   if r["system"] == s and r["num_prompts"] == n and r["ok"] and r["round"] >= 0]
             row[s] = {"median_tok_s": _median(tps), "runs_tok_s": tps}
         j = row.get("jaxserve", {}).get("median_tok_s")
         for peer in systems:
@@ -371,7 +387,7 @@ def summarize(runs: list[dict], nums: list[int], systems: list[str], costs: dict
                 continue
             row[f"jaxserve_over_{peer}"] = round(j / row[peer]["median_tok_s"], 3)
             per_round = []
-            for rnd in sorted({r["round"] for r in runs}):
+            for rnd in sorted({r["round"] for r in runs if r["round"] >= 0}):
                 a = [r for r in runs if r["round"] == rnd and r["num_prompts"] == n and r["ok"]]
                 js = [r["output_tokens_per_s"] for r in a if r["system"] == "jaxserve"]
                 ps = [r["output_tokens_per_s"] for r in a if r["system"] == peer]
@@ -447,6 +463,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per prompt count")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="untimed runs of each system first (recorded as round -1, not in the summary)")
     parser.add_argument("--inner", type=int, default=0,
                         help="timed runs per turn, their median is the turn's figure (default: 1, or 3 below 8 prompts)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)

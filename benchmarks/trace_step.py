@@ -10,8 +10,8 @@ under ``jax.profiler.trace(create_perfetto_trace=True)``, and sums the
 trace's complete events of the XLA CPU thunks per step: the YNNPACK fusions
 (the matmuls, with whatever XLA fused into them), the attention custom calls
 (``ffi_call``: the C++ kernels, attention and, in programs of 48-64 tokens,
-the dense layers' matmuls; ``--top`` lists single ops in step order to tell
-them apart) and the other fusions by kind (element-wise work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
+the dense layers' matmuls; ``--top`` lists the costliest single ops) and
+the other fusions by kind (element-wise work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
 """
 
 from __future__ import annotations
