@@ -49,6 +49,20 @@ namespace {
 
 constexpr float kNeg = -1e30f;
 constexpr int64_t kPrefetchBytes = 512;  // of the next block's keys and of its values
+// In the 64 x 64 case, while a block's key (value) rows are read, the row
+// this many ahead is requested into L2; past the keys' end that is the
+// first value rows, past the values' end the next block's first key rows.
+// A block of one kv head is two 16 KB runs at a random place: the hardware
+// prefetcher stops at every 4 KB page and starts each run cold, and decode
+// attention (each key read once) ran at half the machine's read bandwidth.
+// Into L2 rather than L1: requests into L1 this far ahead measured slower
+// than none (BENCHMARKS.md, session 8).
+constexpr int64_t kAheadRows = 32;
+
+// The 256-byte row at p (64 floats), requested into L2.
+inline void PrefetchRow(const float* p) {
+  for (int i = 0; i < 64; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
 
 #if defined(__AVX512F__)
 constexpr bool kPairHeads = true;
@@ -97,12 +111,13 @@ inline float VecExp(float x) {
 // d in the same order as for one row alone, so a row's scores do not
 // depend on whether it was paired.
 template <int NC, bool kTwo>
-inline void Scores64(const float* kb, const float* q0, const float* q1, float* sc0, float* sc1) {
+inline void Scores64(const float* kb, const float* vb, const float* q0, const float* q1, float* sc0, float* sc1) {
   V8 a[NC] = {}, b[NC] = {};
   for (int64_t d = 0; d < 64; ++d) {
     const float x0 = q0[d];
     const float x1 = kTwo ? q1[d] : 0.0f;
     const float* krow = kb + d * 64;
+    PrefetchRow(d + kAheadRows < 64 ? krow + kAheadRows * 64 : vb + (d + kAheadRows - 64) * 64);
     for (int i = 0; i < NC; ++i) {
       const V8 k = Load8(krow + 8 * i);
       a[i] += x0 * k;
@@ -148,8 +163,9 @@ inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m
 // acc rows (64 dims) rescaled by alpha and accumulated with the weights over
 // keys [c0, c1) of a [64 keys][64 dims] value block; two rows share each
 // value load, and each row's order of operations is that of one row alone.
+// nk: the next block's keys (this kv head's), to request ahead; or null.
 template <bool kTwo>
-inline void Values64(const float* vb, int64_t c0, int64_t c1, const float* p0, const float* p1, float alpha0,
+inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, const float* p0, const float* p1, float alpha0,
                      float alpha1, float* acc0, float* acc1) {
   V8 o[8], r[8];
   for (int i = 0; i < 8; ++i) o[i] = alpha0 * Load8(acc0 + 8 * i);
@@ -160,6 +176,11 @@ inline void Values64(const float* vb, int64_t c0, int64_t c1, const float* p0, c
     const float w0 = p0[c];
     const float w1 = kTwo ? p1[c] : 0.0f;
     const float* vrow = vb + c * 64;
+    if (c + kAheadRows < 64) {
+      PrefetchRow(vrow + kAheadRows * 64);
+    } else if (nk != nullptr) {
+      PrefetchRow(nk + (c + kAheadRows - 64) * 64);
+    }
     for (int i = 0; i < 8; ++i) {
       const V8 v = Load8(vrow + 8 * i);
       o[i] += w0 * v;
@@ -174,19 +195,19 @@ inline void Values64(const float* vb, int64_t c0, int64_t c1, const float* p0, c
 
 // One block for query rows g0 (and g0 + 1 when kTwo) of the 64 x 64 case.
 template <bool kTwo>
-inline void Block64(const float* kb, const float* vb, const float* q, int64_t g0, int64_t c0, int64_t c1,
+inline void Block64(const float* kb, const float* vb, const float* nk, const float* q, int64_t g0, int64_t c0, int64_t c1,
                     float* scores, float* acc, float* m, float* l) {
   const int64_t g1 = kTwo ? g0 + 1 : g0;
   float* sc0 = scores + g0 * 64;
   float* sc1 = scores + g1 * 64;
   if (c1 <= 32) {
-    Scores64<4, kTwo>(kb, q + g0 * 64, q + g1 * 64, sc0, sc1);
+    Scores64<4, kTwo>(kb, vb, q + g0 * 64, q + g1 * 64, sc0, sc1);
   } else {
-    Scores64<8, kTwo>(kb, q + g0 * 64, q + g1 * 64, sc0, sc1);
+    Scores64<8, kTwo>(kb, vb, q + g0 * 64, q + g1 * 64, sc0, sc1);
   }
   const float alpha0 = SoftmaxStep<64>(sc0, 64, c0, c1, m + g0, l + g0);
   const float alpha1 = kTwo ? SoftmaxStep<64>(sc1, 64, c0, c1, m + g1, l + g1) : 0.0f;
-  Values64<kTwo>(vb, c0, c1, sc0, sc1, alpha0, alpha1, acc + g0 * 64, acc + g1 * 64);
+  Values64<kTwo>(vb, nk, c0, c1, sc0, sc1, alpha0, alpha1, acc + g0 * 64, acc + g1 * 64);
 }
 
 // One (token, kv head) pair: online softmax over the visible blocks.
@@ -216,18 +237,21 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
     // The next block lies elsewhere in memory (blocks are allocated in any
     // order): ask for its first cache lines now, so they are not a stall per
-    // page; within a block the hardware prefetcher follows the stream.
-    // (Prefetching every line of both blocks cost more than it saved: 256
-    // instructions a block, mostly for lines a prefill chunk's earlier
-    // tokens had already brought in; measured, BENCHMARKS.md session 7.)
+    // page; in the 64 x 64 case the rows after them are asked for as this
+    // block's are read (kAheadRows). (Prefetching every line of both blocks
+    // at once cost more than it saved: 256 instructions a block, mostly for
+    // lines a prefill chunk's earlier tokens had already brought in;
+    // measured, BENCHMARKS.md session 7.)
+    const float* next_kb = nullptr;  // this kv head's keys of the next block
     if (j < last && j + 1 < s.M) {
       const int32_t next = tables[row * s.M + j + 1];
       if (next >= 0 && next < s.NB) {
-        const char* nk = reinterpret_cast<const char*>(k_cache + next * s.KVH * D * BS);
+        next_kb = k_cache + next * s.KVH * D * BS;
+        const char* nk = reinterpret_cast<const char*>(next_kb);
         const char* nv = reinterpret_cast<const char*>(v_cache + next * s.KVH * BS * D);
         for (int64_t off = 0; off < kPrefetchBytes; off += 64) {
-          __builtin_prefetch(nk + off);
-          __builtin_prefetch(nv + off);
+          __builtin_prefetch(nk + off, 0, 2);
+          __builtin_prefetch(nv + off, 0, 2);
         }
       }
     }
@@ -237,9 +261,9 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       // accumulators would spill, so each head runs alone.
       int64_t g = 0;
       if constexpr (kPairHeads) {
-        for (; g + 1 < G; g += 2) Block64<true>(kb, vb, q, g, c0, c1, scores, acc, m, l);
+        for (; g + 1 < G; g += 2) Block64<true>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
       }
-      for (; g < G; ++g) Block64<false>(kb, vb, q, g, c0, c1, scores, acc, m, l);
+      for (; g < G; ++g) Block64<false>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {
