@@ -24,12 +24,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+import engine_bench as eb  # benchmarks/ is on sys.path when run as a script
+import queue_common as qc
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "jaxserve/kernels/cpu/paged_attention_cpu.cc"
@@ -94,13 +94,7 @@ def main() -> None:
     steps = {name: step_for(t) for name, t in targets.items()}
     outs = {name: np.asarray(f(q, ks, vs)) for name, f in steps.items()}
     same = bool(np.array_equal(*outs.values()))
-    times = {name: [] for name in steps}
-    names = list(steps)
-    for r in range(args.repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
-            steps[name](q, ks, vs).block_until_ready()
-            times[name].append(time.perf_counter() - t0)
+    times = eb.alternate({name: (lambda f=f: f(q, ks, vs).block_until_ready()) for name, f in steps.items()}, args.repeats)
     kv_bytes = L * T * (args.context + 1) * KVH * D * 2 * 4
     rows = {}
     for name, ts in times.items():

@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
-import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+import engine_bench as eb  # benchmarks/ is on sys.path when run as a script
+import queue_common as qc
 
 
 def main() -> None:
@@ -30,20 +30,12 @@ def main() -> None:
     ap.add_argument("--seqs", default="64,32,16", help="decode batch sizes, comma-separated (multiples of 16)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    import jax.numpy as jnp
-
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
     from jaxserve.kernels import cpu as cpu_kernels
-    from jaxserve.kernels.backends import select_attention
-    from jaxserve.models.loader import load_model
-    from jaxserve.presets import resolve_model
 
-    loaded = load_model(resolve_model(args.model))
+    loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
-    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
-                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
-    loaded.model.attention = impl
     sizes = sorted(int(s) for s in args.seqs.split(","))
     top = sizes[-1]
     default_max = cpu_kernels.MATMUL_MAX_TOKENS
@@ -66,12 +58,7 @@ def main() -> None:
         work = [SeqWork(token_ids=[5 + i], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
                 for i in range(n)]  # fmt: skip
         tokens = {k: r.execute(work).fetch()[0].tolist() for k, r in runners.items()}
-        times = {k: [] for k in runners}
-        for rep in range(args.repeats):
-            for k in (("cpu", "xla") if rep % 2 == 0 else ("xla", "cpu")):
-                t = time.perf_counter()
-                runners[k].execute(work).fetch()
-                times[k].append(time.perf_counter() - t)
+        times = eb.alternate({k: (lambda r=r: r.execute(work).fetch()) for k, r in runners.items()}, args.repeats)
         cpu, xla = (1000 * statistics.median(times[k]) for k in ("cpu", "xla"))
         rows[str(n)] = {"cpu_matmul_ms": round(cpu, 2), "xla_ms": round(xla, 2), "speedup": round(xla / cpu, 3),
                         "same_tokens": tokens["cpu"] == tokens["xla"],

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import numpy as np
 
-import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+import engine_bench as eb  # benchmarks/ is on sys.path when run as a script
+import queue_common as qc
 
 STEPS = {"16x128": (16, 128), "8x256": (8, 256)}
 
@@ -33,19 +33,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    import jax.numpy as jnp
-
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
-    from jaxserve.kernels.backends import select_attention
-    from jaxserve.models.loader import load_model
-    from jaxserve.presets import resolve_model
 
-    loaded = load_model(resolve_model(args.model))
+    loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg, s = loaded.config, args.max_num_seqs
-    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
-                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
-    loaded.model.attention = impl
     runners = {}
     for prune in (True, False):
         runners[prune] = ModelRunner(
@@ -61,12 +53,7 @@ def main() -> None:
         work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, length).tolist(), start_pos=0,
                         block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy) for i in range(n)]  # fmt: skip
         tokens = {p: runners[p].execute(work).fetch()[0].tolist() for p in runners}
-        times = {True: [], False: []}
-        for r in range(args.repeats):
-            for prune in ((True, False) if r % 2 == 0 else (False, True)):
-                t = time.perf_counter()
-                runners[prune].execute(work).fetch()
-                times[prune].append(time.perf_counter() - t)
+        times = eb.alternate({p: (lambda r=r: r.execute(work).fetch()) for p, r in runners.items()}, args.repeats)
         on, off = (1000 * statistics.median(times[p]) for p in (True, False))
         rows[name] = {"pruned_ms": round(on, 1), "full_ms": round(off, 1), "speedup": round(off / on, 3),
                       "same_tokens": tokens[True] == tokens[False],

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-import queue_common as qc  # benchmarks/ is on sys.path when run as a script
+import engine_bench as eb  # benchmarks/ is on sys.path when run as a script
+import queue_common as qc
 
 
 def category(name: str) -> str | None:
@@ -54,19 +55,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
 
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
-    from jaxserve.kernels.backends import select_attention
-    from jaxserve.models.loader import load_model
-    from jaxserve.presets import resolve_model
 
-    loaded = load_model(resolve_model(args.model))
+    loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
-    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
-                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
-    loaded.model.attention = impl
     if args.step == "mixed":  # the shape of classify_docs.py's steps (256 sequences, 4096-token budget)
         sizes = dict(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=1024,
                      buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)))  # fmt: skip
