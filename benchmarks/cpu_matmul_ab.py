@@ -1,6 +1,6 @@
 """Decode steps with and without the C++ dense matmul, side by side in one process.
 
-    .venv/bin/python benchmarks/cpu_matmul_ab.py [--repeats 15]
+    .venv/bin/python benchmarks/cpu_matmul_ab.py [--repeats 15] [--argmax]
 
 Two ``ModelRunner`` instances on the ``llama-56m`` weights with the engine's
 CPU attention kernel: one compiled with ``jaxserve.kernels.cpu.matmul_cpu``
@@ -11,7 +11,10 @@ compile every bucket ahead, so the setting is fixed in each program). The
 same decode steps (``--seqs`` sequences of one token at context 192, greedy)
 run through ``execute`` + ``fetch``, the runners alternating per repeat.
 Prints each step's medians, the ratio and whether the greedy tokens agree.
-Writes ``benchmarks/results/cpu-matmul-ab-<UTC>.json``.
+Writes ``benchmarks/results/cpu-matmul-ab-<UTC>.json``. With ``--argmax``
+the two runners both use the C++ matmul and differ in the greedy pick
+instead: ``vocab_argmax_cpu`` (``ModelRunner.cpu_argmax``, the default) or
+``sampler.argmax`` in XLA (``cpu-argmax-ab-<UTC>.json``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> None:
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--seqs", default="64,32,16", help="decode batch sizes, comma-separated (multiples of 16)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--argmax", action="store_true",
+                    help="compare the C++ greedy argmax on and off instead (both runners on the C++ matmul)")
     args = ap.parse_args()
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
@@ -40,7 +45,10 @@ def main() -> None:
     top = sizes[-1]
     default_max = cpu_kernels.MATMUL_MAX_TOKENS
     runners = {}
-    for name, max_tokens in (("cpu", default_max), ("xla", 0)):
+    # (name, matmul token limit while compiling, C++ argmax)
+    variants = (("cpu", default_max, True), ("xla", default_max, False)) if args.argmax else (
+        ("cpu", default_max, True), ("xla", 0, True))  # fmt: skip
+    for name, max_tokens, cpu_argmax in variants:
         cpu_kernels.MATMUL_MAX_TOKENS = max_tokens
         try:
             runners[name] = ModelRunner(
@@ -49,6 +57,7 @@ def main() -> None:
                 max_num_batched_tokens=max(top, 256), max_model_len=1024,
                 buckets=Buckets(tokens=tuple(sorted({*sizes, max(top, 256)})), seqs=tuple(sizes)),
             )  # fmt: skip
+            runners[name].cpu_argmax = runners[name].cpu_argmax and cpu_argmax
             runners[name].warmup()
         finally:
             cpu_kernels.MATMUL_MAX_TOKENS = default_max
@@ -64,11 +73,13 @@ def main() -> None:
                         "same_tokens": tokens["cpu"] == tokens["xla"],
                         "cpu_runs_ms": [round(1000 * x, 2) for x in times["cpu"]],
                         "xla_runs_ms": [round(1000 * x, 2) for x in times["xla"]]}  # fmt: skip
-        print(f"{n} x decode: xla {xla:.2f} ms, C++ matmul {cpu:.2f} ms = {xla / cpu:.3f}x; "
+        what = "argmax" if args.argmax else "matmul"
+        print(f"{n} x decode: XLA {what} {xla:.2f} ms, C++ {what} {cpu:.2f} ms = {xla / cpu:.3f}x; "
               f"same tokens: {rows[str(n)]['same_tokens']}")  # fmt: skip
-    path = qc.write_stamped("cpu-matmul-ab", {
+    path = qc.write_stamped("cpu-argmax-ab" if args.argmax else "cpu-matmul-ab", {
         "command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "kernel": impl.kernel,
-        "reason": reason, "max_tokens": default_max, "steps": rows, "machine": qc.machine_info(),
+        "reason": reason, "max_tokens": default_max, "compared": "argmax" if args.argmax else "matmul",
+        "steps": rows, "machine": qc.machine_info(),
     })  # fmt: skip
     print(f"wrote {path}")
 

@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
+from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
 from jaxserve.kernels.kv_cache import KVCache
@@ -134,6 +135,8 @@ class ModelRunner:
         #: only the pure-JAX kernel reads the block-major plan (``_block_major_plan``);
         #: for the others each step gets the same empty one, no host work
         self.plans_block_major = attention.kernel == REFERENCE.kernel
+        #: greedy picks by the C++ one-pass argmax where the C++ kernels serve (one device)
+        self.cpu_argmax = attention.kernel == "cpu" and getattr(model, "mesh", None) is None
         self.mesh = getattr(model, "mesh", None)
         self._replicated = (
             None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -193,11 +196,19 @@ class ModelRunner:
             return hidden, kv_cache, jnp.zeros(self.max_num_seqs, jnp.int32)
         tokens = jax.lax.cond(
             greedy,
-            lambda h: argmax(logits_t_fn(self.graphdef, state, h[:rows]), axis=0),
+            lambda h: self._vocab_argmax(logits_t_fn(self.graphdef, state, h[:rows])),
             lambda h: jnp.zeros(rows, jnp.int32),
             hidden,
         )
         return hidden, kv_cache, jnp.pad(tokens, (0, self.max_num_seqs - rows))
+
+    def _vocab_argmax(self, logits_t: jax.Array) -> jax.Array:
+        """``sampler.argmax`` over the vocabulary (axis 0 of ``[V, rows]``):
+        the C++ kernel's one pass where it serves, XLA's three otherwise
+        (the same tokens: first index of the maximum, 0 for a NaN row)."""
+        if self.cpu_argmax and cpu_kernels.vocab_argmax_serves(logits_t):
+            return cpu_kernels.vocab_argmax_cpu(logits_t)
+        return argmax(logits_t, axis=0)
 
     def _greedy_in_forward(self, num_tokens: int) -> bool:
         """Whether the forward program of this token bucket can also pick greedy
@@ -211,7 +222,7 @@ class ModelRunner:
         faster vocabulary matmul). Skipping the log-softmax saves two passes
         over the ``[vocab, rows]`` logits when no request asked for them."""
         logits_t = logits_t_fn(self.graphdef, state, hidden[:num_rows])
-        tokens = argmax(logits_t, axis=0)
+        tokens = self._vocab_argmax(logits_t)
         if not logprobs:
             return tokens, jnp.zeros(tokens.shape, jnp.float32)
         return tokens, chosen_logprobs(logits_t, tokens, axis=0)

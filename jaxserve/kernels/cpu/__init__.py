@@ -42,7 +42,9 @@ from jaxserve.presets import cache_dir
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cc", "matmul_cpu.cc"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "vocab_argmax_cpu.cc")
+)
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)
@@ -50,6 +52,8 @@ TARGET_FM = "jaxserve_paged_attention_cpu_fm"
 SYMBOL_FM = "JaxservePagedAttentionCpuFm"
 TARGET_MATMUL = "jaxserve_matmul_cpu"
 SYMBOL_MATMUL = "JaxserveMatmulCpu"
+TARGET_ARGMAX = "jaxserve_vocab_argmax_cpu"
+SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
 #: :func:`matmul_cpu` takes token counts that are a multiple of this
 MATMUL_TOKEN_MULTIPLE = 16
 #: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
@@ -110,7 +114,9 @@ def available() -> bool:
                     _build(compiler, path)
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL)):
+                targets = ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL),
+                           (TARGET_ARGMAX, SYMBOL_ARGMAX))  # fmt: skip
+                for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-JAX kernel"
@@ -231,4 +237,25 @@ def matmul_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET_MATMUL, jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x)
 
 
-__all__ = ["available", "matmul_cpu", "matmul_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported"]
+def vocab_argmax_serves(logits_t: jax.Array) -> bool:
+    """Whether :func:`vocab_argmax_cpu` takes these logits: float32 ``[V, R]``
+    with ``R`` a multiple of 16 (availability is :func:`available`)."""
+    return logits_t.ndim == 2 and logits_t.dtype == jnp.float32 and logits_t.shape[1] % 16 == 0 and logits_t.shape[0] > 0
+
+
+def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
+    """``jaxserve.engine.sampler.argmax(logits_t, axis=0)`` in one pass: each
+    column's first index of its maximum, 0 for a column holding a NaN;
+    int32 ``[R]``."""
+    if not vocab_argmax_serves(logits_t):
+        raise ValueError(
+            f"vocab_argmax_cpu takes float32 [V, R] logits with R a multiple of 16, "
+            f"not {logits_t.dtype.name}{list(logits_t.shape)}"
+        )
+    return jax.ffi.ffi_call(TARGET_ARGMAX, jax.ShapeDtypeStruct((logits_t.shape[1],), jnp.int32))(logits_t)
+
+
+__all__ = [
+    "available", "matmul_cpu", "matmul_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported",
+    "vocab_argmax_cpu", "vocab_argmax_serves",
+]  # fmt: skip
