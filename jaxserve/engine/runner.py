@@ -135,9 +135,9 @@ class ModelRunner:
         #: only the pure-JAX kernel reads the block-major plan (``_block_major_plan``);
         #: for the others each step gets the same empty one, no host work
         self.plans_block_major = attention.kernel == REFERENCE.kernel
-        #: greedy picks by the C++ one-pass argmax where the C++ kernels serve (one device)
-        self.cpu_argmax = attention.kernel == "cpu" and getattr(model, "mesh", None) is None
         self.mesh = getattr(model, "mesh", None)
+        #: greedy picks by the C++ one-pass argmax where the C++ kernels serve (one device)
+        self.cpu_argmax = attention.kernel == "cpu" and self.mesh is None
         self._replicated = (
             None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )

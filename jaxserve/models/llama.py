@@ -190,7 +190,9 @@ class LlamaForCausalLM(nnx.Module):
         prune = output_rows is not None and output_rows.shape[0] < T
         # The C++ kernel takes q as the projection leaves it (feature-major, not
         # rotated): no transposed, rotated copy of q per layer. float32 weights
-        # only (the other path rounds q to the weight dtype first).
+        # only (the other path rounds q to the weight dtype first). On the same
+        # path the dense layers of decode-sized programs use the C++ matmul
+        # (``kernels.cpu.matmul_pays`` says which shapes).
         fused_rope = cpu_dense = self._cpu_kernels()
         mm = functools.partial(_mm, cpu_kernel=cpu_dense)
         last = len(self.layers) - 1
