@@ -1,16 +1,17 @@
 """The CPU kernels, built on first use: paged attention
-(``paged_attention_cpu.cc``) and the dense matmul of decode steps
-(``matmul_cpu.cc``).
+(``paged_attention_cpu.cc``), and for decode steps the dense matmul
+(``matmul_cpu.cc``) and the greedy pick (``vocab_argmax_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
 token's blocks in place (its header comment says how). Its matmuls of a few
 dozen tokens run at about half the machine's rate, which ``matmul_cpu.cc``
-recovers without packing. Both sources are compiled with
+recovers without packing, and its greedy argmax takes three passes over the
+logits where one does. The sources are compiled together with
 the host's C++ compiler the first time a process needs it, against the XLA
 FFI headers that ship with jaxlib, into ``<cache>/kernels/`` (the presets'
 cache folder: ``$JAXSERVE_CACHE_DIR`` or ``~/.cache/jaxserve``), keyed by a
-hash of the source, the jaxlib version and the flags, so later processes
+hash of the sources, the jaxlib version and the flags, so later processes
 load it in milliseconds. ``-march=native`` is safe because the library is
 built on the machine that runs it.
 
@@ -45,6 +46,8 @@ log = structlog.get_logger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "vocab_argmax_cpu.cc")
 )
+#: included by the sources; part of the library's cache key
+HEADERS = (Path(__file__).with_name("run_on_pool.h"),)
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)
@@ -80,7 +83,7 @@ def _compiler() -> str | None:
 
 def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(" ".join((compiler, jaxlib.__version__, *FLAGS)).encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"

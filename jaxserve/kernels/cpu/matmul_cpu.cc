@@ -23,8 +23,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
+#include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -93,8 +93,7 @@ void Rows(const float* w, int64_t I, const float* x, int64_t T, float* out, int6
   for (; o < o1; ++o) Tile<1, TV>(w + o * I, I, x + c0, T, out + o * T + c0);
 }
 
-// Work shared by the calling thread and the pool's tasks (held by shared_ptr:
-// a task the pool starts late finds nothing left and touches nothing freed).
+// Work shared by the calling thread and the pool's tasks (run_on_pool.h).
 // An item is a block of rows times one group of up to 64 token columns.
 struct Job {
   const float *w, *x;
@@ -147,10 +146,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   job->rows_per_item = std::max<int64_t>(48, (job->O / want + 5) / 6 * 6);
   job->row_items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
   job->items = job->row_items * job->col_groups;
-  const int64_t helpers = std::min<int64_t>(threads - 1, job->items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
-  job->Run();
-  while (job->done.load() < job->items) std::this_thread::yield();
+  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
   return ffi::Error::Success();
 }
 

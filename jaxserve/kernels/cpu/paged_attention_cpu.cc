@@ -38,9 +38,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -291,8 +291,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
   }
 }
 
-// Work shared by the calling thread and the pool's tasks. Held by shared_ptr:
-// a task the pool starts late finds nothing left and must not touch freed state.
+// Work shared by the calling thread and the pool's tasks (run_on_pool.h).
 struct Job {
   Shapes s;
   const float *q, *k, *v;
@@ -374,10 +373,7 @@ void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
     const int64_t tile = Job::kTile * job->s.KVH;
     job->chunk = (job->chunk + tile - 1) / tile * tile;
   }
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
-  job->Run();
-  // The caller ran out of chunks; wait for chunks other threads still hold.
-  while (job->done.load() < job->items) std::this_thread::yield();
+  jaxserve_cpu::RunOnPool(pool, job, helpers, job->items);
 }
 
 ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buffer<ffi::F32>& v_cache,

@@ -21,9 +21,9 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -60,7 +60,7 @@ void ScanRows(const float* x, int64_t R, int64_t v0, int64_t v1, Best* best) {
 }
 
 // The vocabulary in parts (contiguous rows), each scanned whole by one
-// thread; the parts are merged in order afterwards.
+// thread (run_on_pool.h); the parts are merged in order afterwards.
 struct Job {
   const float* x;
   int64_t V, R, parts;
@@ -90,10 +90,7 @@ ffi::Error VocabArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, f
   // a few parts per thread for balance, each at least 1024 rows
   job->parts = std::max<int64_t>(1, std::min<int64_t>(4 * threads, job->V / 1024));
   job->partial.resize(job->parts);
-  const int64_t helpers = std::min<int64_t>(threads - 1, job->parts - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Run(); });
-  job->Run();
-  while (job->done.load() < job->parts) std::this_thread::yield();
+  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->parts - 1), job->parts);
   int32_t* result = out->typed_data();
   for (int64_t c = 0; c < job->R; ++c) {
     float value = job->partial[0].value[c];
