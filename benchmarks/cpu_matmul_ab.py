@@ -1,6 +1,6 @@
 """Decode steps with and without the C++ dense matmul, side by side in one process.
 
-    .venv/bin/python benchmarks/cpu_matmul_ab.py [--repeats 15] [--argmax]
+    .venv/bin/python benchmarks/cpu_matmul_ab.py [--repeats 15] [--argmax | --matvec]
 
 Two ``ModelRunner`` instances on the ``llama-56m`` weights with the engine's
 CPU attention kernel: one compiled with ``jaxserve.kernels.cpu.matmul_cpu``
@@ -14,7 +14,11 @@ Prints each step's medians, the ratio and whether the greedy tokens agree.
 Writes ``benchmarks/results/cpu-matmul-ab-<UTC>.json``. With ``--argmax``
 the two runners both use the C++ matmul and differ in the greedy pick
 instead: ``vocab_argmax_cpu`` (``ModelRunner.cpu_argmax``, the default) or
-``sampler.argmax`` in XLA (``cpu-argmax-ab-<UTC>.json``).
+``sampler.argmax`` in XLA (``cpu-argmax-ab-<UTC>.json``). With
+``--matvec`` they differ in the few-token matmul: ``matvec_cpu`` for
+programs of up to 32 tokens (the default) or XLA's matmul there
+(``MATVEC_TOKENS = ()``; ``cpu-matvec-ab-<UTC>.json``); token buckets start
+at 8 as the engine's do, so one sequence decodes in an 8-token program.
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ import queue_common as qc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-56m")
-    ap.add_argument("--seqs", default="64,32,16", help="decode batch sizes, comma-separated (multiples of 16)")
+    ap.add_argument("--seqs", default="64,32,16", help="decode batch sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--argmax", action="store_true",
                     help="compare the C++ greedy argmax on and off instead (both runners on the C++ matmul)")
+    ap.add_argument("--matvec", action="store_true",
+                    help="compare the C++ few-token matmul on and off instead (both on the other C++ kernels)")
     args = ap.parse_args()
+    compared = "argmax" if args.argmax else "matvec" if args.matvec else "matmul"
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
     from jaxserve.kernels import cpu as cpu_kernels
@@ -43,24 +50,25 @@ def main() -> None:
     cfg = loaded.config
     sizes = sorted(int(s) for s in args.seqs.split(","))
     top = sizes[-1]
-    default_max = cpu_kernels.MATMUL_MAX_TOKENS
+    default_max, default_matvec = cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATVEC_TOKENS
     runners = {}
-    # (name, matmul token limit while compiling, C++ argmax)
-    variants = (("cpu", default_max, True), ("xla", default_max, False)) if args.argmax else (
-        ("cpu", default_max, True), ("xla", 0, True))  # fmt: skip
-    for name, max_tokens, cpu_argmax in variants:
-        cpu_kernels.MATMUL_MAX_TOKENS = max_tokens
+    # per runner: (matmul token limit, matvec token counts) while compiling, C++ argmax
+    off = {"matmul": ((0, default_matvec), True), "argmax": ((default_max, default_matvec), False),
+           "matvec": ((default_max, ()), True)}[compared]  # fmt: skip
+    variants = (("cpu", (default_max, default_matvec), True), ("xla", *off))
+    for name, (max_tokens, matvec_tokens), cpu_argmax in variants:
+        cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATVEC_TOKENS = max_tokens, matvec_tokens
         try:
             runners[name] = ModelRunner(
                 loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                 head_dim=cfg.head_dim, num_blocks=4 * top + 20, block_size=64, max_num_seqs=top,
                 max_num_batched_tokens=max(top, 256), max_model_len=1024,
-                buckets=Buckets(tokens=tuple(sorted({*sizes, max(top, 256)})), seqs=tuple(sizes)),
+                buckets=Buckets(tokens=tuple(sorted({*(max(8, n) for n in sizes), max(top, 256)})), seqs=tuple(sizes)),
             )  # fmt: skip
             runners[name].cpu_argmax = runners[name].cpu_argmax and cpu_argmax
             runners[name].warmup()
         finally:
-            cpu_kernels.MATMUL_MAX_TOKENS = default_max
+            cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATVEC_TOKENS = default_max, default_matvec
     greedy = {"temperature": 0.0, "logprobs": False}
     rows = {}
     for n in sizes:
@@ -73,12 +81,11 @@ def main() -> None:
                         "same_tokens": tokens["cpu"] == tokens["xla"],
                         "cpu_runs_ms": [round(1000 * x, 2) for x in times["cpu"]],
                         "xla_runs_ms": [round(1000 * x, 2) for x in times["xla"]]}  # fmt: skip
-        what = "argmax" if args.argmax else "matmul"
-        print(f"{n} x decode: XLA {what} {xla:.2f} ms, C++ {what} {cpu:.2f} ms = {xla / cpu:.3f}x; "
+        print(f"{n} x decode: XLA {compared} {xla:.2f} ms, C++ {compared} {cpu:.2f} ms = {xla / cpu:.3f}x; "
               f"same tokens: {rows[str(n)]['same_tokens']}")  # fmt: skip
-    path = qc.write_stamped("cpu-argmax-ab" if args.argmax else "cpu-matmul-ab", {
+    path = qc.write_stamped(f"cpu-{compared}-ab", {
         "command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "kernel": impl.kernel,
-        "reason": reason, "max_tokens": default_max, "compared": "argmax" if args.argmax else "matmul",
+        "reason": reason, "max_tokens": default_max, "matvec_tokens": list(default_matvec), "compared": compared,
         "steps": rows, "machine": qc.machine_info(),
     })  # fmt: skip
     print(f"wrote {path}")

@@ -1,7 +1,7 @@
 """Where one compiled engine step spends its time, op by op (``jax.profiler``).
 
     .venv/bin/python benchmarks/trace_step.py --step prefill      # 16 x 128-token prompts, one 2048-token step
-    .venv/bin/python benchmarks/trace_step.py --step decode       # 64 sequences at context 192
+    .venv/bin/python benchmarks/trace_step.py --step decode       # 64 sequences at context 192 (--seqs N: N)
     .venv/bin/python benchmarks/trace_step.py --step mixed        # a classification step: 16 x 250-token prompts + 96 decodes
 
 Builds a ``ModelRunner`` on the preset's weights with the engine's default
@@ -50,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--step", choices=["prefill", "decode", "mixed"], default="prefill")
+    ap.add_argument("--seqs", type=int, default=64, help="decode: the number of sequences (1-64)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--top", type=int, default=0, help="also list the N costliest single ops (name, ms and calls per step)")
     args = ap.parse_args()
@@ -65,8 +66,10 @@ def main() -> None:
         sizes = dict(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=1024,
                      buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)))  # fmt: skip
     else:
+        # decode steps of fewer sequences run in the engine's smallest token bucket, 8
         sizes = dict(num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
-                     buckets=Buckets(tokens=(64, 2048), seqs=(64,)))  # fmt: skip
+                     buckets=Buckets(tokens=tuple(sorted({max(8, args.seqs), 64, 2048})),
+                                     seqs=tuple(sorted({args.seqs, 64}))))  # fmt: skip
     runner = ModelRunner(loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                          head_dim=cfg.head_dim, block_size=64, **sizes)  # fmt: skip
     runner.warmup()
@@ -79,7 +82,7 @@ def main() -> None:
                  for i in range(96)]  # fmt: skip
     elif args.step == "decode":
         work = [SeqWork(token_ids=[5], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
-                for i in range(64)]  # fmt: skip
+                for i in range(args.seqs)]  # fmt: skip
     else:
         work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(), start_pos=0,
                         block_ids=list(range(1 + 2 * i, 3 + 2 * i)), sampling=greedy) for i in range(16)]  # fmt: skip

@@ -69,8 +69,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
 
 def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
-    accumulation; float32 result. With ``cpu_kernel``, the C++ matmul takes
-    the shapes where it pays (float32, the few-token programs of decode steps)."""
+    accumulation; float32 result. With ``cpu_kernel``, the C++ kernels take
+    the float32 shapes where they pay: up to 32 tokens the matrix-vector
+    kernel (weights streamed once), 48-64 tokens the register-tiled matmul
+    (decode steps of dozens of sequences)."""
+    if cpu_kernel and cpu_kernels.matvec_pays(w, x):
+        return cpu_kernels.matvec_cpu(w, x)
     if cpu_kernel and cpu_kernels.matmul_pays(w, x):
         return cpu_kernels.matmul_cpu(w, x)
     return jnp.dot(w, x.astype(w.dtype), preferred_element_type=jnp.float32)

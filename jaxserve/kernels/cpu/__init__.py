@@ -44,7 +44,8 @@ from jaxserve.presets import cache_dir
 log = structlog.get_logger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "vocab_argmax_cpu.cc")
+    Path(__file__).with_name(name)
+    for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "matvec_cpu.cc", "vocab_argmax_cpu.cc")
 )
 #: included by the sources; part of the library's cache key
 HEADERS = (Path(__file__).with_name("run_on_pool.h"),)
@@ -55,6 +56,8 @@ TARGET_FM = "jaxserve_paged_attention_cpu_fm"
 SYMBOL_FM = "JaxservePagedAttentionCpuFm"
 TARGET_MATMUL = "jaxserve_matmul_cpu"
 SYMBOL_MATMUL = "JaxserveMatmulCpu"
+TARGET_MATVEC = "jaxserve_matvec_cpu"
+SYMBOL_MATVEC = "JaxserveMatvecCpu"
 TARGET_ARGMAX = "jaxserve_vocab_argmax_cpu"
 SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
 #: :func:`matmul_cpu` takes token counts that are a multiple of this
@@ -65,6 +68,10 @@ MATMUL_TOKEN_MULTIPLE = 16
 MATMUL_MIN_TOKENS = 48
 MATMUL_MAX_TOKENS = 64
 MATMUL_MAX_ROWS = 8192
+#: the token counts :func:`matvec_cpu` takes: the few-token programs, where
+#: it measured faster than XLA's matmul for every matrix of the benchmark
+#: model, the vocabulary projection included (BENCHMARKS.md, session 9)
+MATVEC_TOKENS = (1, 2, 4, 8, 16, 32)
 DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
 # -ffast-math lets the compiler vectorise exp (glibc's libmvec) and reorder
 # the sums inside one (token, head) pair; the order is still fixed per pair.
@@ -118,7 +125,7 @@ def available() -> bool:
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 targets = ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL),
-                           (TARGET_ARGMAX, SYMBOL_ARGMAX))  # fmt: skip
+                           (TARGET_MATVEC, SYMBOL_MATVEC), (TARGET_ARGMAX, SYMBOL_ARGMAX))  # fmt: skip
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 ok = True
@@ -240,10 +247,35 @@ def matmul_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET_MATMUL, jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x)
 
 
+def matvec_pays(w: jax.Array, x: jax.Array) -> bool:
+    """Whether the model should take :func:`matvec_cpu` for ``w @ x``: the
+    shapes it computes, float32 ``[O, I] @ [I, T]`` with ``T`` in
+    :data:`MATVEC_TOKENS`, all of which measured faster than XLA's matmul.
+    Availability is :func:`available`."""
+    return (
+        w.ndim == 2 and x.ndim == 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32
+        and w.shape[1] == x.shape[0] and x.shape[1] in MATVEC_TOKENS
+    )  # fmt: skip
+
+
+def matvec_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
+    """``w @ x`` for float32 weights ``[O, I]`` and feature-major inputs
+    ``[I, T]`` of 1, 2, 4, 8, 16 or 32 tokens, from the C++ kernel that streams
+    each weight row once (``matvec_cpu.cc``): each output the same float32
+    arithmetic whatever the batch, so a token's result does not depend on
+    the rest of it. Call :func:`available` first."""
+    if not matvec_pays(w, x):
+        raise ValueError(
+            f"matvec_cpu takes float32 [O, I] @ [I, T] with T in {MATVEC_TOKENS}, "
+            f"not {w.dtype.name}{list(w.shape)} @ {x.dtype.name}{list(x.shape)}"
+        )
+    return jax.ffi.ffi_call(TARGET_MATVEC, jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x)
+
+
 def vocab_argmax_serves(logits_t: jax.Array) -> bool:
-    """Whether :func:`vocab_argmax_cpu` takes these logits: float32 ``[V, R]``
-    with ``R`` a multiple of 16 (availability is :func:`available`)."""
-    return logits_t.ndim == 2 and logits_t.dtype == jnp.float32 and logits_t.shape[1] % 16 == 0 and logits_t.shape[0] > 0
+    """Whether :func:`vocab_argmax_cpu` takes these logits: float32 ``[V, R]``,
+    ``V, R >= 1`` (availability is :func:`available`)."""
+    return logits_t.ndim == 2 and logits_t.dtype == jnp.float32 and logits_t.shape[1] > 0 and logits_t.shape[0] > 0
 
 
 def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
@@ -252,13 +284,13 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
     int32 ``[R]``."""
     if not vocab_argmax_serves(logits_t):
         raise ValueError(
-            f"vocab_argmax_cpu takes float32 [V, R] logits with R a multiple of 16, "
+            f"vocab_argmax_cpu takes float32 [V, R] logits with V, R >= 1, "
             f"not {logits_t.dtype.name}{list(logits_t.shape)}"
         )
     return jax.ffi.ffi_call(TARGET_ARGMAX, jax.ShapeDtypeStruct((logits_t.shape[1],), jnp.int32))(logits_t)
 
 
 __all__ = [
-    "available", "matmul_cpu", "matmul_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported",
+    "available", "matmul_cpu", "matmul_pays", "matvec_cpu", "matvec_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported",
     "vocab_argmax_cpu", "vocab_argmax_serves",
 ]  # fmt: skip

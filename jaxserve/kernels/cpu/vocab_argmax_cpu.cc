@@ -9,7 +9,7 @@
 // session 8). This is one pass: each thread scans a run of whole rows (R
 // contiguous floats), keeping per column a running maximum and its index.
 //
-//   logits f32 [V, R]   R a multiple of 16
+//   logits f32 [V, R]   V, R >= 1
 //   out    s32 [R]      first index of each column's maximum; 0 for a column
 //                       holding a NaN (sampler.argmax's contract)
 //
@@ -30,7 +30,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // R granularity: whole vectors of columns
 
 // Running (maximum, first index, NaN seen) per column over rows [v0, v1):
 // strictly greater replaces, so the first maximum stays.
@@ -79,8 +78,8 @@ struct Job {
 
 ffi::Error VocabArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> out) {
   const auto ld = logits.dimensions();
-  if (ld.size() != 2 || ld[1] % kLanes || ld[0] < 1 || out->element_count() != ld[1]) {
-    return ffi::Error::InvalidArgument("vocab_argmax_cpu: needs logits [V, R], V >= 1, R a multiple of 16, out [R]");
+  if (ld.size() != 2 || ld[1] < 1 || ld[0] < 1 || out->element_count() != ld[1]) {
+    return ffi::Error::InvalidArgument("vocab_argmax_cpu: needs logits [V, R], V, R >= 1, out [R]");
   }
   auto job = std::make_shared<Job>();
   job->x = logits.typed_data();
