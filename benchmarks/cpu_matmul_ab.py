@@ -16,7 +16,7 @@ the two runners both use the C++ matmul and differ in the greedy pick
 instead: ``vocab_argmax_cpu`` (``ModelRunner.cpu_argmax``, the default) or
 ``sampler.argmax`` in XLA (``cpu-argmax-ab-<UTC>.json``). With
 ``--matvec`` they differ in the few-token matmul: ``matvec_cpu`` for
-programs of up to 32 tokens (the default) or XLA's matmul there
+programs of up to 16 tokens (the default) or XLA's matmul there
 (``MATVEC_TOKENS = ()``; ``cpu-matvec-ab-<UTC>.json``); token buckets start
 at 8 as the engine's do, so one sequence decodes in an 8-token program.
 """

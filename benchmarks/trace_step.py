@@ -9,7 +9,7 @@ kernel choice, runs the step a few times untraced, then ``--repeats`` times
 under ``jax.profiler.trace(create_perfetto_trace=True)``, and sums the
 trace's complete events of the XLA CPU thunks per step: the YNNPACK fusions
 (the matmuls, with whatever XLA fused into them), the attention custom calls
-(``ffi_call``: the C++ kernels, attention and, in programs of 48-64 tokens,
+(``ffi_call``: the C++ kernels, attention and, in programs of up to 64 tokens,
 the dense layers' matmuls; ``--top`` lists the costliest single ops) and
 the other fusions by kind (element-wise work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
 """

@@ -70,8 +70,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
 def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
     accumulation; float32 result. With ``cpu_kernel``, the C++ kernels take
-    the float32 shapes where they pay: up to 32 tokens the matrix-vector
-    kernel (weights streamed once), 48-64 tokens the register-tiled matmul
+    the float32 shapes where they pay: up to 16 tokens the matrix-vector
+    kernel (weights streamed once), 32-64 tokens the register-tiled matmul
     (decode steps of dozens of sequences)."""
     if cpu_kernel and cpu_kernels.matvec_pays(w, x):
         return cpu_kernels.matvec_cpu(w, x)

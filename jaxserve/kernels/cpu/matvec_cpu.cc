@@ -1,13 +1,14 @@
 // Dense float32 matmul for 1 to 32 tokens, as an XLA FFI custom call.
 //
 // Why a second matmul kernel: a decode step of a handful of sequences runs
-// every weight matrix against 8-32 tokens (the smallest token buckets), and
-// the vocabulary projection against 1-32 sampled rows. That is close to the
-// matrix-vector regime, where a step should stream its weights at the
+// every weight matrix against 8 or 16 tokens (the smallest token buckets),
+// and the vocabulary projection against 1-16 sampled rows. That is close to
+// the matrix-vector regime, where a step should stream its weights at the
 // machine's read bandwidth: XLA's CPU backend reads them at 7-11 GB/s at
-// T = 8-32 (BENCHMARKS.md, session 9), and matmul_cpu.cc's register tile
-// needs T >= 48 to pay (below that it streams 12-24 weight rows at once, one
-// float from each per step). Here each weight row is read as contiguous
+// T = 8-16 (BENCHMARKS.md, session 9), and matmul_cpu.cc's register tile
+// needs T >= 32 to pay (below that it streams 12-24 weight rows at once, one
+// float from each per step). It computes T = 32 too; the model leaves that
+// to matmul_cpu.cc, faster there. Here each weight row is read as contiguous
 // vectors against the tokens' inputs, transposed once per call into
 // token-major rows that stay in cache:
 //
