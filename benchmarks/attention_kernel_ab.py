@@ -19,20 +19,14 @@ outputs are bitwise equal. Writes
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 import engine_bench as eb  # benchmarks/ is on sys.path when run as a script
+import kernel_build as kb
 import queue_common as qc
-
-ROOT = Path(__file__).resolve().parent.parent
-SOURCE = "jaxserve/kernels/cpu/paged_attention_cpu.cc"
 
 
 def main() -> None:
@@ -47,25 +41,11 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.kernels import cpu as cpu_kernels
-
     T, KVH, G, D, BS, L = args.seqs, 4, 2, 64, 64, args.layers
     M = (args.context + BS) // BS  # blocks per sequence, the query's own slot included
     if T * M >= args.num_blocks:
         raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold {T} sequences of {M} blocks")
-    tmp = Path(tempfile.mkdtemp(prefix="jaxserve-attn-ab-"))
-    sources = {"baseline": tmp / "baseline.cc", "working tree": ROOT / SOURCE}
-    sources["baseline"].write_text(
-        subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    )
-    targets = {}
-    for i, (name, src) in enumerate(sources.items()):
-        lib_path = tmp / f"kernel{i}.so"
-        cmd = ["g++", *cpu_kernels.FLAGS, "-I", jax.ffi.include_dir(), str(src), "-o", str(lib_path)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_LOCAL)
-        targets[name] = f"jaxserve_attention_ab_{i}"
-        jax.ffi.register_ffi_target(targets[name], jax.ffi.pycapsule(lib.JaxservePagedAttentionCpuFm), platform="cpu")
+    targets = kb.register_versions(args.baseline, "paged_attention_cpu.cc", "JaxservePagedAttentionCpuFm", "attention_ab")
 
     rng = np.random.default_rng(0)
     order = rng.permutation(np.arange(1, args.num_blocks))

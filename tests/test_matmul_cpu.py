@@ -15,6 +15,7 @@ import model_fixtures as mf
 from test_last_layer_pruning import _filled_cache, _mixed_step
 
 from jaxserve.kernels import cpu
+from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, logits_t_fn, split_model
@@ -109,3 +110,48 @@ def test_the_model_takes_it_in_decode_sized_programs_with_xlas_results(family, f
     for a, b in zip((*on[2].k, *on[2].v), (*off[2].k, *off[2].v)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(on[3]), np.asarray(off[3]), rtol=1e-4, atol=1e-4)
+
+
+def _prefill_step(vocab: int):
+    """A 128-token step: sequence 0 continues a 16-token cached prefix with
+    100 tokens, sequence 1 is a fresh 20-token prompt, the rest padding."""
+    block = 8
+    rng = np.random.default_rng(6)
+    tables = np.zeros((3, 16), np.int32)
+    blocks = rng.permutation(np.arange(1, 24))
+    tables[0, :15], tables[1, :3] = blocks[:15], blocks[15:18]
+    starts, counts = [16, 0], [100, 20]
+    ids, pos = np.zeros(128, np.int32), np.zeros(128, np.int32)
+    seq, slot = np.full(128, 2, np.int32), np.arange(128, dtype=np.int32) % block
+    at = 0
+    for s, (start, n) in enumerate(zip(starts, counts)):
+        p = np.arange(start, start + n)
+        ids[at : at + n] = rng.integers(3, vocab, n)
+        pos[at : at + n], seq[at : at + n] = p, s
+        slot[at : at + n] = tables[s, p // block] * block + p % block
+        at += n
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray([116, 20, 0], jnp.int32), logits_indices=jnp.zeros(2, jnp.int32),
+    )  # fmt: skip
+    return jnp.asarray(ids), jnp.asarray(pos), meta, at
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", list(mf.FAMILIES))
+def test_prefill_sized_programs_on_the_cpu_path_equal_the_reference_path(family, folders):
+    """Above MATMUL_MAX_TOKENS the CPU path projects keys and values
+    token-major (a second dot, no transpose): its hidden states for a
+    128-token step equal those of the reference attention path (XLA's fused
+    projection, the pure-JAX kernel) on the same cached prefix."""
+    from test_last_layer_pruning import _filled_cache
+
+    ids, pos, meta, used = _prefill_step(load_model(folders[family]).config.vocab_size)
+    hidden = {}
+    for kernel in ("cpu", "reference"):
+        model = load_model(folders[family]).model
+        model.attention = AttentionImpl(kernel=kernel)
+        graphdef, state = split_model(model)
+        cache = _filled_cache(model)  # the same prefix keys and values, in this kernel's layout
+        hidden[kernel] = np.asarray(jax.jit(lambda st, c: forward_fn(graphdef, st, ids, pos, c, meta)[0])(state, cache))
+    np.testing.assert_allclose(hidden["cpu"][:used], hidden["reference"][:used], rtol=1e-4, atol=1e-4)

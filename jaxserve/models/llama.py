@@ -84,6 +84,18 @@ def _add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
     return x if b is None else x + b.astype(jnp.float32)[:, None]
 
 
+def _qkv_kv_token_major(w: dict, x: jax.Array, q_size: int, kv_size: int) -> tuple[jax.Array, ...]:
+    """The fused projection of one device's layer (rows q, k, v) as q
+    feature-major ``[q_size, T]`` and k, v token-major ``[T, kv_size]``,
+    biases added; float32 weights (the CPU kernels' path)."""
+    wqkv, b = w["wqkv"], w["bqkv"]
+    q = _add_bias(jnp.dot(wqkv[:q_size], x, preferred_element_type=jnp.float32), None if b is None else b[:q_size])
+    kv = jnp.dot(x.T, wqkv[q_size:].T, preferred_element_type=jnp.float32)
+    if b is not None:
+        kv = kv + b[q_size:].astype(jnp.float32)[None, :]
+    return q, kv[:, :kv_size], kv[:, kv_size:]
+
+
 def _param(rngs: nnx.Rngs | None, shape, dtype, init: str) -> nnx.Param:
     if init == "ones":
         return nnx.Param(jnp.ones(shape, dtype))
@@ -204,11 +216,18 @@ class LlamaForCausalLM(nnx.Module):
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            qkv = _add_bias(mm(w["wqkv"], x), w["bqkv"])
-            # tensor parallel: rows are group-major (jaxserve.models.sharding)
-            q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
-            k = apply_rope(heads(k_rows, KVH), cos, sin)
-            v = heads(v_rows, KVH)
+            if cpu_dense and T > cpu_kernels.MATMUL_MAX_TOKENS:
+                # XLA's matmul here; it would transpose feature-major keys and
+                # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
+                # tokens), while a second dot leaves them token-major for free
+                q_rows, k_tm, v_tm = _qkv_kv_token_major(w, x, q_size, kv_size)
+                k, v = apply_rope(k_tm.reshape(T, KVH, D), cos, sin), v_tm.reshape(T, KVH, D)
+            else:
+                qkv = _add_bias(mm(w["wqkv"], x), w["bqkv"])
+                # tensor parallel: rows are group-major (jaxserve.models.sharding)
+                q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
+                k = apply_rope(heads(k_rows, KVH), cos, sin)
+                v = heads(v_rows, KVH)
             q_meta, q_positions, q_cos, q_sin = meta, positions, cos, sin
             if prune and i == last:  # from here on only the wanted rows
                 q_rows, h = q_rows[:, output_rows], h[:, output_rows]
