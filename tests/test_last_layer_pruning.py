@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
+from step_fixtures import paged_step
 from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.types import SamplingParams
 from jaxserve.kernels import cpu as cpu_kernel
-from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, AttentionImpl
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models import load_model
@@ -38,29 +38,11 @@ KERNELS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_ker
 def _mixed_step(vocab: int):
     """Three sequences: 0 continues a 10-token cached prefix with 20 tokens,
     1 is a fresh 30-token prompt, 2 decodes one token at position 17."""
-    rng = np.random.default_rng(4)
-    tables = np.zeros((4, 6), np.int32)
-    blocks = rng.permutation(np.arange(1, NUM_BLOCKS))
-    tables[0, :4], tables[1, :4], tables[2, :3] = blocks[:4], blocks[4:8], blocks[8:11]
-    starts, counts = [10, 0, 17], [20, 30, 1]
-    ids = np.zeros(T, np.int32)
-    pos = np.zeros(T, np.int32)
-    seq = np.full(T, 3, np.int32)  # padding: the empty last row
-    slot = np.arange(T, dtype=np.int32) % BLOCK  # padding writes into the null block
-    at = 0
-    for s, (start, n) in enumerate(zip(starts, counts)):
-        p = np.arange(start, start + n)
-        ids[at : at + n] = rng.integers(3, vocab, n)
-        pos[at : at + n], seq[at : at + n] = p, s
-        slot[at : at + n] = tables[s, p // BLOCK] * BLOCK + p % BLOCK
-        at += n
-    meta = AttentionMetadata(
-        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
-        context_lens=jnp.asarray([30, 30, 18, 0], jnp.int32), logits_indices=jnp.zeros(8, jnp.int32),
-    )  # fmt: skip
+    ids, pos, meta = paged_step(vocab, [10, 0, 17], [20, 30, 1], tokens=T, block=BLOCK, num_blocks=NUM_BLOCKS,
+                                table_width=6, seed=4)  # fmt: skip
     # the rows a step would keep: last tokens, score rows, a repeat, padding (0)
     rows = jnp.asarray([29, 50, 27, 28, 29, 0, 0, 10], jnp.int32)
-    return jnp.asarray(ids), jnp.asarray(pos), meta, rows
+    return ids, pos, meta, rows
 
 
 def _filled_cache(model) -> KVCache:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
+from step_fixtures import paged_step
 from test_last_layer_pruning import _filled_cache, _mixed_step
 
 from jaxserve.kernels import cpu
-from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, logits_t_fn, split_model
@@ -115,26 +115,9 @@ def test_the_model_takes_it_in_decode_sized_programs_with_xlas_results(family, f
 def _prefill_step(vocab: int):
     """A 128-token step: sequence 0 continues a 16-token cached prefix with
     100 tokens, sequence 1 is a fresh 20-token prompt, the rest padding."""
-    block = 8
-    rng = np.random.default_rng(6)
-    tables = np.zeros((3, 16), np.int32)
-    blocks = rng.permutation(np.arange(1, 24))
-    tables[0, :15], tables[1, :3] = blocks[:15], blocks[15:18]
-    starts, counts = [16, 0], [100, 20]
-    ids, pos = np.zeros(128, np.int32), np.zeros(128, np.int32)
-    seq, slot = np.full(128, 2, np.int32), np.arange(128, dtype=np.int32) % block
-    at = 0
-    for s, (start, n) in enumerate(zip(starts, counts)):
-        p = np.arange(start, start + n)
-        ids[at : at + n] = rng.integers(3, vocab, n)
-        pos[at : at + n], seq[at : at + n] = p, s
-        slot[at : at + n] = tables[s, p // block] * block + p % block
-        at += n
-    meta = AttentionMetadata(
-        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
-        context_lens=jnp.asarray([116, 20, 0], jnp.int32), logits_indices=jnp.zeros(2, jnp.int32),
-    )  # fmt: skip
-    return jnp.asarray(ids), jnp.asarray(pos), meta, at
+    ids, pos, meta = paged_step(vocab, [16, 0], [100, 20], tokens=128, block=8, num_blocks=24, table_width=16,
+                                seed=6, logits_rows=2)  # fmt: skip
+    return ids, pos, meta, 120
 
 
 @needs_kernel

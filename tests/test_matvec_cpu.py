@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
+from step_fixtures import paged_step
 from test_last_layer_pruning import BLOCK, NUM_BLOCKS, _filled_cache
 
 from jaxserve.kernels import cpu
-from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, logits_t_fn, split_model
@@ -89,28 +89,9 @@ def _small_step(vocab: int, tokens: int):
     """A ``tokens``-token step: sequence 0 continues a 10-token cached prefix
     with ``tokens - 4`` tokens, sequence 1 decodes one token at position 17,
     the rest is padding."""
-    rng = np.random.default_rng(5)
-    tables = np.zeros((3, 6), np.int32)
-    blocks = rng.permutation(np.arange(1, NUM_BLOCKS))
-    tables[0, :4], tables[1, :3] = blocks[:4], blocks[4:7]
-    starts, counts = [10, 17], [tokens - 4, 1]
-    ids = np.zeros(tokens, np.int32)
-    pos = np.zeros(tokens, np.int32)
-    seq = np.full(tokens, 2, np.int32)  # padding: the empty last row
-    slot = np.arange(tokens, dtype=np.int32) % BLOCK  # padding writes into the null block
-    at = 0
-    for s, (start, n) in enumerate(zip(starts, counts)):
-        p = np.arange(start, start + n)
-        ids[at : at + n] = rng.integers(3, vocab, n)
-        pos[at : at + n], seq[at : at + n] = p, s
-        slot[at : at + n] = tables[s, p // BLOCK] * BLOCK + p % BLOCK
-        at += n
-    meta = AttentionMetadata(
-        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
-        context_lens=jnp.asarray([start + n for start, n in zip(starts, counts)] + [0], jnp.int32),
-        logits_indices=jnp.zeros(2, jnp.int32),
-    )  # fmt: skip
-    return jnp.asarray(ids), jnp.asarray(pos), meta, jnp.asarray([tokens - 5, tokens - 4], jnp.int32)
+    ids, pos, meta = paged_step(vocab, [10, 17], [tokens - 4, 1], tokens=tokens, block=BLOCK, num_blocks=NUM_BLOCKS,
+                                table_width=6, seed=5, logits_rows=2)  # fmt: skip
+    return ids, pos, meta, jnp.asarray([tokens - 5, tokens - 4], jnp.int32)
 
 
 @pytest.fixture(scope="module")

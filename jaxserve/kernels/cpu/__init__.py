@@ -48,7 +48,7 @@ SOURCES = tuple(
     for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "matvec_cpu.cc", "vocab_argmax_cpu.cc")
 )
 #: included by the sources; part of the library's cache key
-HEADERS = (Path(__file__).with_name("run_on_pool.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("run_on_pool.h", "vec16.h"))
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)

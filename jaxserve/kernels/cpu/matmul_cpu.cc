@@ -25,47 +25,22 @@
 #include <memory>
 
 #include "run_on_pool.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // tokens per vector (and the T granularity)
 constexpr int kAccumulators = 24;  // R x TV of the 32 vector registers; the rest hold x
 constexpr int kAheadTiles = 2;  // how far below a tile its weight rows are prefetched
 
-#if defined(__AVX512F__)
-using Vec = __m512;
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec Fma(float a, Vec b, Vec c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
-#else
-// Portable fallback (the compiler vectorises the lane loops): same order of
-// operations per output, so results are bitwise those of the AVX-512 path
-// up to the FMA contraction the target allows.
-struct Vec {
-  float v[kLanes];
-};
-inline Vec Zero() { return Vec{}; }
-inline Vec Load(const float* p) {
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
-  return r;
-}
-inline void Store(float* p, const Vec& v) {
-  for (int i = 0; i < kLanes; ++i) p[i] = v.v[i];
-}
-inline Vec Fma(float a, const Vec& b, Vec c) {
-  for (int i = 0; i < kLanes; ++i) c.v[i] = __builtin_fmaf(a, b.v[i], c.v[i]);
-  return c;
-}
-#endif
+using jaxserve_cpu::Fma;
+using jaxserve_cpu::kLanes;  // tokens per vector (and the T granularity)
+using jaxserve_cpu::Load;
+using jaxserve_cpu::Store;
+using jaxserve_cpu::Vec;
+using jaxserve_cpu::Zero;
 
 // out[0:R, 0:16*TV] = w[0:R, :] @ x[:, 0:16*TV]; rows of x and out are ld apart.
 // Once per cache line of its rows, the tile asks for the same line of the

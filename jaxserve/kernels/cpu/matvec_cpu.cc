@@ -34,30 +34,29 @@
 #include <vector>
 
 #include "run_on_pool.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;   // floats per vector (the k step)
+using jaxserve_cpu::Fma;
+using jaxserve_cpu::kLanes;  // floats per vector (the k step)
+using jaxserve_cpu::Load;
+using jaxserve_cpu::Store;
+using jaxserve_cpu::Vec;
+using jaxserve_cpu::Zero;
+
 constexpr int kMaxTokens = 32;   // the largest T
 constexpr int kMaxRows = 4;      // rows per tile: four weight streams at once
 constexpr int kGroupTokens = 4;  // tokens per tile: 4 x 4 accumulators, two FMAs per load
 constexpr int64_t kAheadRows = 16;  // how far below the tile the weights are prefetched
 
 #if defined(__AVX512F__)
-using Vec = __m512;
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec LoadFirst(const float* p, int64_t n) {  // lanes >= n read as 0
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
 }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 
 // out[i] = the halving-tree sum of v[i]'s 16 lanes, for 16 vectors at once
 // (each level adds lanes j and j + h of every vector, h = 8, 4, 2, 1, and
@@ -87,28 +86,12 @@ Vec ReduceSixteen(const Vec v[16]) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, r);
 }
-inline void StoreAll(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #else
-// Portable fallback (the compiler vectorises the lane loops): the same
-// lanes and the same tree, so the same sums up to the FMA contraction the
-// target allows.
-struct Vec {
-  float v[kLanes];
-};
-inline Vec Zero() { return Vec{}; }
-inline Vec Load(const float* p) {
-  Vec r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
-  return r;
-}
+// Portable fallback: the same lanes and the same tree.
 inline Vec LoadFirst(const float* p, int64_t n) {
   Vec r{};
   for (int i = 0; i < n; ++i) r.v[i] = p[i];
   return r;
-}
-inline Vec Fma(const Vec& a, const Vec& b, Vec c) {
-  for (int i = 0; i < kLanes; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
-  return c;
 }
 Vec ReduceSixteen(const Vec v[16]) {
   Vec r;
@@ -121,9 +104,7 @@ Vec ReduceSixteen(const Vec v[16]) {
   }
   return r;
 }
-inline void StoreAll(float* p, const Vec& v) {
-  for (int i = 0; i < kLanes; ++i) p[i] = v.v[i];
-}
+
 #endif
 
 // out[r * ldo + t] = w[r, :] . xt[t, :] for a tile of R rows x G tokens. xt
@@ -154,7 +135,7 @@ inline void Tile(const float* w, int64_t I, const float* xt, int64_t ldx, float*
     }
   }
   float sums[16];
-  StoreAll(sums, ReduceSixteen(acc));
+  Store(sums, ReduceSixteen(acc));
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < G; ++t) out[r * ldo + t] = sums[r * G + t];
 }
