@@ -843,10 +843,11 @@ def _by_request(
     request_ids: list[str], tokens: np.ndarray, logprobs: np.ndarray
 ) -> tuple[dict[str, int], dict[str, float]]:
     """A step's sampled tokens and log-probabilities keyed by request, in
-    the order the plan's sampling requests were given."""
-    sampled = {rid: int(t) for rid, t in zip(request_ids, tokens)}
-    sampled_logprobs = {rid: float(lp) for rid, lp in zip(request_ids, logprobs)}
-    return sampled, sampled_logprobs
+    the order the plan's sampling requests were given (``tolist`` makes the
+    Python numbers in one call: ``int()`` per numpy scalar took ~5% of the
+    engine thread's samples in a 64-sequence offline run, py-spy)."""
+    sampled = dict(zip(request_ids, np.asarray(tokens).tolist()))
+    return sampled, dict(zip(request_ids, np.asarray(logprobs).tolist()))
 
 
 #: at most this many labels per scoring request (the wire allows 64)
