@@ -20,6 +20,7 @@ the two versions' outputs are bitwise equal. Writes
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
@@ -71,13 +72,9 @@ def main() -> None:
     chains["XLA"] = chain_for(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32))
     outs = {name: np.asarray(f(models[0], x)) for name, f in chains.items()}
     same = bool(np.array_equal(outs["baseline"], outs["working tree"]))
-    turn = {"i": 0}
-
-    def run(f):
-        turn["i"] += 1
-        f(models[turn["i"] % args.copies], x).block_until_ready()
-
-    times = eb.alternate({name: (lambda f=f: run(f)) for name, f in chains.items()}, args.repeats)
+    weights = itertools.cycle(models)  # each run the next copy
+    times = eb.alternate({name: (lambda f=f: f(next(weights), x).block_until_ready()) for name, f in chains.items()},
+                         args.repeats)  # fmt: skip
     flop = 2 * T * args.layers * sum(o * i for o, i in SHAPES)
     rows = {}
     for name, ts in times.items():

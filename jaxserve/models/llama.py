@@ -70,14 +70,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
 def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
     accumulation; float32 result. With ``cpu_kernel``, the C++ kernels take
-    the float32 shapes where they pay: up to 16 tokens the matrix-vector
-    kernel (weights streamed once), 32-64 tokens the register-tiled matmul
-    (decode steps of dozens of sequences)."""
-    if cpu_kernel and cpu_kernels.matvec_pays(w, x):
-        return cpu_kernels.matvec_cpu(w, x)
-    if cpu_kernel and cpu_kernels.matmul_pays(w, x):
-        return cpu_kernels.matmul_cpu(w, x)
+    the float32 shapes where they pay (:func:`_cpu_matmul`)."""
+    kernel = _cpu_matmul(w, x) if cpu_kernel else None
+    if kernel is not None:
+        return kernel(w, x)
     return jnp.dot(w, x.astype(w.dtype), preferred_element_type=jnp.float32)
+
+
+def _cpu_matmul(w: jax.Array, x: jax.Array):
+    """The C++ kernel that pays for ``w @ x``, or ``None`` (XLA's matmul): up
+    to 16 tokens the matrix-vector kernel (weights streamed once), 32-64
+    tokens the register-tiled matmul (decode steps of dozens of sequences)."""
+    if cpu_kernels.matvec_pays(w, x):
+        return cpu_kernels.matvec_cpu
+    if cpu_kernels.matmul_pays(w, x):
+        return cpu_kernels.matmul_cpu
+    return None
 
 
 def _add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
@@ -89,7 +97,7 @@ def _qkv_kv_token_major(w: dict, x: jax.Array, q_size: int, kv_size: int) -> tup
     feature-major ``[q_size, T]`` and k, v token-major ``[T, kv_size]``,
     biases added; float32 weights (the CPU kernels' path)."""
     wqkv, b = w["wqkv"], w["bqkv"]
-    q = _add_bias(jnp.dot(wqkv[:q_size], x, preferred_element_type=jnp.float32), None if b is None else b[:q_size])
+    q = _add_bias(_mm(wqkv[:q_size], x), None if b is None else b[:q_size])
     kv = jnp.dot(x.T, wqkv[q_size:].T, preferred_element_type=jnp.float32)
     if b is not None:
         kv = kv + b[q_size:].astype(jnp.float32)[None, :]
@@ -207,8 +215,8 @@ class LlamaForCausalLM(nnx.Module):
         # The C++ kernel takes q as the projection leaves it (feature-major, not
         # rotated): no transposed, rotated copy of q per layer. float32 weights
         # only (the other path rounds q to the weight dtype first). On the same
-        # path the dense layers of decode-sized programs use the C++ matmul
-        # (``kernels.cpu.matmul_pays`` says which shapes).
+        # path the dense layers of decode-sized programs use the C++ matmuls
+        # (``_cpu_matmul`` says which shapes).
         fused_rope = cpu_dense = self._cpu_kernels()
         mm = functools.partial(_mm, cpu_kernel=cpu_dense)
         last = len(self.layers) - 1
@@ -216,7 +224,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            if cpu_dense and T > cpu_kernels.MATMUL_MAX_TOKENS:
+            if cpu_dense and _cpu_matmul(w["wqkv"], x) is None:
                 # XLA's matmul here; it would transpose feature-major keys and
                 # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
                 # tokens), while a second dot leaves them token-major for free

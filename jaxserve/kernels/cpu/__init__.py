@@ -1,12 +1,14 @@
 """The CPU kernels, built on first use: paged attention
-(``paged_attention_cpu.cc``), and for decode steps the dense matmul
-(``matmul_cpu.cc``) and the greedy pick (``vocab_argmax_cpu.cc``).
+(``paged_attention_cpu.cc``), and for decode steps the dense matmuls
+(``matvec_cpu.cc`` for 1-16 tokens, ``matmul_cpu.cc`` for 32-64) and the
+greedy pick (``vocab_argmax_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
 token's blocks in place (its header comment says how). Its matmuls of a few
 dozen tokens run at about half the machine's rate, which ``matmul_cpu.cc``
-recovers without packing, and its greedy argmax takes three passes over the
+recovers without packing; at a handful of tokens it reads the weights at
+half the machine's bandwidth, which ``matvec_cpu.cc`` streams once; its greedy argmax takes three passes over the
 logits where one does. The sources are compiled together with
 the host's C++ compiler the first time a process needs it, against the XLA
 FFI headers that ship with jaxlib, into ``<cache>/kernels/`` (the presets'
@@ -64,8 +66,9 @@ SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
 MATMUL_TOKEN_MULTIPLE = 16
 #: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
 #: token counts, and for more output rows (the vocabulary projection), XLA's
-#: own matmul measured as fast or faster (BENCHMARKS.md, session 8)
-MATMUL_MIN_TOKENS = 32  # session 8 on another machine: 48 (32 there 0.89x)
+#: own matmul measured as fast or faster (BENCHMARKS.md, sessions 8 and 9: 32
+#: tokens 1.18x here, 0.89x on session 8's machine, which took 48 up)
+MATMUL_MIN_TOKENS = 32
 MATMUL_MAX_TOKENS = 64
 MATMUL_MAX_ROWS = 8192
 #: the token counts :func:`matvec_cpu` computes
@@ -299,6 +302,6 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
 
 
 __all__ = [
-    "available", "matmul_cpu", "matmul_pays", "matvec_cpu", "matvec_pays", "paged_attention_cpu", "paged_attention_cpu_fm", "unsupported",
-    "vocab_argmax_cpu", "vocab_argmax_serves",
+    "available", "matmul_cpu", "matmul_pays", "matvec_cpu", "matvec_pays", "paged_attention_cpu",
+    "paged_attention_cpu_fm", "unsupported", "vocab_argmax_cpu", "vocab_argmax_serves",
 ]  # fmt: skip

@@ -178,11 +178,7 @@ struct Job {
     }
   }
 
-  void Run() {
-    int64_t finished = 0;
-    for (int64_t item; (item = next.fetch_add(1)) < items; ++finished) RunItem(item);
-    done.fetch_add(finished);
-  }
+  void Run() { jaxserve_cpu::RunItems(*this, items); }
 };
 
 ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,

@@ -17,6 +17,15 @@
 
 namespace jaxserve_cpu {
 
+// A job's Run() for work split into `items` independent items: take them one
+// at a time from job.next, run job.RunItem(item), count them into job.done.
+template <class Job>
+void RunItems(Job& job, int64_t items) {
+  int64_t finished = 0;
+  for (int64_t item; (item = job.next.fetch_add(1)) < items; ++finished) job.RunItem(item);
+  job.done.fetch_add(finished);
+}
+
 // Runs job->Run() on the calling thread and on `helpers` of the pool's, and
 // returns once job->done has reached `items`.
 template <class Job>

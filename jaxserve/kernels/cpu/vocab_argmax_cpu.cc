@@ -30,7 +30,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-
 // Running (maximum, first index, NaN seen) per column over rows [v0, v1):
 // strictly greater replaces, so the first maximum stays.
 struct Best {
@@ -67,13 +66,8 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  void Run() {
-    int64_t finished = 0;
-    for (int64_t part; (part = next.fetch_add(1)) < parts; ++finished) {
-      ScanRows(x, R, V * part / parts, V * (part + 1) / parts, &partial[part]);
-    }
-    done.fetch_add(finished);
-  }
+  void RunItem(int64_t part) { ScanRows(x, R, V * part / parts, V * (part + 1) / parts, &partial[part]); }
+  void Run() { jaxserve_cpu::RunItems(*this, parts); }
 };
 
 ffi::Error VocabArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32> out) {
