@@ -187,19 +187,34 @@ def timeline(steps: list[list[float]], job: dict[str, float], first_token: float
     """Where one job's delivery -> first token went, on the worker's clock:
     the rest of the engine step running when it was received, the steps
     that ran after that before the one that made its first token, and that
-    step's own duration (steps are ``(start, duration, ...)``)."""
+    step's own duration (steps are ``(start, duration, ...)``). Since the
+    engine hands interactive tokens over inside a step (``on_urgent_outputs``)
+    the step-based fields miss the step that made the token; the ``engine_*``
+    fields (the engine's own clock) and ``loop_first_token_ms`` do not."""
     t = job["received"]
     inflight = [s for s in steps if s[0] <= t < s[0] + s[1]]
     after = [s for s in steps if s[0] >= t and s[0] + s[1] <= first_token + 1e-4]
     own = after[-1] if after else None
     return {
         "inflight_rest_ms": round(1000 * (inflight[0][0] + inflight[0][1] - t), 2) if inflight else 0.0,
+        "add_sent_ms": round(1000 * (job["add_sent"] - t), 2) if "add_sent" in job else None,
         "admitted_ms": round(1000 * (job["admitted"] - t), 2) if "admitted" in job else None,
+        "first_step_start_ms": round(1000 * (after[0][0] - t), 2) if after else None,
+        # The engine's clock: request arrival in the engine, first scheduled,
+        # first token collected; then the loop's first token (the handover).
+        "engine_arrival_ms": _since(job, "engine_arrival", t),
+        "engine_first_scheduled_ms": _since(job, "engine_first_scheduled", t),
+        "engine_first_token_ms": _since(job, "engine_first_token", t),
+        "loop_first_token_ms": _since(job, "loop_first_token", t),
         "steps_between": len(after) - 1 if after else 0,
         "steps_between_ms": round(1000 * sum(s[1] for s in after[:-1]), 2) if after else 0.0,
         "own_step_ms": round(1000 * own[1], 2) if own else None,
         "after_own_step_ms": round(1000 * (first_token - own[0] - own[1]), 2) if own else None,
     }
+
+
+def _since(job: dict[str, float], name: str, t: float) -> float | None:
+    return round(1000 * (job[name] - t), 2) if name in job else None
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -302,7 +317,8 @@ def main() -> None:
         # Medians of each part of the worker's delivery -> first token.
         summary["timeline_median_ms"] = {
             phase: {name: qc.median([r["timeline"][name] for r in res[phase] if r.get("timeline", {}).get(name) is not None])
-                    for name in ("inflight_rest_ms", "admitted_ms", "steps_between", "steps_between_ms", "own_step_ms",
+                    for name in ("inflight_rest_ms", "add_sent_ms", "admitted_ms", "first_step_start_ms", "engine_arrival_ms",
+                                 "engine_first_scheduled_ms", "engine_first_token_ms", "loop_first_token_ms", "steps_between", "steps_between_ms", "own_step_ms",
                                  "after_own_step_ms")}
             for phase in ("idle", "loaded")
         }

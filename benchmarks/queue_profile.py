@@ -118,6 +118,12 @@ def _instrument_worker() -> None:
 
     async def _finish(self, kj, result, record=None):  # type: ignore[no-untyped-def]
         rec(kj.key, "finish_start")
+        # The engine's own clock (same monotonic clock) and the loop's first token.
+        stamps = _jobs.setdefault(kj.key, {})
+        for name, t in (getattr(kj, "engine_metrics", None) or {}).items():
+            stamps[f"engine_{name}"] = t
+        if getattr(kj, "first_token_mono", None) is not None:
+            stamps["loop_first_token"] = kj.first_token_mono
         r = await orig_finish(self, kj, result, record)
         rec(kj.key, "finish_end")
         return r

@@ -108,6 +108,15 @@ class EngineMetrics:
                                        ["model_name", "finished_reason"], registry=r)
         self.jobs = Counter("jaxserve_jobs", "Queue jobs by queue and outcome (ok, error code, replayed)",
                             ["model_name", "queue", "outcome"], registry=r)
+        m = model_name
+        self._step_children = {
+            "running": self.num_requests_running.labels(m), "waiting": self.num_requests_waiting.labels(m),
+            "kv_usage": self.kv_cache_usage_perc.labels(m), "preemptions": self.num_preemptions.labels(m),
+            "prefix_queries": self.prefix_cache_queries.labels(m), "prefix_hits": self.prefix_cache_hits.labels(m),
+            "steps": self.engine_steps.labels(m), "generation": self.generation_tokens.labels(m),
+            "prompt": self.prompt_tokens.labels(m),
+        }  # fmt: skip
+        self._itl_children = {q: self.itl.labels(m, q) for q in ("interactive", "batch")}
         self._last_stats = None
         self._ready_check: HealthCheck | None = None
         self._live_check: HealthCheck | None = None
@@ -127,24 +136,32 @@ class EngineMetrics:
         return _run_check(self._live_check, "alive (no liveness check registered)", default=True)
 
     def record_step(self, engine, outputs: Iterable) -> None:
-        """Update gauges and per-request histograms after one engine step."""
-        m = self.model_name
+        """Update gauges and per-request histograms after one engine step.
+        Runs on the engine thread after every step, holding the GIL the event
+        loop needs: one update per metric, through the children cached at
+        construction (``labels()`` is a locked lookup)."""
+        c = self._step_children
         stats = engine.scheduler.stats()
-        self.num_requests_running.labels(m).set(stats.num_running)
-        self.num_requests_waiting.labels(m).set(stats.num_waiting)
-        self.kv_cache_usage_perc.labels(m).set(stats.kv_cache_usage)
+        c["running"].set(stats.num_running)
+        c["waiting"].set(stats.num_waiting)
+        c["kv_usage"].set(stats.kv_cache_usage)
         last = self._last_stats
         if last is not None:
-            self.num_preemptions.labels(m).inc(max(0, stats.num_preemptions - last.num_preemptions))
-            self.prefix_cache_queries.labels(m).inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
-            self.prefix_cache_hits.labels(m).inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
-            self.engine_steps.labels(m).inc(max(0, stats.num_steps - last.num_steps))
+            c["preemptions"].inc(max(0, stats.num_preemptions - last.num_preemptions))
+            c["prefix_queries"].inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+            c["prefix_hits"].inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+            c["steps"].inc(max(0, stats.num_steps - last.num_steps))
         self._last_stats = stats
+        generated = prompt = 0
         for out in outputs:
-            self.generation_tokens.labels(m).inc(len(out.new_token_ids))
+            generated += len(out.new_token_ids)
             if out.finished:
-                self.prompt_tokens.labels(m).inc(out.prompt_tokens)
-                self.request_success.labels(m, out.finish_reason or "error").inc()
+                prompt += out.prompt_tokens
+                self.request_success.labels(self.model_name, out.finish_reason or "error").inc()
+        if generated:
+            c["generation"].inc(generated)
+        if prompt:
+            c["prompt"].inc(prompt)
 
     def job(self, queue: str, outcome: str) -> None:
         self.jobs.labels(self.model_name, queue, outcome).inc()
@@ -152,7 +169,7 @@ class EngineMetrics:
     def observe_tokens(self, queue: str, gap_s: float, n: int) -> None:
         """``n`` tokens arrived ``gap_s`` after the previous ones: one
         inter-token latency observation per token (vLLM's metric)."""
-        h = self.itl.labels(self.model_name, queue)
+        h = self._itl_children.get(queue) or self.itl.labels(self.model_name, queue)
         for _ in range(n):
             h.observe(gap_s / n)
 

@@ -303,3 +303,77 @@ def test_a_request_admitted_by_before_plan_joins_that_plan(checkpoint, async_sch
     assert second == {"r0": 1} and calls == [0]
     third = {o.request_id: len(o.new_token_ids) for o in engine.step()}
     assert third == {"r0": 1, "r1": 1} and calls == [0, 1]
+
+
+def test_interactive_outputs_are_handed_over_before_the_next_plan(checkpoint):
+    """With ``on_urgent_outputs`` set, an interactive request's tokens leave
+    the engine as soon as its step is collected, before the next step is
+    planned and launched, and only there (never in ``step()``'s return); the
+    step that starts an interactive prompt is collected in the call that
+    launched it;
+    batch outputs and an interactive scoring job's (a group) still come back
+    from ``step()``. What each request receives is the same as without the
+    hook: tokens, texts, a stop string's cut and finish reasons."""
+    from jaxserve.engine.types import RequestClass
+
+    prompts = _prompts()
+    interactive = {"r1", "r4", "r6"}
+
+    def params(i):
+        if i == 4:
+            return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop_text,) if stop_text else ())
+        return SamplingParams(max_tokens=int(6 + i), temperature=0.0, ignore_eos=True)
+
+    def run(hooked: bool):
+        engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
+                                   max_model_len=128, block_size=16, async_scheduling=False))
+        engine.warmup()
+        events: list[tuple] = []
+        got: dict[str, list] = {}
+        added_at: dict[str, int] = {}
+        first_handed: dict[str, int] = {}
+        if hooked:
+            engine.before_plan = lambda: events.append(("plan",))
+
+            def urgent(outs):
+                assert engine._in_flight is None  # the next step is not launched yet
+                events.append(("urgent", sorted(o.request_id for o in outs)))
+                for o in outs:
+                    first_handed.setdefault(o.request_id, step)
+                for o in outs:
+                    got.setdefault(o.request_id, []).append(o)
+
+            engine.on_urgent_outputs = urgent
+        engine.add_score_request("s0", prompts[2], [[40], [41, 42]], request_class=RequestClass.INTERACTIVE)
+        pending = list(enumerate(prompts[:7]))
+        step = 0
+        while pending or engine.has_unfinished():
+            if pending and step % 2 == 0:
+                i, prompt = pending.pop(0)
+                rc = RequestClass.INTERACTIVE if f"r{i}" in interactive else RequestClass.BATCH
+                engine.add_request(f"r{i}", prompt, params(i), request_class=rc)
+                added_at[f"r{i}"] = step
+            events.append(("step",))
+            for o in engine.step():
+                assert not (hooked and o.request_id in interactive), o.request_id
+                got.setdefault(o.request_id, []).append(o)
+            step += 1
+        seen = {rid: ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
+                      outs[-1].finish_reason, outs[-1].label_logprobs is not None) for rid, outs in got.items()}
+        return seen, events, {rid: (added_at[rid], first_handed[rid]) for rid in first_handed}
+
+    stop_text = None
+    plain, _, _ = run(False)
+    stop_text = plain["r4"][1][3:6]  # text request 4 produces mid-stream
+    plain, _, _ = run(False)
+    hooked, events, firsts = run(True)
+    assert hooked == plain
+    # An interactive prompt's own step is waited for at once: its first token
+    # leaves the engine in the call that admitted it.
+    assert sorted(firsts) == sorted(interactive) and all(a == b for a, b in firsts.values()), firsts
+    assert plain["r4"][2] == "stop" and plain["s0"][3]
+    urgent_calls = [e for e in events if e[0] == "urgent"]
+    assert urgent_calls and all(set(e[1]) <= interactive for e in urgent_calls)
+    for i, e in enumerate(events):  # each hand-over is followed by that call's plan
+        if e[0] == "urgent":
+            assert events[i + 1] == ("plan",), events[i - 2 : i + 3]

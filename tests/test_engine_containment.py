@@ -14,7 +14,7 @@ import pytest
 from jaxserve.engine import EngineBroken
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import SamplingParams
+from jaxserve.engine.types import RequestClass, SamplingParams
 
 from engine_fixtures import build_engine_checkpoint
 
@@ -55,22 +55,34 @@ def _seeded(rid: str) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=seed, ignore_eos=True)
 
 
-def _run(engine: Engine, prompts: dict[str, list[int]], params_for, on_step=None):
-    """All prompts in one batch; returns (final outputs, streamed token ids) by id."""
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params_for(rid))
+def _run(engine: Engine, prompts: dict[str, list[int]], params_for, on_step=None, interactive=()):
+    """All prompts in one batch; returns (final outputs, streamed token ids)
+    by id. The requests named in ``interactive`` are interactive, and the
+    engine's ``on_urgent_outputs`` hook takes outputs too."""
     finals, streamed = {}, collections.defaultdict(list)
-    step = 0
-    while engine.has_unfinished():
-        if on_step is not None:
-            on_step(step)
-        for out in engine.step():
-            streamed[out.request_id] += out.new_token_ids
-            if out.finished:
-                assert out.request_id not in finals
-                finals[out.request_id] = out
-        step += 1
-        assert step < 500, "the engine does not converge"
+
+    def take(out):
+        streamed[out.request_id] += out.new_token_ids
+        if out.finished:
+            assert out.request_id not in finals
+            finals[out.request_id] = out
+
+    for rid, prompt in prompts.items():
+        rc = RequestClass.INTERACTIVE if rid in interactive else RequestClass.BATCH
+        engine.add_request(rid, prompt, params_for(rid), request_class=rc)
+    if interactive:
+        engine.on_urgent_outputs = lambda outs: [take(o) for o in outs]
+    try:
+        step = 0
+        while engine.has_unfinished():
+            if on_step is not None:
+                on_step(step)
+            for out in engine.step():  # (a suspect's step alone returns its outputs here)
+                take(out)
+            step += 1
+            assert step < 500, "the engine does not converge"
+    finally:
+        engine.on_urgent_outputs = None
     assert engine.allocator.num_used_blocks == 0
     assert not engine._suspects
     return finals, streamed
@@ -132,6 +144,21 @@ def test_greedy_step_failure_fails_only_the_culprit(engines, monkeypatch, async_
     assert engine.num_failed_steps == failed0 + 1
     # the six others passed one sampling step alone each, "bad" failed in its first
     assert engine.num_isolated_steps == isolated0 + NUM_GOOD + 1
+
+
+@pytest.mark.parametrize("after_tokens", [0, 2])
+def test_a_failing_interactive_step_handed_over_early_fails_only_the_culprit(engines, monkeypatch, after_tokens):
+    """Interactive outputs handed over before the next plan (the worker's
+    ``on_urgent_outputs``), and an interactive prompt's own step collected in
+    the call that launched it: a fetch failure there (``after_tokens=0``:
+    "bad"'s first token; 2: a decode) is contained the same way, and no
+    token reaches the caller twice."""
+    engine = engines[False]
+    alone = _alone(engine, _greedy)
+    faults = _inject(monkeypatch, engine, "fetch", after_tokens=after_tokens)
+    finals, streamed = _run(engine, _prompts(), _greedy, interactive={"bad", "g1", "g4"})
+    _check_contained(finals, streamed, alone, error_fragment="RuntimeError('injected fault')", bad_tokens=after_tokens)
+    assert len(faults) == 2  # in the batch, then alone
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -172,6 +172,15 @@ class Engine:
         # while the previous step computed joins this plan, not the next one
         # (the worker's EngineThread does). It must not raise.
         self.before_plan: Callable[[], None] | None = None
+        # Called on the engine's thread with the outputs of interactive
+        # requests as soon as a step's tokens are collected, before the next
+        # step is planned and launched (not pipelined: the caller sees an
+        # interactive token one plan-and-launch earlier, which on a busy
+        # batch is most of a step's host work). Those outputs are then not in
+        # step()'s return value. Only on the pipelined path without async
+        # scheduling (there, planning happens before the wait). It must not
+        # raise.
+        self.on_urgent_outputs: Callable[[list[RequestOutput]], None] | None = None
         concurrency = (self.num_blocks - 1) // self.scheduler_config.max_blocks_per_seq
         log.info(
             "engine.kv_cache",
@@ -433,6 +442,14 @@ class Engine:
         the device (all-greedy steps), the next step is launched before the
         wait instead (``_collect_overlapped``).
 
+        Interactive first in time (with ``on_urgent_outputs`` set, as the
+        worker does): the collected tokens of interactive requests are
+        processed and handed over before the next step is planned, and when
+        the step just launched is an interactive prompt's own (the scheduler
+        gives one to a starting interactive prompt), it is waited for at once
+        and its first tokens handed over in this call, before the batch rows
+        collected earlier are processed.
+
         Failure containment. An exception while one request's token is
         detokenized fails that request alone (``_process``). Any other
         exception (while planning, building the step's arrays, running the
@@ -488,19 +505,66 @@ class Engine:
     def _step_batched(self) -> list[RequestOutput]:
         """The pipelined step of ``step``, with its failures contained."""
         self._touched = [] if self._in_flight is None else [self._in_flight[0]]
+        extra = None
         try:
             if self.async_scheduling and self._in_flight is not None and self._in_flight[1].feedable:
                 collected = self._collect_overlapped()
             else:
                 collected = self._collect()
+                if collected is not None and self.on_urgent_outputs is not None:
+                    collected = self._emit_urgent(*collected)
                 self._dispatch()
+                if self.on_urgent_outputs is not None and self._first_tokens_in_flight():
+                    # An interactive prompt's own step (the scheduler gives it
+                    # one): wait for it now and hand its first tokens over,
+                    # instead of first processing the collected batch rows.
+                    more = self._emit_urgent(*self._collect())
+                    self._dispatch()
+                    if more[0]:
+                        extra = more
         except Exception as exc:  # noqa: BLE001 - contained, see step's docstring
             self._recover(exc)
             return []
         finally:
             self._touched = []
             self._planning = False
-        return [] if collected is None else self._process(*collected)
+        outputs = [] if collected is None else self._process(*collected)
+        if extra is not None:
+            outputs.extend(self._process_tokens(*extra))
+        return outputs
+
+    def _first_tokens_in_flight(self) -> bool:
+        """Whether the step in flight holds interactive requests only (no
+        scoring group's members), one of them about to sample its first
+        token."""
+        if self._in_flight is None:
+            return False
+        first = False
+        for s in self._in_flight[0].scheduled:
+            req = self._requests.get(s.request_id)
+            if req is None or req.request_class is not RequestClass.INTERACTIVE or s.request_id in self._group_of:
+                return False
+            state = self._states.get(s.request_id)
+            first = first or (s.sample and state is not None and not state.token_ids)
+        return first
+
+    def _emit_urgent(self, sampled, sampled_logprobs, finished_by_length):
+        """Process the collected tokens of interactive requests now and hand
+        their outputs to ``on_urgent_outputs``; returns the rest of the
+        collected step for ``_process`` after the next launch. Members of a
+        scoring group are never urgent (their outputs are the group's)."""
+        urgent = {}
+        for rid in sampled:
+            req = self._requests.get(rid)
+            if req is not None and req.request_class is RequestClass.INTERACTIVE and rid not in self._group_of:
+                urgent[rid] = sampled[rid]
+        if not urgent:
+            return sampled, sampled_logprobs, finished_by_length
+        rest = {rid: tok for rid, tok in sampled.items() if rid not in urgent}
+        outputs = self._process_tokens(urgent, sampled_logprobs, finished_by_length)
+        if outputs:
+            self.on_urgent_outputs(outputs)
+        return rest, sampled_logprobs, finished_by_length
 
     def _fault_point(self, stage: str, request_ids: Sequence[str]) -> None:
         """Test seam; does nothing. Called with the ids of the requests
@@ -703,6 +767,12 @@ class Engine:
         detokenizer, a stop check), the failure is this request's, and it
         alone is finished with an ``internal`` error."""
         outputs, self._group_outputs = self._group_outputs, []
+        outputs.extend(self._process_tokens(sampled, sampled_logprobs, finished_by_length))
+        return outputs
+
+    def _process_tokens(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
+        """``_process`` for the requests of ``sampled`` only."""
+        outputs = []
         now = time.monotonic()
         for request_id, token in sampled.items():
             state = self._states.get(request_id)

@@ -14,6 +14,11 @@ the engine's ``before_plan`` hook to run the admissions (``add_request``,
 ``add_score_request``) queued so far; any other command, and everything
 queued behind it, keeps its order and runs after the step.
 
+Interactive tokens leave first: the thread sets the engine's
+``on_urgent_outputs`` hook, so an interactive request's outputs reach the
+loop before the engine plans the next step (``on_outputs`` is called for
+them separately, ahead of the step's other outputs; ``on_step`` sees both).
+
 Failure handling:
 
 - A ``step()`` that raises is reported to ``on_step_error`` (on the loop) and
@@ -102,6 +107,11 @@ class EngineThread:
         self._deferred: list[Any] = []
         if hasattr(engine, "before_plan"):
             engine.before_plan = self._admit_arrivals
+        # Interactive outputs the engine hands over before it plans the next
+        # step go to the loop at once; on_step still sees them with the rest.
+        self._urgent: list[RequestOutput] = []
+        if hasattr(engine, "on_urgent_outputs"):
+            engine.on_urgent_outputs = self._post_urgent
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         # Guards the hand-over between _call queueing a command and the dying
@@ -250,6 +260,14 @@ class EngineThread:
                 return
             self._run_cmd(item, within_step=True)
 
+    def _post_urgent(self, outputs: list[RequestOutput]) -> None:
+        """The engine's ``on_urgent_outputs`` hook: must not raise."""
+        self._urgent.extend(outputs)
+        try:
+            self.loop.call_soon_threadsafe(self.on_outputs, list(outputs))
+        except RuntimeError:  # loop closed: the thread ends after this step
+            pass
+
     def _run(self) -> None:
         escaped: BaseException | None = None
         try:
@@ -295,9 +313,10 @@ class EngineThread:
             self.consecutive_step_failures = 0
             self.last_progress_mono = time.monotonic()
             self.busy_since_mono = None
+            urgent, self._urgent = self._urgent, []
             if self.on_step is not None:
                 try:
-                    self.on_step(engine, outputs)
+                    self.on_step(engine, urgent + outputs if urgent else outputs)
                 except Exception:  # noqa: BLE001 - metrics must never stop serving
                     pass
             if outputs:

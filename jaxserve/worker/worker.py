@@ -888,10 +888,17 @@ class Worker:
 
     # -------------------------------------------------------- engine side
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs (or the interactive ones the engine handed over
+        early), interactive jobs first: their chunks are queued for sending
+        before any batch job's result is."""
+        mine = []
         for out in outputs:
             kj = self._by_rid.get(out.request_id)
-            if kj is None or kj.state is not JobState.RUNNING:
-                continue
+            if kj is not None and kj.state is JobState.RUNNING:
+                mine.append((kj, out))
+        if len(mine) > 1:
+            mine.sort(key=lambda pair: pair[0].queue_class != INTERACTIVE)  # stable: step order within a class
+        for kj, out in mine:
             n_new = len(out.new_token_ids)
             if n_new and kj.first_token_mono is not None and self.metrics is not None:
                 now = time.monotonic()
