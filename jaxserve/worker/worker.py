@@ -70,6 +70,7 @@ from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
 from jaxserve.worker.limits import LimitsConfig, MemoryLimiter, RedisLimiter
 from jaxserve.worker.logs import bind_worker_context
+from jaxserve.worker.priority import deprioritize_other_threads
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
 from jaxserve.worker.store import MemoryStore, Record, RedisStore, StoreUnavailable
 
@@ -106,6 +107,11 @@ class WorkerConfig:
     chunk_timeout_s: float = 10.0
     store_retry_max_s: float = 5.0  # backoff cap while the store is unreachable
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
+    # nice value for every thread but the event loop's once the engine is
+    # compiled (jaxserve.worker.priority); 0 leaves priorities alone. The
+    # CLI's default is 5; here 0, since in-process users (tests, embedding)
+    # share the process with threads that are not the worker's.
+    compute_nice: int = 0
     max_consecutive_step_failures: int = 5
     log_text: bool = False
     # The name jobs write in ``model`` (and results carry); default: the
@@ -249,6 +255,9 @@ class Worker:
             log.info("worker_stopped_before_consuming", phase="warmup")
             return False
         self.metrics.warmup_seconds.labels(self.metrics.model_name).set(time.monotonic() - t0 - load_s)
+        if self.cfg.compute_nice:
+            niced = deprioritize_other_threads(self.cfg.compute_nice)
+            log.info("compute_threads_deprioritized", nice=self.cfg.compute_nice, threads=niced)
         log.info("engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
         self.limits = JobLimits(
             max_body_bytes=self.cfg.max_body_bytes,

@@ -1,0 +1,48 @@
+"""CPU priority for the worker's threads: the event loop ahead of compute.
+
+On a worker whose cores are busy (the engine's Python thread, XLA's compute
+threads, and often the broker on the same host), a thread that wakes up waits
+for a core. The event loop wakes for every broker frame and every engine
+output, and each of its hops then waits; an interactive job crosses about ten
+of them between the broker and its first streamed token. So the worker runs
+every thread of its process except the loop's at a lower priority (a higher
+``nice`` value, Linux): the loop, which only does I/O and bookkeeping, gets a
+core as soon as it wakes, while compute keeps whatever it leaves. On this
+project's 2-core machines that cut the interactive time to first token under
+a saturated batch queue by about a fifth (``BENCHMARKS.md``, session 10), at
+a few per cent of batch throughput.
+
+Threads started later inherit the value from the thread that starts them
+(the engine thread, XLA's pools), so one call after the engine is built and
+compiled covers them. Lowering one's own priority needs no privilege; where
+the platform has no per-thread priority (not Linux), nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_TASKS = "/proc/self/task"
+
+
+def deprioritize_other_threads(nice: int) -> int:
+    """Set ``nice`` on every thread of this process except the calling one
+    (the event loop's); returns how many threads were changed (0 where the
+    platform cannot, or for ``nice`` 0)."""
+    if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+        raise ValueError(f"nice must be an integer from 0 to 19, got {nice!r}")
+    if nice == 0 or not os.path.isdir(_TASKS) or not hasattr(os, "setpriority"):
+        return 0
+    me = threading.get_native_id()
+    changed = 0
+    for name in os.listdir(_TASKS):
+        tid = int(name)
+        if tid == me:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except (ProcessLookupError, PermissionError):  # gone meanwhile; or a policy forbids it
+            continue
+        changed += 1
+    return changed
