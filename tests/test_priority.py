@@ -12,6 +12,8 @@ import pytest
 
 from jaxserve.worker.priority import deprioritize_other_threads
 
+from queue_support import prefix, start_worker_process, stop_process, wait_log  # noqa: F401 - prefix: a fixture
+
 # Run in a child process: renicing is per thread and cannot be undone
 # without privilege, and this test process has threads of other tests.
 _CHILD = textwrap.dedent(
@@ -64,3 +66,23 @@ def test_a_nice_value_out_of_range_is_refused(bad):
 
 def test_zero_changes_nothing():
     assert deprioritize_other_threads(0) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_a_worker_with_compute_nice_runs_all_but_its_loop_niced(prefix, tmp_path):
+    """``jaxserve worker --compute-nice 3``: once compiled, the engine's
+    thread and every other thread but the event loop's (the main thread,
+    whose id is the process id) run at nice 3."""
+    import os
+
+    log = tmp_path / "w.log"
+    w = start_worker_process(prefix, log, "--compute-nice", "3")
+    try:
+        wait_log(log, "worker_consuming", timeout=60)
+        assert '"event": "compute_threads_deprioritized"' in log.read_text()
+        nice = {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{w.pid}/task")}
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert nice.pop(w.pid) == base
+        assert nice and set(nice.values()) == {max(3, base)}, nice
+    finally:
+        stop_process(w)

@@ -94,9 +94,10 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
               help="Seconds a final reply may take to be confirmed; then the job is requeued (or acked if its destination cannot take it).")
 @click.option("--engine-hang-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True,
               help="An engine step busy longer than this is a hung engine: requeue everything and exit 1.")
-@click.option("--compute-nice", type=click.IntRange(0, 19), default=5, show_default=True,
+@click.option("--compute-nice", type=click.IntRange(0, 19), default=0, show_default=True,
               help="Once compiled, run every thread but the event loop's (the engine's, XLA's) at this nice value, so "
-                   "broker I/O and streamed tokens get a core first; 0 leaves priorities alone (Linux only).")
+                   "broker I/O and streamed tokens get a core first on busy cores, at some batch throughput (Linux only; "
+                   "0 leaves priorities alone).")
 @click.option("--declare/--no-declare", default=True, show_default=True, help="Declare the topology at start.")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", default="info", show_default=True)

@@ -6,11 +6,14 @@ for a core. The event loop wakes for every broker frame and every engine
 output, and each of its hops then waits; an interactive job crosses about ten
 of them between the broker and its first streamed token. So the worker runs
 every thread of its process except the loop's at a lower priority (a higher
-``nice`` value, Linux): the loop, which only does I/O and bookkeeping, gets a
-core as soon as it wakes, while compute keeps whatever it leaves. On this
-project's 2-core machines that cut the interactive time to first token under
-a saturated batch queue by about a fifth (``BENCHMARKS.md``, session 10), at
-a few per cent of batch throughput.
+``nice`` value, Linux) when asked (``--compute-nice N``): the loop, which
+only does I/O and bookkeeping, gets a core as soon as it wakes, while compute
+keeps whatever it leaves. It is a trade, so it is off by default: on this
+project's 2-core machines, with the broker on the same cores, nice 5 lowered
+the interactive time to first token under a saturated batch queue in five of
+eight A/B pairs (mean loaded median 17.2 -> 14.7 ms) and cost ~9% of the
+jobs/s of a generating classification run, whose broker and client then win
+the cores from the engine (``BENCHMARKS.md``, session 10).
 
 Threads started later inherit the value from the thread that starts them
 (the engine thread, XLA's pools), so one call after the engine is built and

@@ -108,9 +108,8 @@ class WorkerConfig:
     store_retry_max_s: float = 5.0  # backoff cap while the store is unreachable
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
     # nice value for every thread but the event loop's once the engine is
-    # compiled (jaxserve.worker.priority); 0 leaves priorities alone. The
-    # CLI's default is 5; here 0, since in-process users (tests, embedding)
-    # share the process with threads that are not the worker's.
+    # compiled (jaxserve.worker.priority, --compute-nice); 0 leaves
+    # priorities alone.
     compute_nice: int = 0
     max_consecutive_step_failures: int = 5
     log_text: bool = False
