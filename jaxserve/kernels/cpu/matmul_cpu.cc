@@ -7,9 +7,10 @@
 // vocabulary projection, BENCHMARKS.md): the library's packing and thread
 // hand-over cost as much as the arithmetic at this size. The product needs
 // no packing when T is a multiple of 16: each row of x is T / 16 vectors of
-// tokens, and a tile of R weight rows times those vectors lives in the 32
-// vector registers for the whole reduction, one broadcast weight times a
-// vector of tokens per FMA.
+// tokens, and a tile of R weight rows times those vectors lives in the
+// vector registers for the whole reduction (AVX-512's 32: up to 64 tokens;
+// AVX2's 16: 6 rows x 16 tokens), one broadcast weight times a vector of
+// tokens per FMA.
 //
 //   w   f32 [O, I]   weights, row-major (the model's [out, in])
 //   x   f32 [I, T]   inputs, feature-major; T a multiple of 16
@@ -32,7 +33,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kAccumulators = 24;  // R x TV of the 32 vector registers; the rest hold x
+// The register tile, R rows x TV vectors of 16 tokens, R = kAccumulators / TV.
+// AVX-512: 24 of the 32 registers (the rest hold x), up to 4 vectors (64
+// tokens) at once. AVX2, where a Vec is two of 16 registers: 6 rows x 16
+// tokens, 12 registers (the shape of the classic 6 x 16 AVX2 micro-kernel),
+// the token groups of a tile's rows run back to back while the rows stay in L1.
+constexpr bool kWide = jaxserve_cpu::kRegistersPerVec == 1;
+constexpr int kAccumulators = kWide ? 24 : 6;
+constexpr int kMaxTV = kWide ? 4 : 1;
 constexpr int kAheadTiles = 2;  // how far below a tile its weight rows are prefetched
 
 using jaxserve_cpu::Fma;
@@ -46,6 +54,30 @@ using jaxserve_cpu::Zero;
 // Once per cache line of its rows, the tile asks for the same line of the
 // rows kAheadTiles tiles below (T2 hint): 2-9% faster for a chain of decode
 // layers at 64 tokens, weights hot or not (BENCHMARKS.md, session 9).
+#if defined(JAXSERVE_CPU_VEC16_AVX2)
+// The AVX2 build's tile, the same sums on plain __m256 arrays with its loops
+// unrolled (JAXSERVE_UNROLL): GCC 12 kept arrays of the two-register Vec in
+// memory, a load and a store per FMA.
+template <int R, int TV>
+void Tile(const float* w, int64_t I, const float* x, int64_t ld, float* out) {
+  constexpr int H = 2 * TV;  // 8-float halves per row
+  __m256 acc[R][H];
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < I; ++k) {
+    if ((k & (kLanes - 1)) == 0)
+      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) __builtin_prefetch(w + (kAheadTiles * R + r) * I + k, 0, 1);
+    __m256 xv[H];
+    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) xv[j] = _mm256_loadu_ps(x + k * ld + 8 * j);
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(w + r * I + k);
+      JAXSERVE_UNROLL for (int j = 0; j < H; ++j) acc[r][j] = _mm256_fmadd_ps(a, xv[j], acc[r][j]);
+    }
+  }
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) _mm256_storeu_ps(out + r * ld + 8 * j, acc[r][j]);
+}
+#else
 template <int R, int TV>
 void Tile(const float* w, int64_t I, const float* x, int64_t ld, float* out) {
   Vec acc[R][TV];
@@ -64,35 +96,42 @@ void Tile(const float* w, int64_t I, const float* x, int64_t ld, float* out) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < TV; ++j) Store(out + r * ld + kLanes * j, acc[r][j]);
 }
+#endif
 
-// Rows [o0, o1) of out for token columns [c0, c0 + 16 * TV).
+// Rows [o0, o1) of out for token columns [c0, c1), in groups of 16 * TV: per
+// tile of R rows, the groups in turn.
 template <int TV>
-void Rows(const float* w, int64_t I, const float* x, int64_t T, float* out, int64_t o0, int64_t o1, int64_t c0) {
+void Rows(const float* w, int64_t I, const float* x, int64_t T, float* out, int64_t o0, int64_t o1, int64_t c0,
+          int64_t c1) {
   constexpr int R = kAccumulators / TV;
+  constexpr int64_t width = TV * kLanes;
   int64_t o = o0;
-  for (; o + R <= o1; o += R) Tile<R, TV>(w + o * I, I, x + c0, T, out + o * T + c0);
-  for (; o < o1; ++o) Tile<1, TV>(w + o * I, I, x + c0, T, out + o * T + c0);
+  for (; o + R <= o1; o += R)
+    for (int64_t c = c0; c < c1; c += width) Tile<R, TV>(w + o * I, I, x + c, T, out + o * T + c);
+  for (; o < o1; ++o)
+    for (int64_t c = c0; c < c1; c += width) Tile<1, TV>(w + o * I, I, x + c, T, out + o * T + c);
 }
 
 // Work shared by the calling thread and the pool's tasks (run_on_pool.h).
-// An item is a block of rows times one group of up to 64 token columns.
+// An item is a block of rows, every token column.
 struct Job {
   const float *w, *x;
   float* out;
   int64_t O, I, T;
-  int64_t rows_per_item, row_items, col_groups, items;
+  int64_t rows_per_item, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void RunItem(int64_t item) const {
-    const int64_t g = item % col_groups, rb = item / col_groups;
-    const int64_t o0 = rb * rows_per_item, o1 = std::min(O, o0 + rows_per_item);
-    const int64_t c0 = g * 4 * kLanes;
-    switch (std::min<int64_t>(4, (T - c0) / kLanes)) {
-      case 4: Rows<4>(w, I, x, T, out, o0, o1, c0); break;
-      case 3: Rows<3>(w, I, x, T, out, o0, o1, c0); break;
-      case 2: Rows<2>(w, I, x, T, out, o0, o1, c0); break;
-      default: Rows<1>(w, I, x, T, out, o0, o1, c0); break;
+    const int64_t o0 = item * rows_per_item, o1 = std::min(O, o0 + rows_per_item);
+    // groups of kMaxTV vectors, then one narrower group for the rest
+    const int64_t full = T / (kMaxTV * kLanes) * (kMaxTV * kLanes);
+    if (full > 0) Rows<kMaxTV>(w, I, x, T, out, o0, o1, 0, full);
+    switch ((T - full) / kLanes) {
+      case 3: Rows<3>(w, I, x, T, out, o0, o1, full, T); break;
+      case 2: Rows<2>(w, I, x, T, out, o0, o1, full, T); break;
+      case 1: Rows<1>(w, I, x, T, out, o0, o1, full, T); break;
+      default: break;
     }
   }
 
@@ -115,14 +154,11 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   job->O = wd[0];
   job->I = wd[1];
   job->T = xd[1];
-  job->col_groups = (job->T + 4 * kLanes - 1) / (4 * kLanes);
   // About 8 items per thread for balance, each a whole number of 6-row tiles
-  // (the tile height at 64 columns) of at least 48 rows.
+  // (the tile height at 64 columns, and AVX2's) of at least 48 rows.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t want = std::max<int64_t>(1, 8 * threads / job->col_groups);
-  job->rows_per_item = std::max<int64_t>(48, (job->O / want + 5) / 6 * 6);
-  job->row_items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
-  job->items = job->row_items * job->col_groups;
+  job->rows_per_item = std::max<int64_t>(48, (job->O / (8 * threads) + 5) / 6 * 6);
+  job->items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
   jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
   return ffi::Error::Success();
 }

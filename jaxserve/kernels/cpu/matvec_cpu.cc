@@ -16,7 +16,8 @@
 //   x   f32 [I, T]   inputs, feature-major; T in {1, 2, 4, 8, 16, 32}
 //   out f32 [O, T]   w @ x
 //
-// A tile is 4 rows x up to 4 tokens: 16 accumulators, two FMAs per load. The
+// A tile is 4 rows x up to 4 tokens: 16 accumulators, two FMAs per load
+// (with AVX2's 16 registers, 2 x 2 or 4 x 1: kAccumulators below). The
 // token groups of one block of rows run back to back, so the rows come from
 // memory once and from L1 after; the rows 16 below the block are prefetched
 // (the T2 hint) as it reads its own (without that, 2.3x slower at T = 8 in a
@@ -49,8 +50,13 @@ using jaxserve_cpu::Vec;
 using jaxserve_cpu::Zero;
 
 constexpr int kMaxTokens = 32;   // the largest T
-constexpr int kMaxRows = 4;      // rows per tile: four weight streams at once
-constexpr int kGroupTokens = 4;  // tokens per tile: 4 x 4 accumulators, two FMAs per load
+constexpr int kMaxRows = 4;      // rows per tile: up to four weight streams at once
+// Accumulators per tile: half the vector registers (the rest hold the
+// loaded weights and inputs). AVX-512: 16, a tile of 4 rows x 4 tokens, two
+// FMAs per load. AVX2 (a Vec is two registers): 4, so 2 rows x 2 tokens, or
+// 4 rows x 1 token; the 16 of AVX-512's tile spilled there.
+constexpr int kAccumulators = jaxserve_cpu::kVectorRegisters / (2 * jaxserve_cpu::kRegistersPerVec);
+constexpr int kGroupTokens = kAccumulators >= 16 ? 4 : 2;  // tokens per tile
 constexpr int64_t kAheadRows = 16;  // how far below the tile the weights are prefetched
 
 #if defined(__AVX512F__)
@@ -86,6 +92,33 @@ Vec ReduceSixteen(const Vec v[16]) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, r);
 }
+#elif defined(JAXSERVE_CPU_VEC16_AVX2)
+inline Vec LoadFirst(const float* p, int64_t n) {  // lanes >= n read as 0
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lane);
+  return Vec{_mm256_maskload_ps(p, lo), _mm256_maskload_ps(p + 8, hi)};
+}
+
+// The halving-tree sums of eight 8-lane vectors (each already v.lo + v.hi,
+// the h = 8 level), in lanes 0-7: h = 4 across the 128-bit halves, then h = 2
+// and h = 1 inside them, as in the AVX-512 branch.
+__m256 ReduceEight(const __m256 v[8]) {
+  __m256 u[4];
+  for (int m = 0; m < 4; ++m) {
+    const __m256 a = v[2 * m], b = v[2 * m + 1];
+    u[m] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  __m256 p[2];
+  for (int m = 0; m < 2; ++m) {
+    const __m256 a = u[2 * m], b = u[2 * m + 1];
+    p[m] = _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+  }
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(p[0], p[1], 0x88), _mm256_shuffle_ps(p[0], p[1], 0xDD));
+  // r holds the sums of vectors 0, 2, 4, 6 | 1, 3, 5, 7: back in order
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 #else
 // Portable fallback: the same lanes and the same tree.
 inline Vec LoadFirst(const float* p, int64_t n) {
@@ -110,9 +143,53 @@ Vec ReduceSixteen(const Vec v[16]) {
 // out[r * ldo + t] = w[r, :] . xt[t, :] for a tile of R rows x G tokens. xt
 // rows are ldx floats apart, zero past I. With `prefetch` (the first token
 // group of a block), the rows kAheadRows below are asked into L2.
+#if defined(JAXSERVE_CPU_VEC16_AVX2)
+// The AVX2 build's tile: the same lanes and sums on plain __m256 halves with
+// the loops unrolled (JAXSERVE_UNROLL); GCC 12 kept arrays of the
+// two-register Vec in memory.
 template <int R, int G, bool prefetch>
 inline void Tile(const float* w, int64_t I, const float* xt, int64_t ldx, float* out, int64_t ldo) {
-  static_assert(R * G <= 16, "at most 16 accumulators");
+  static_assert(R * G <= kAccumulators, "more accumulators than registers");
+  constexpr int N = R * G;
+  __m256 lo[N], hi[N];
+  JAXSERVE_UNROLL for (int a = 0; a < N; ++a) lo[a] = hi[a] = _mm256_setzero_ps();
+  const int64_t full = I / kLanes * kLanes;
+  for (int64_t k = 0; k < full; k += kLanes) {
+    __m256 wl[R], wh[R];
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      wl[r] = _mm256_loadu_ps(w + r * I + k);
+      wh[r] = _mm256_loadu_ps(w + r * I + k + 8);
+    }
+    if (prefetch)
+      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) __builtin_prefetch(w + (kAheadRows + r) * I + k, 0, 1);
+    JAXSERVE_UNROLL for (int t = 0; t < G; ++t) {
+      const __m256 xl = _mm256_loadu_ps(xt + t * ldx + k), xh = _mm256_loadu_ps(xt + t * ldx + k + 8);
+      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
+        lo[r * G + t] = _mm256_fmadd_ps(wl[r], xl, lo[r * G + t]);
+        hi[r * G + t] = _mm256_fmadd_ps(wh[r], xh, hi[r * G + t]);
+      }
+    }
+  }
+  if (full < I) {  // the last I % 16 weights; xt is zero there
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
+      const Vec wv = LoadFirst(w + r * I + full, I - full);
+      JAXSERVE_UNROLL for (int t = 0; t < G; ++t) {
+        lo[r * G + t] = _mm256_fmadd_ps(wv.lo, _mm256_loadu_ps(xt + t * ldx + full), lo[r * G + t]);
+        hi[r * G + t] = _mm256_fmadd_ps(wv.hi, _mm256_loadu_ps(xt + t * ldx + full + 8), hi[r * G + t]);
+      }
+    }
+  }
+  __m256 h[8];  // the h = 8 level of the tree, then ReduceEight for the rest
+  JAXSERVE_UNROLL for (int a = 0; a < 8; ++a) h[a] = a < N ? _mm256_add_ps(lo[a % N], hi[a % N]) : _mm256_setzero_ps();
+  float sums[8];
+  _mm256_storeu_ps(sums, ReduceEight(h));
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int t = 0; t < G; ++t) out[r * ldo + t] = sums[r * G + t];
+}
+#else
+template <int R, int G, bool prefetch>
+inline void Tile(const float* w, int64_t I, const float* xt, int64_t ldx, float* out, int64_t ldo) {
+  static_assert(R * G <= kAccumulators, "more accumulators than registers");
   Vec acc[16];
   for (int a = 0; a < 16; ++a) acc[a] = Zero();
   const int64_t full = I / kLanes * kLanes;
@@ -139,12 +216,13 @@ inline void Tile(const float* w, int64_t I, const float* xt, int64_t ldx, float*
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < G; ++t) out[r * ldo + t] = sums[r * G + t];
 }
+#endif
 
 // Rows [o0, o1) of out [O, T]: per block of R rows, the token groups of G in
 // turn (the block's weights, R rows, stay in L1 between the groups).
 template <int T>
 void Rows(const float* w, int64_t I, const float* xt, int64_t ldx, float* out, int64_t o0, int64_t o1) {
-  constexpr int G = std::min(T, kGroupTokens), R = kMaxRows;
+  constexpr int G = std::min(T, kGroupTokens), R = std::min(kMaxRows, kAccumulators / G);
   int64_t o = o0;
   for (; o + R <= o1; o += R) {
     Tile<R, G, true>(w + o * I, I, xt, ldx, out + o * T, T);
