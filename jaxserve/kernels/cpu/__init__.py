@@ -67,7 +67,8 @@ MATMUL_TOKEN_MULTIPLE = 16
 #: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
 #: token counts, and for more output rows (the vocabulary projection), XLA's
 #: own matmul measured as fast or faster (BENCHMARKS.md, sessions 8 and 9: 32
-#: tokens 1.18x here, 0.89x on session 8's machine, which took 48 up)
+#: tokens 1.18x here, 0.89x on session 8's machine, which took 48 up; an
+#: AVX2-only EPYC, session 11: 1.27x at 32 tokens, 1.08x at 64)
 MATMUL_MIN_TOKENS = 32
 MATMUL_MAX_TOKENS = 64
 MATMUL_MAX_ROWS = 8192
@@ -77,7 +78,8 @@ MATVEC_KERNEL_TOKENS = (1, 2, 4, 8, 16, 32)
 #: the few-token programs, where it measured faster than XLA's matmul for
 #: every matrix of the benchmark model, the vocabulary projection included;
 #: it also computes 32, where :func:`matmul_cpu` was faster (BENCHMARKS.md,
-#: session 9)
+#: session 9; with AVX2 only, session 11: 1.03-1.22x XLA's decode steps at
+#: 1-16 tokens)
 MATVEC_TOKENS = (1, 2, 4, 8, 16)
 DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
 # -ffast-math lets the compiler vectorise exp (glibc's libmvec) and reorder
