@@ -54,49 +54,24 @@ using jaxserve_cpu::Zero;
 // Once per cache line of its rows, the tile asks for the same line of the
 // rows kAheadTiles tiles below (T2 hint): 2-9% faster for a chain of decode
 // layers at 64 tokens, weights hot or not (BENCHMARKS.md, session 9).
-#if defined(JAXSERVE_CPU_VEC16_AVX2)
-// The AVX2 build's tile, the same sums on plain __m256 arrays with its loops
-// unrolled (JAXSERVE_UNROLL): GCC 12 kept arrays of the two-register Vec in
-// memory, a load and a store per FMA.
-template <int R, int TV>
-void Tile(const float* w, int64_t I, const float* x, int64_t ld, float* out) {
-  constexpr int H = 2 * TV;  // 8-float halves per row
-  __m256 acc[R][H];
-  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
-    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < I; ++k) {
-    if ((k & (kLanes - 1)) == 0)
-      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) __builtin_prefetch(w + (kAheadTiles * R + r) * I + k, 0, 1);
-    __m256 xv[H];
-    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) xv[j] = _mm256_loadu_ps(x + k * ld + 8 * j);
-    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(w + r * I + k);
-      JAXSERVE_UNROLL for (int j = 0; j < H; ++j) acc[r][j] = _mm256_fmadd_ps(a, xv[j], acc[r][j]);
-    }
-  }
-  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
-    JAXSERVE_UNROLL for (int j = 0; j < H; ++j) _mm256_storeu_ps(out + r * ld + 8 * j, acc[r][j]);
-}
-#else
 template <int R, int TV>
 void Tile(const float* w, int64_t I, const float* x, int64_t ld, float* out) {
   Vec acc[R][TV];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TV; ++j) acc[r][j] = Zero();
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < TV; ++j) acc[r][j] = Zero();
   for (int64_t k = 0; k < I; ++k) {
     if ((k & (kLanes - 1)) == 0)
-      for (int r = 0; r < R; ++r) __builtin_prefetch(w + (kAheadTiles * R + r) * I + k, 0, 1);
+      JAXSERVE_UNROLL for (int r = 0; r < R; ++r) __builtin_prefetch(w + (kAheadTiles * R + r) * I + k, 0, 1);
     Vec xv[TV];
-    for (int j = 0; j < TV; ++j) xv[j] = Load(x + k * ld + kLanes * j);
-    for (int r = 0; r < R; ++r) {
+    JAXSERVE_UNROLL for (int j = 0; j < TV; ++j) xv[j] = Load(x + k * ld + kLanes * j);
+    JAXSERVE_UNROLL for (int r = 0; r < R; ++r) {
       const float a = w[r * I + k];
-      for (int j = 0; j < TV; ++j) acc[r][j] = Fma(a, xv[j], acc[r][j]);
+      JAXSERVE_UNROLL for (int j = 0; j < TV; ++j) acc[r][j] = Fma(a, xv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < TV; ++j) Store(out + r * ld + kLanes * j, acc[r][j]);
+  JAXSERVE_UNROLL for (int r = 0; r < R; ++r)
+    JAXSERVE_UNROLL for (int j = 0; j < TV; ++j) Store(out + r * ld + kLanes * j, acc[r][j]);
 }
-#endif
 
 // Rows [o0, o1) of out for token columns [c0, c1), in groups of 16 * TV: per
 // tile of R rows, the groups in turn.

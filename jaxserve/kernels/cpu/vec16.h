@@ -19,11 +19,6 @@
 #include <immintrin.h>
 #endif
 
-// Full unrolling of a register tile's loops over its rows and vectors.
-// Without it GCC 12 kept the AVX2 accumulator arrays in memory, a store per
-// FMA (seen in the assembly; the matmul at 64 tokens ran at half XLA's rate).
-#define JAXSERVE_UNROLL _Pragma("GCC unroll 32")
-
 namespace jaxserve_cpu {
 
 constexpr int64_t kLanes = 16;
@@ -57,6 +52,12 @@ inline Vec Fma(float a, const Vec& b, const Vec& c) {
 }
 constexpr int kVectorRegisters = 16;
 constexpr int kRegistersPerVec = 2;
+// Full unrolling of a register tile's loops over its rows and vectors.
+// Without it GCC 12 kept the tiles' arrays of this two-register Vec in
+// memory, a store per FMA (seen in the assembly; the matmul at 64 tokens ran
+// at half XLA's rate). AVX-512's tiles keep their accumulators in registers
+// without it, so there it expands to nothing and their code is unchanged.
+#define JAXSERVE_UNROLL _Pragma("GCC unroll 32")
 #else
 struct Vec {
   float v[kLanes];
@@ -80,6 +81,10 @@ inline Vec Fma(float a, const Vec& b, Vec c) {
 }
 constexpr int kVectorRegisters = 16;  // planning figures for an unknown target
 constexpr int kRegistersPerVec = 2;
+#endif
+
+#ifndef JAXSERVE_UNROLL
+#define JAXSERVE_UNROLL
 #endif
 
 }  // namespace jaxserve_cpu
