@@ -63,14 +63,14 @@ def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.
     engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": args.max_model_len}
     prefetch = args.batch_prefetch or args.max_num_seqs
-    extra_args, env = list(args.worker_arg), {}
+    extra_args, env, launcher = list(args.worker_arg), {}, None
     profile_path = folder / f"{name}-worker-profile.json"
-    if args.profile:  # benchmarks/queue_profile.py's instrumented engine
-        flags, env = qc.profiled_worker(profile_path)
+    if args.profile:  # benchmarks/queue_profile.py's instrumented worker and engine
+        flags, env, launcher = qc.profiled_worker(profile_path)
         extra_args += flags
     worker = qc.WorkerProc(prefix, engine, ["--store", "memory", "--log-level", "warning",
                                             "--batch-prefetch", str(prefetch), *extra_args],
-                           folder / f"{name}-worker.log", env=env)  # fmt: skip
+                           folder / f"{name}-worker.log", env=env, launcher=launcher)  # fmt: skip
     try:
         startup = worker.wait_consuming(timeout=600)
         out = folder / f"{name}-out.jsonl"

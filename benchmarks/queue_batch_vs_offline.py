@@ -345,14 +345,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="jaxserve-queue-bench-"))
     prefix = qc.new_prefix("batch")
     run_id = prefix.rsplit("-", 1)[1]
-    worker_extra, worker_env = list(args.worker_arg), {}
+    worker_extra, worker_env, launcher = list(args.worker_arg), {}, None
     profile_path = tmp / "worker-profile.json"
     if args.profile:
-        flags, worker_env = qc.profiled_worker(profile_path)
+        flags, worker_env, launcher = qc.profiled_worker(profile_path)
         worker_extra += flags
         if args.cprofile:
             worker_env["QUEUE_PROFILE_CPROFILE"] = str(tmp / "worker-loop.pstats")
-    worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)
+    worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env, launcher=launcher)
     print(f"worker pid {worker.pid} prefix {prefix}: {' '.join(worker.cmd)}", file=sys.stderr)
     try:
         # Build the offline engine while the worker compiles.

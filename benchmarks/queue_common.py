@@ -258,11 +258,13 @@ class WorkerProc:
     """A ``jaxserve worker`` subprocess on its own prefix."""
 
     def __init__(self, prefix: str, engine: dict[str, Any], extra: list[str], log_path: Path,
-                 metrics: bool = True, env: dict[str, str] | None = None) -> None:
+                 metrics: bool = True, env: dict[str, str] | None = None, launcher: list[str] | None = None) -> None:
+        """``launcher``: the command that stands for ``jaxserve`` (default:
+        the installed script)."""
         self.prefix = prefix
         self.log_path = log_path
         self.metrics_port = free_port() if metrics and worker_supports("--metrics-port") else None
-        cmd = [jaxserve_exe(), "worker", "--model", str(engine.get("model", "tiny")), "--prefix", prefix,
+        cmd = [*(launcher or [jaxserve_exe()]), "worker", "--model", str(engine.get("model", "tiny")), "--prefix", prefix,
                "--amqp-url", AMQP_URL, "--log-format", "json"]
         for k, v in engine.items():
             if k != "model" and v is not None:
@@ -421,10 +423,15 @@ def write_stamped(prefix: str, data: dict[str, Any]) -> Path:
     return path
 
 
-def profiled_worker(profile_path: Path, factory: str = "build_engine") -> tuple[list[str], dict[str, str]]:
-    """``jaxserve worker`` flags and environment for one of
-    ``queue_profile.py``'s instrumented engine factories, which writes its
-    record to ``profile_path`` when the worker exits (benchmarks/ joins the
-    caller's ``PYTHONPATH`` so the worker can import it)."""
+def profiled_worker(profile_path: Path, factory: str = "build_engine") -> tuple[list[str], dict[str, str], list[str]]:
+    """``jaxserve worker`` flags, environment and launcher for
+    ``queue_profile.py``'s instrumentation, which writes its record to
+    ``profile_path`` when the worker exits: the launcher runs the worker's
+    command with the event loop's side instrumented, and the flags name one
+    of its engine factories, which instruments the engine wherever it runs
+    (the worker's engine process by default). benchmarks/ joins the caller's
+    ``PYTHONPATH`` so both processes can import it."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
-    return ["--engine", f"queue_profile:{factory}"], {"PYTHONPATH": path, "QUEUE_PROFILE_OUT": str(profile_path)}
+    launcher = [sys.executable, str(Path(__file__).resolve().parent / "queue_profile.py")]
+    return (["--engine", f"queue_profile:{factory}"], {"PYTHONPATH": path, "QUEUE_PROFILE_OUT": str(profile_path)},
+            launcher)

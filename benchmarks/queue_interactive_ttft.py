@@ -257,13 +257,13 @@ def main() -> None:
     machine = qc.machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="jaxserve-ttft-bench-"))
     prefix = qc.new_prefix("ttft")
-    worker_extra, worker_env = list(args.worker_arg), {}
+    worker_extra, worker_env, launcher = list(args.worker_arg), {}, None
     profile_path = tmp / "worker-profile.json"
     if args.profile:
         factory = "build_engine_late_admission" if args.late_admission else "build_engine"
-        flags, worker_env = qc.profiled_worker(profile_path, factory)
+        flags, worker_env, launcher = qc.profiled_worker(profile_path, factory)
         worker_extra += flags
-    worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env)
+    worker = qc.WorkerProc(prefix, engine, worker_extra, tmp / "worker.log", env=worker_env, launcher=launcher)
     print(f"worker pid {worker.pid} prefix {prefix}: {' '.join(worker.cmd)}", file=sys.stderr)
     try:
         ready_s = worker.wait_consuming()

@@ -1,14 +1,20 @@
 """Measurement-only instrumentation of a ``jaxserve worker`` for the queue
 benchmarks: where does a job's time go between the broker and the engine?
 
-Use it as the worker's engine factory (``--engine queue_profile:build_engine``
-with ``PYTHONPATH=benchmarks``); ``queue_batch_vs_offline.py --profile`` does
-that. It builds the real engine with ``jaxserve.worker.factory.build_engine``
-and, without changing behaviour:
+Run the worker through it, with one of its engine factories:
+``python benchmarks/queue_profile.py worker ... --engine
+queue_profile:build_engine`` with ``PYTHONPATH=benchmarks``
+(``queue_common.profiled_worker`` gives the launcher, flags and environment;
+``queue_batch_vs_offline.py --profile`` and the other queue benchmarks use
+it). The launcher instruments the worker's side (the event loop) and runs
+``jaxserve``'s command line; the factory builds the real engine with
+``jaxserve.worker.factory.build_engine`` and instruments it wherever it runs
+(the worker's engine process, by default), writing its steps next to the
+record, where the worker's side picks them up. Without changing behaviour:
 
 - wraps ``Engine.step`` to record, per step: start time, duration, sequences
   scheduled, tokens scheduled, and requests waiting in the engine after it;
-- wraps ``EngineThread.add_request`` / the worker's ``_handle``, ``_finish``,
+- wraps ``EngineThread.add_request`` (``EngineProcess``'s) / the worker's ``_handle``, ``_finish``,
   ``_reply_final`` and ``_settle`` coroutines to time each job's phases
   (delivery received -> admitted -> finished -> final reply confirmed ->
   acked) on the event loop;
@@ -19,7 +25,8 @@ and, without changing behaviour:
   for the breakdown, not for timings).
 
 Everything is written as JSON to ``$QUEUE_PROFILE_OUT`` when the worker
-process exits (SIGTERM drains and exits normally).
+process exits (SIGTERM drains and exits normally; the engine process has
+exited by then).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import asyncio
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -53,15 +61,35 @@ def _start_cprofile() -> None:
         _cprof.append(prof)
 
 
+def _steps_path() -> str | None:
+    path = os.environ.get("QUEUE_PROFILE_OUT")
+    return f"{path}.steps" if path else None
+
+
+def _dump_steps() -> None:
+    """The engine's side, at its process's exit: the steps it recorded."""
+    path = _steps_path()
+    if path:
+        with _lock, open(path, "w") as f:
+            json.dump(_steps, f)
+
+
 def _dump() -> None:
+    """The worker's side, at its exit: its job and loop records with the
+    engine's steps."""
     if _cprof:
         _cprof[0].disable()
         _cprof[0].dump_stats(os.environ["QUEUE_PROFILE_CPROFILE"])
     path = os.environ.get("QUEUE_PROFILE_OUT")
     if not path:
         return
+    try:
+        with open(f"{path}.steps") as f:
+            steps = json.load(f)
+    except (OSError, ValueError):
+        steps = []
     with _lock:
-        data = {"steps": _steps, "jobs": _jobs, "loop_lag": _lag}
+        data = {"steps": steps, "jobs": _jobs, "loop_lag": _lag}
     with open(path, "w") as f:
         json.dump(data, f)
 
@@ -86,6 +114,7 @@ def _instrument_engine(engine: Any) -> None:
 
 def _instrument_worker() -> None:
     from jaxserve.worker import worker as wmod
+    from jaxserve.worker.engine_process import EngineProcess
     from jaxserve.worker.engine_thread import EngineThread
     from jaxserve.worker.lifecycle import Delivery, job_key_of
 
@@ -105,14 +134,15 @@ def _instrument_worker() -> None:
             _start_cprofile()  # on the event loop's thread only
         return await orig_handle(self, message, queue_class)
 
-    orig_add = EngineThread.add_request
+    def timed_add(orig):  # type: ignore[no-untyped-def]
+        def add_request(self, request_id, *a, **kw):  # type: ignore[no-untyped-def]
+            key = job_key_of(request_id)
+            rec(key, "add_sent")
+            fut = orig(self, request_id, *a, **kw)
+            fut.add_done_callback(lambda _f: rec(key, "admitted"))
+            return fut
 
-    def add_request(self, request_id, *a, **kw):  # type: ignore[no-untyped-def]
-        key = job_key_of(request_id)
-        rec(key, "add_sent")
-        fut = orig_add(self, request_id, *a, **kw)
-        fut.add_done_callback(lambda _f: rec(key, "admitted"))
-        return fut
+        return add_request
 
     orig_finish = W._finish
 
@@ -144,7 +174,8 @@ def _instrument_worker() -> None:
         return r
 
     W._handle = _handle
-    EngineThread.add_request = add_request
+    for cls in (EngineThread, EngineProcess):
+        cls.add_request = timed_add(cls.add_request)
     W._finish = _finish
     W._publish_final = _publish_final
     Delivery.settle = settle
@@ -163,10 +194,7 @@ def build_engine(**kwargs: Any) -> Any:
 
     engine = real(**kwargs)
     _instrument_engine(engine)
-    # Called by Worker.start before it connects: the patched coroutines are
-    # in place before the first delivery.
-    _instrument_worker()
-    atexit.register(_dump)
+    atexit.register(_dump_steps)
     return engine
 
 
@@ -269,3 +297,15 @@ def build_engine_late_admission(**kwargs: Any) -> Any:
 
     engine.__class__ = _LateAdmission
     return engine
+
+
+if __name__ == "__main__":
+    # The launcher: ``jaxserve`` with the worker's side instrumented before
+    # anything runs (atexit: after the engine's side, whose process the
+    # worker stops first, or whose handler was registered later).
+    from jaxserve.cli.main import cli
+
+    _instrument_worker()
+    atexit.register(_dump)
+    sys.argv[0] = "jaxserve"
+    cli()

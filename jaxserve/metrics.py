@@ -140,8 +140,13 @@ class EngineMetrics:
         Runs on the engine thread after every step, holding the GIL the event
         loop needs: one update per metric, through the children cached at
         construction (``labels()`` is a locked lookup)."""
+        self.record_stats(engine.scheduler.stats())
+        self.record_outputs(outputs)
+
+    def record_stats(self, stats) -> None:
+        """The scheduler's snapshot after a step (``SchedulerStats``): the
+        gauges, and the counters' growth since the last snapshot."""
         c = self._step_children
-        stats = engine.scheduler.stats()
         c["running"].set(stats.num_running)
         c["waiting"].set(stats.num_waiting)
         c["kv_usage"].set(stats.kv_cache_usage)
@@ -152,6 +157,11 @@ class EngineMetrics:
             c["prefix_hits"].inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
             c["steps"].inc(max(0, stats.num_steps - last.num_steps))
         self._last_stats = stats
+
+    def record_outputs(self, outputs: Iterable) -> None:
+        """Tokens generated, prompts finished and finish reasons of one
+        step's outputs."""
+        c = self._step_children
         generated = prompt = 0
         for out in outputs:
             generated += len(out.new_token_ids)

@@ -5,6 +5,7 @@ them)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import sys
@@ -98,6 +99,9 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
               help="Once compiled, run every thread but the event loop's (the engine's, XLA's) at this nice value, so "
                    "broker I/O and streamed tokens get a core first on busy cores, at some batch throughput (Linux only; "
                    "0 leaves priorities alone).")
+@click.option("--engine-process/--engine-thread", "engine_process", default=True, show_default=True,
+              help="Run the engine in a process of its own (the event loop never waits for the engine's Python "
+                   "work to release the GIL), or on a thread of the worker's process.")
 @click.option("--declare/--no-declare", default=True, show_default=True, help="Declare the topology at start.")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", default="info", show_default=True)
@@ -137,6 +141,7 @@ def worker(
     reply_timeout: float,
     engine_hang_timeout: float,
     compute_nice: int,
+    engine_process: bool,
     declare: bool,
     log_format: str,
     log_level: str,
@@ -144,7 +149,7 @@ def worker(
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
     from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
-    from jaxserve.worker.factory import load_factory, parse_engine_args
+    from jaxserve.worker.factory import build_from_path, load_factory, parse_engine_args
     from jaxserve.wire.topology import Topology
     from jaxserve.worker.logs import configure_logging
     from jaxserve.worker.admission import AdmissionConfig
@@ -164,7 +169,7 @@ def worker(
         if metrics_port is not None:
             check_port_free(metrics_port)
         check_broker(amqp_url)
-    factory = load_factory(engine_path)
+    load_factory(engine_path)  # a bad --engine is one line now, before anything starts
     kwargs = parse_engine_args(engine_arg)
     if model is not None:
         kwargs["model"] = model
@@ -193,6 +198,7 @@ def worker(
         reply_timeout_s=reply_timeout,
         engine_hang_timeout_s=engine_hang_timeout,
         compute_nice=compute_nice,
+        engine_process=engine_process,
         log_text=log_text,
         declare=declare,
         metrics_port=metrics_port,
@@ -209,7 +215,7 @@ def worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         st = make_store(store, redis_url=redis_url, namespace=prefix, state_dir=state_dir)
-        w = Worker(lambda: factory(**kwargs), cfg, store=st)
+        w = Worker(functools.partial(build_from_path, engine_path, kwargs), cfg, store=st)
         return await w.run(stop)
 
     with worker_errors(amqp_url, log_format):

@@ -57,6 +57,15 @@ class RequestError(Exception):
         self.message = message
         self.retryable = retryable
 
+    def __reduce__(self) -> tuple:
+        # Crosses the worker's engine process boundary as it is (pickle
+        # would otherwise call __init__ with the message alone).
+        return (_request_error, (self.code, self.message, self.retryable))
+
+
+def _request_error(code: str, message: str, retryable: bool) -> RequestError:
+    return RequestError(code, message, retryable=retryable)
+
 
 class EngineBroken(RuntimeError):
     """Raised by ``Engine.step`` when a failed step took the engine's device

@@ -57,6 +57,11 @@ FailureCallback = Callable[[BaseException], None]
 _STOP = object()
 
 
+def check_max_consecutive_step_failures(value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"max_consecutive_step_failures must be an integer >= 1, got {value!r}")
+
+
 class EngineThreadDead(RuntimeError):
     """The engine thread has exited: a command sent to it will never run.
     ``__cause__`` is what ended it (``None`` after :meth:`EngineThread.stop`)."""
@@ -85,14 +90,7 @@ class EngineThread:
         max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
     ) -> None:
-        if (
-            not isinstance(max_consecutive_step_failures, int)
-            or isinstance(max_consecutive_step_failures, bool)
-            or max_consecutive_step_failures < 1
-        ):
-            raise ValueError(
-                f"max_consecutive_step_failures must be an integer >= 1, got {max_consecutive_step_failures!r}"
-            )
+        check_max_consecutive_step_failures(max_consecutive_step_failures)
         self.engine = engine
         # Runs on the engine thread after every step (metrics); must be cheap.
         self.on_step = on_step

@@ -20,6 +20,13 @@ def load_factory(path: str) -> Callable[..., Any]:
     return obj
 
 
+def build_from_path(path: str, kwargs: dict[str, Any]) -> Any:
+    """``load_factory(path)(**kwargs)``. ``jaxserve worker`` hands the worker
+    ``functools.partial(build_from_path, path, kwargs)``: a module-level
+    function pickles, so the engine process can build the engine itself."""
+    return load_factory(path)(**kwargs)
+
+
 def _coerce(value: str) -> Any:
     low = value.lower()
     if low in ("true", "false"):

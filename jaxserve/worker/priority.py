@@ -33,15 +33,24 @@ def deprioritize_other_threads(nice: int) -> int:
     """Set ``nice`` on every thread of this process except the calling one
     (the event loop's); returns how many threads were changed (0 where the
     platform cannot, or for ``nice`` 0)."""
+    return _renice(_TASKS, nice, skip=threading.get_native_id())
+
+
+def deprioritize_process(pid: int, nice: int) -> int:
+    """Set ``nice`` on every thread of process ``pid`` (the worker's engine
+    process: everything in it is compute); returns how many were changed."""
+    return _renice(f"/proc/{pid}/task", nice, skip=None)
+
+
+def _renice(tasks: str, nice: int, skip: int | None) -> int:
     if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
         raise ValueError(f"nice must be an integer from 0 to 19, got {nice!r}")
-    if nice == 0 or not os.path.isdir(_TASKS) or not hasattr(os, "setpriority"):
+    if nice == 0 or not os.path.isdir(tasks) or not hasattr(os, "setpriority"):
         return 0
-    me = threading.get_native_id()
     changed = 0
-    for name in os.listdir(_TASKS):
+    for name in os.listdir(tasks):
         tid = int(name)
-        if tid == me:
+        if tid == skip:
             continue
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)

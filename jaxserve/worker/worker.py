@@ -66,11 +66,12 @@ from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
 from jaxserve.worker.admission import AdmissionConfig, InteractiveAdmission
+from jaxserve.worker.engine_process import EngineProcess, kv_cache_bytes
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
 from jaxserve.worker.limits import LimitsConfig, MemoryLimiter, RedisLimiter
 from jaxserve.worker.logs import bind_worker_context
-from jaxserve.worker.priority import deprioritize_other_threads
+from jaxserve.worker.priority import deprioritize_other_threads, deprioritize_process
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
 from jaxserve.worker.store import MemoryStore, Record, RedisStore, StoreUnavailable
 
@@ -111,6 +112,12 @@ class WorkerConfig:
     # compiled (jaxserve.worker.priority, --compute-nice); 0 leaves
     # priorities alone.
     compute_nice: int = 0
+    # Run the engine in a process of its own (jaxserve.worker.engine_process)
+    # instead of a thread of this one: the event loop then never waits for
+    # the engine's Python work to let go of the GIL. The engine factory must
+    # then pickle (a module-level callable, or a functools.partial of one);
+    # `jaxserve worker` turns it on (--engine-process, the default there).
+    engine_process: bool = False
     max_consecutive_step_failures: int = 5
     log_text: bool = False
     # The name jobs write in ``model`` (and results carry); default: the
@@ -151,7 +158,7 @@ class Worker:
         self.topo = self.cfg.topology
         self.store = store if store is not None else MemoryStore()
         self.engine: Any = None
-        self.engine_thread: EngineThread | None = None
+        self.engine_thread: EngineThread | EngineProcess | None = None
         self.active: dict[str, KeyJob] = {}
         self._by_rid: dict[str, KeyJob] = {}  # engine request id -> job
         self._cancelled_here: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -222,7 +229,20 @@ class Worker:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         bind_worker_context(worker_id=self.cfg.worker_id)
-        built, self.engine = await self._unless_stopped(asyncio.to_thread(self.engine_factory), stop)
+        if self.cfg.engine_process:
+            # Set before the build, so a shutdown meanwhile stops the process.
+            self.engine_thread = EngineProcess(
+                self.engine_factory,
+                loop,
+                self._on_outputs,
+                self._on_step_error,
+                on_step=self._record_remote_step,
+                on_fatal=self._on_engine_fatal,
+                max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
+            )
+            built, self.engine = await self._unless_stopped(self.engine_thread.start(), stop)
+        else:
+            built, self.engine = await self._unless_stopped(asyncio.to_thread(self.engine_factory), stop)
         if not built:
             log.info("worker_stopped_before_consuming", phase="engine_build")
             return False
@@ -231,23 +251,24 @@ class Worker:
         self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
         self.metrics.set_health_checks(ready=self._readiness, live=self._liveness)
         self.metrics.model_load_seconds.labels(self.metrics.model_name).set(load_s)
-        kv = getattr(getattr(getattr(self.engine, "runner", None), "kv_cache", None), "nbytes", None)
-        if isinstance(kv, int):
+        kv = kv_cache_bytes(self.engine)
+        if kv is not None:
             self.metrics.kv_cache_bytes.labels(self.metrics.model_name).set(kv)
         if self.cfg.metrics_port is not None:
             serve_metrics(self.metrics, self.cfg.metrics_port)
-        record = self.metrics.record_step if hasattr(self.engine, "scheduler") else None
-        self.engine_thread = EngineThread(
-            self.engine,
-            loop,
-            self._on_outputs,
-            self._on_step_error,
-            on_step=record,
-            on_fatal=self._on_engine_fatal,
-            max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
-        )
-        self.engine_thread.start()
-        log.info("engine_warmup_started", model=getattr(self.engine, "model_name", None), load_s=round(load_s, 3))
+        if not self.cfg.engine_process:
+            self.engine_thread = EngineThread(
+                self.engine,
+                loop,
+                self._on_outputs,
+                self._on_step_error,
+                on_step=self.metrics.record_step if hasattr(self.engine, "scheduler") else None,
+                on_fatal=self._on_engine_fatal,
+                max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
+            )
+            self.engine_thread.start()
+        log.info("engine_warmup_started", model=getattr(self.engine, "model_name", None), load_s=round(load_s, 3),
+                 engine_process=getattr(self.engine_thread, "pid", None))
         # Compile every shape bucket before taking any job (no AMQP yet, so
         # nothing can miss a heartbeat while compilation holds the GIL).
         if not (await self._unless_stopped(self.engine_thread.warmup(), stop))[0]:
@@ -255,7 +276,10 @@ class Worker:
             return False
         self.metrics.warmup_seconds.labels(self.metrics.model_name).set(time.monotonic() - t0 - load_s)
         if self.cfg.compute_nice:
-            niced = deprioritize_other_threads(self.cfg.compute_nice)
+            if self.cfg.engine_process:
+                niced = deprioritize_process(self.engine_thread.pid, self.cfg.compute_nice)
+            else:
+                niced = deprioritize_other_threads(self.cfg.compute_nice)
             log.info("compute_threads_deprioritized", nice=self.cfg.compute_nice, threads=niced)
         log.info("engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
         self.limits = JobLimits(
@@ -895,6 +919,15 @@ class Worker:
         await self._finish(kj, Result.model_validate(rec.result), record=rec)
 
     # -------------------------------------------------------- engine side
+    def _record_remote_step(self, stats: Any, outputs: list[RequestOutput]) -> None:
+        """Metrics of a step that ran in the engine process (its scheduler's
+        snapshot, when it has one, and its outputs)."""
+        if self.metrics is None:
+            return
+        if stats is not None:
+            self.metrics.record_stats(stats)
+        self.metrics.record_outputs(outputs)
+
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs (or the interactive ones the engine handed over
         early), interactive jobs first: their chunks are queued for sending

@@ -1,0 +1,604 @@
+"""The engine in a process of its own, so the event loop never waits for it.
+
+Why a process and not only a thread: the engine thread and the event loop
+share one GIL. The engine's host work (planning, filling the step's arrays,
+detokenizing) is Python, and a loop that wakes for a broker frame while it
+runs waits until the engine thread blocks in XLA or is forced off the GIL
+after the switch interval (5 ms). Under a saturated batch queue on a 2-core
+machine that was the interactive job's cost: the loop used a quarter of a
+core, yet its lag had a median of 1.8 ms and a p90 of 7.4 ms, and the engine
+thread spent an eighth of its time getting the GIL back after waking the
+loop (py-spy; BENCHMARKS.md, session 12). vLLM's V1 engine core runs in its
+own process for the same reason. Here the worker's process keeps the event
+loop, the broker connections and the tokenizer (prompts are encoded there);
+the engine process builds the engine, compiles it and steps it, and nothing
+in the worker's process imports JAX.
+
+The engine process runs the very same :class:`EngineThread` (admissions
+join the next plan, interactive tokens leave before it, a failing step is
+contained, N failures in a row are fatal); only the two ends of it change:
+
+- commands (``add_request``, ``add_score_request``, ``abort``, ``warmup``,
+  ``stop``) travel as pickled tuples, each framed by its length, over a
+  socket pair; a reader thread in the engine process hands them to the
+  engine thread, and each one's outcome comes back as a ``reply`` (a
+  :class:`RequestError` keeps its code). The worker's end is an asyncio
+  protocol: one read per wake-up takes every message waiting, and writes
+  never block the loop;
+- what the engine thread would hand the event loop (a step's outputs, a
+  failed step, a fatal failure) is sent at once, from the engine thread,
+  as one message; a step's outputs carry the scheduler's statistics for
+  the metrics;
+- the watchdog's clocks (``busy_since_mono``, ``last_progress_mono``) and
+  the counters (``steps``, ``busy_s``, ``num_computed_tokens``) live in
+  shared memory, written by the engine process and read by the worker's
+  without a message. ``time.monotonic()`` is one system-wide clock on
+  Linux, so both processes read the same time, and so do request deadlines.
+
+Lifetimes: the engine process ignores SIGINT and SIGTERM (the worker drains
+first, then stops it); it stops when told, and when the worker's process
+is gone (its pipe reaches end-of-file), so a SIGKILLed worker never leaves
+an engine behind. An engine process that dies for any reason is the same
+fatal failure as a dead engine thread: every pending command fails with
+:class:`EngineThreadDead` and ``on_fatal`` is called.
+
+The engine process is a fresh interpreter (``python -c``, never a fork of
+a process that holds threads and locks, and never a re-run of the caller's
+``__main__``, as multiprocessing's spawn would do). It inherits the
+environment, is given the worker's ``sys.path``, and gets the factory by
+pickle, so the factory must be a module-level callable (``functools.partial``
+of one is fine) importable from that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, Callable, Iterator, Sequence
+
+from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
+from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
+
+# Slots of the shared status array (float64; NaN: no value).
+_BUSY_SINCE, _LAST_PROGRESS, _STEPS, _BUSY_S, _COMPUTED = range(5)
+_SLOTS = 5
+# The engine process's GIL switch interval: its reader thread takes a
+# command off the pipe within this even while the engine thread runs Python.
+_CHILD_SWITCH_INTERVAL_S = 0.001
+
+StepCallback = Callable[[Any, Sequence[RequestOutput]], None]
+
+
+class EngineBuildError(RuntimeError):
+    """The engine process could not build the engine; the message holds the
+    engine process's traceback."""
+
+
+def kv_cache_bytes(engine: Any) -> int | None:
+    """The KV cache's size in bytes, where the engine tells it."""
+    size = getattr(engine, "kv_cache_bytes", None)
+    if size is None:
+        size = getattr(getattr(getattr(engine, "runner", None), "kv_cache", None), "nbytes", None)
+    return size if isinstance(size, int) else None
+
+
+def describe_engine(engine: Any) -> dict[str, Any]:
+    """The attributes the worker reads of an engine, as plain values: only
+    those the engine has, so ``getattr(remote, name, default)`` answers as
+    it would on the engine itself."""
+    attrs: dict[str, Any] = {}
+    for name in ("model_name", "max_model_len", "max_num_seqs", "interactive_reserved_seqs", "tokenizer"):
+        if hasattr(engine, name):
+            attrs[name] = getattr(engine, name)
+    vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None) or getattr(engine, "vocab_size", None)
+    if vocab is not None:
+        attrs["vocab_size"] = vocab
+    size = kv_cache_bytes(engine)
+    if size is not None:
+        attrs["kv_cache_bytes"] = size
+    return attrs
+
+
+class RemoteEngine:
+    """What the worker's process knows of an engine running in the engine
+    process: its fixed attributes (:func:`describe_engine`, copied once after
+    the build) and ``num_computed_tokens`` from shared memory."""
+
+    def __init__(self, attrs: dict[str, Any], status: Any) -> None:
+        self.__dict__.update(attrs)
+        self._status = status
+
+    @property
+    def num_computed_tokens(self) -> int | None:
+        value = self._status[_COMPUTED]
+        return None if math.isnan(value) else int(value)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError naming it (an
+    XLA error, say, need not pickle)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - anything unpicklable is described instead
+        return RuntimeError(repr(exc))
+
+
+def _shared(slot: int, *, optional: bool = False, integer: bool = False) -> property:
+    def get(self: Any) -> Any:
+        value = self._status[slot]
+        if math.isnan(value):
+            return None
+        return int(value) if integer else value
+
+    def put(self: Any, value: Any) -> None:
+        if value is None and not optional:
+            raise ValueError(f"status slot {slot} needs a number")
+        self._status[slot] = math.nan if value is None else float(value)
+
+    return property(get, put)
+
+
+_LENGTH = struct.Struct("!I")
+
+
+def _frame(message: tuple) -> bytes:
+    """One message on the wire: its pickle's length, then the pickle."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def _unframe(buffer: bytearray) -> Iterator[tuple]:
+    """Every whole message at the front of ``buffer``, consumed from it."""
+    start = 0
+    while len(buffer) - start >= _LENGTH.size:
+        (size,) = _LENGTH.unpack_from(buffer, start)
+        end = start + _LENGTH.size + size
+        if len(buffer) < end:
+            break
+        with memoryview(buffer) as view:  # released before the buffer is trimmed
+            message = pickle.loads(view[start + _LENGTH.size : end])
+        start = end
+        yield message
+    del buffer[:start]
+
+
+def _map_status(fd: int) -> memoryview:
+    """The shared status array: float64 slots in a file both processes map."""
+    return memoryview(mmap.mmap(fd, _SLOTS * 8)).cast("d")
+
+
+def _new_status_file() -> tuple[Any, memoryview]:
+    """An unlinked temporary file sized for the status array (its descriptor
+    is inherited by the engine process), mapped here, every slot NaN."""
+    handle = tempfile.TemporaryFile()
+    os.ftruncate(handle.fileno(), _SLOTS * 8)
+    status = _map_status(handle.fileno())
+    for slot in range(_SLOTS):
+        status[slot] = math.nan
+    return handle, status
+
+
+_CHILD_COMMAND = "import sys; from jaxserve.worker.engine_process import engine_process_main; engine_process_main(int(sys.argv[1]), int(sys.argv[2]))"
+
+
+# ---------------------------------------------------------------- the engine process
+class _SharedStatusThread(EngineThread):
+    """An EngineThread whose watchdog clocks and counters live in the shared
+    status array (the worker's process reads them there)."""
+
+    busy_since_mono = _shared(_BUSY_SINCE, optional=True)
+    last_progress_mono = _shared(_LAST_PROGRESS)
+    steps = _shared(_STEPS, integer=True)
+    busy_s = _shared(_BUSY_S)
+
+    def __init__(self, status: Any, *args: Any, **kwargs: Any) -> None:
+        self._status = status
+        super().__init__(*args, **kwargs)
+
+
+class _Pipe:
+    """The engine process's end of the socket (blocking): sends from any
+    thread, one message at a time, and receives on the reader thread. A
+    send to a worker that is gone raises RuntimeError, which EngineThread
+    reads as "the loop is closed" and ends on."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._inbox = bytearray()
+        self._ready: list[tuple] = []
+
+    def send(self, message: tuple) -> None:
+        data = _frame(message)  # a message that does not pickle fails here, the stream intact
+        try:
+            with self._lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise RuntimeError("the worker process is gone") from exc
+
+    def recv(self) -> tuple:
+        """The next message; EOFError once the worker's end is closed."""
+        while not self._ready:
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise EOFError("the worker process closed its end")
+            self._inbox += chunk
+            self._ready.extend(_unframe(self._inbox))
+        return self._ready.pop(0)
+
+
+class _Reply:
+    """The future EngineThread resolves for a command: its outcome goes back
+    to the worker's process under the command's id."""
+
+    def __init__(self, pipe: _Pipe, command_id: int) -> None:
+        self.pipe = pipe
+        self.command_id = command_id
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        self._done = True
+        try:
+            self.pipe.send(("reply", self.command_id, True, value))
+        except RuntimeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle fails its command only
+            self.pipe.send(("reply", self.command_id, False, RuntimeError(f"the result could not be sent: {exc!r}")))
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._done = True
+        self.pipe.send(("reply", self.command_id, False, _portable(exc)))
+
+
+class _DirectLoop:
+    """Stands in for the event loop EngineThread hands its results to: in
+    the engine process every callback only sends a message, so it runs at
+    once on the calling thread. ``command_id`` is the id of the command the
+    reader thread is submitting (the only thread that creates futures)."""
+
+    def __init__(self, pipe: _Pipe) -> None:
+        self.pipe = pipe
+        self.command_id = 0
+
+    def create_future(self) -> _Reply:
+        return _Reply(self.pipe, self.command_id)
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> None:
+        callback(*args)
+
+
+def engine_process_main(conn_fd: int, status_fd: int) -> None:
+    """The engine process (started by :class:`EngineProcess`): take the
+    worker's ``sys.path`` and the factory, build, report, then serve
+    commands until told to stop or until the worker's process is gone."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.setswitchinterval(_CHILD_SWITCH_INTERVAL_S)
+    status = _map_status(status_fd)
+    os.close(status_fd)  # the mapping stays
+    pipe = _Pipe(socket.socket(fileno=conn_fd))
+    try:
+        path, factory_bytes, max_failures, name = pipe.recv()
+        sys.path[:] = path
+        factory = pickle.loads(factory_bytes)
+        engine = factory()
+    except BaseException as exc:  # noqa: BLE001 - reported to the worker, which fails its start
+        pipe.send(("build_failed", repr(exc), traceback.format_exc()))
+        return
+    pipe.send(("built", describe_engine(engine)))
+
+    stats_of = getattr(getattr(engine, "scheduler", None), "stats", None)
+    step_stats: list[Any] = []
+
+    def on_step(eng: Any, _outputs: Any) -> None:
+        computed = getattr(eng, "num_computed_tokens", None)
+        if isinstance(computed, int):
+            status[_COMPUTED] = float(computed)
+        if stats_of is not None:
+            step_stats[:] = [stats_of()]
+
+    def on_outputs(outputs: list[RequestOutput]) -> None:
+        stats = step_stats.pop() if step_stats else None
+        pipe.send(("outputs", outputs, stats))
+
+    loop = _DirectLoop(pipe)
+    thread = _SharedStatusThread(
+        status,
+        engine,
+        loop,
+        on_outputs,
+        lambda exc: pipe.send(("step_error", _portable(exc))),
+        on_step=on_step,
+        on_fatal=lambda exc: pipe.send(("fatal", _portable(exc))),
+        max_consecutive_step_failures=max_failures,
+        name=name,
+    )
+    thread.start()
+    commands = {
+        "add": thread.add_request,
+        "score": thread.add_score_request,
+        "abort": thread.abort,
+        "warmup": thread.warmup,
+    }
+    while True:
+        try:
+            message = pipe.recv()
+        except (EOFError, OSError):  # the worker's process is gone
+            thread.stop()
+            return
+        kind = message[0]
+        if kind == "stop":
+            thread.stop(message[1])
+            return
+        loop.command_id = message[1]
+        args, kwargs = message[2], message[3]
+        commands[kind](*args, **kwargs)
+
+
+# ---------------------------------------------------------------- the worker's side
+class _EngineConnection(asyncio.Protocol):
+    """The worker's end of the socket, on the event loop."""
+
+    def __init__(self, owner: "EngineProcess") -> None:
+        self.owner = owner
+        self._inbox = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self._inbox += data
+        for message in _unframe(self._inbox):
+            self.owner._dispatch(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner._engine_process_gone()
+
+
+class EngineProcess:
+    """:class:`EngineThread`'s interface, for an engine that runs in a
+    process of its own (see the module docstring). Construct it on the event
+    loop, then ``await start()``: the engine's description
+    (:class:`RemoteEngine`) once the engine process has built it."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: Callable[[Sequence[RequestOutput]], None],
+        on_step_error: Callable[[BaseException], None] | None = None,
+        *,
+        on_step: StepCallback | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        max_consecutive_step_failures: int = 5,
+        name: str = "jaxserve-engine",
+    ) -> None:
+        check_max_consecutive_step_failures(max_consecutive_step_failures)
+        # Fails here, in the caller, when the factory does not pickle.
+        self._setup = (list(sys.path), pickle.dumps(factory), max_consecutive_step_failures, name)
+        self.loop = loop
+        self.on_outputs = on_outputs
+        self.on_step_error = on_step_error
+        # on_step(stats, outputs) on the loop after each outputs message;
+        # stats is the scheduler's snapshot after the step (None for early
+        # interactive outputs and for engines without a scheduler).
+        self.on_step = on_step
+        self.on_fatal = on_fatal
+        self._status_file, self._status = _new_status_file()
+        self._proc: subprocess.Popen | None = None
+        self._transport: asyncio.Transport | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._built: asyncio.Future | None = None
+        self._dead: tuple[str, BaseException | None] | None = None
+        self._stop_requested = False
+        self.engine: RemoteEngine | None = None
+        #: what ended the engine, other than stop(); None while it lives
+        self.fatal_error: BaseException | None = None
+
+    # ---- life -----------------------------------------------------------
+    async def start(self) -> RemoteEngine:
+        """Start the engine process and wait until it has built the engine
+        (:class:`EngineBuildError` if it could not)."""
+        self._built = self.loop.create_future()
+        mine, theirs = socket.socketpair()
+        status_fd = self._status_file.fileno()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_COMMAND, str(theirs.fileno()), str(status_fd)],
+                pass_fds=(theirs.fileno(), status_fd),
+            )
+        finally:
+            theirs.close()  # its copy lives in the child: EOF here once the child is gone
+            self._status_file.close()  # the mapping stays
+        self._transport, _ = await self.loop.connect_accepted_socket(lambda: _EngineConnection(self), mine)
+        self._send(self._setup)
+        return await self._built
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop after the command or step in progress and wait for the engine
+        process to exit (killed if it does not within ``timeout`` + 5 s).
+        Blocking: call it off the loop (``asyncio.to_thread``). ``on_fatal``
+        is not called."""
+        self._stop_requested = True
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        try:
+            if on_loop:
+                self._send(("stop", timeout))
+            else:
+                self.loop.call_soon_threadsafe(self._send, ("stop", timeout))
+        except Exception:  # noqa: BLE001 - already gone, or the loop is closed
+            pass
+        if self._proc is None:
+            return
+        try:
+            self._proc.wait(None if timeout is None else timeout + 5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5.0)
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    busy_since_mono = _shared(_BUSY_SINCE, optional=True)
+    last_progress_mono = _shared(_LAST_PROGRESS)
+    steps = _shared(_STEPS, integer=True)
+    busy_s = _shared(_BUSY_S)
+
+    # ---- commands (on the loop) ------------------------------------------
+    def warmup(self) -> asyncio.Future:
+        return self._command("warmup", (), {})
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_class: RequestClass = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> asyncio.Future:
+        """As :meth:`EngineThread.add_request`; ``deadline`` is a
+        ``time.monotonic()`` value, the same clock in both processes."""
+        return self._command(
+            "add", (request_id, prompt, params),
+            {"request_class": request_class, "priority": priority, "deadline": deadline},
+        )  # fmt: skip
+
+    def add_score_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        labels: list[list[int]],
+        *,
+        request_class: RequestClass = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> asyncio.Future:
+        return self._command(
+            "score", (request_id, prompt, labels),
+            {"request_class": request_class, "priority": priority, "deadline": deadline},
+        )  # fmt: skip
+
+    def abort(self, request_id: str) -> asyncio.Future:
+        return self._command("abort", (request_id,), {})
+
+    def _command(self, kind: str, args: tuple, kwargs: dict[str, Any]) -> asyncio.Future:
+        fut = self.loop.create_future()
+        if self._dead is not None:
+            fut.set_exception(self._dead_error())
+            return fut
+        command_id = next(self._ids)
+        self._pending[command_id] = fut
+        try:
+            self._send((kind, command_id, args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - e.g. an argument that does not pickle
+            del self._pending[command_id]
+            fut.set_exception(exc)
+        return fut
+
+    def _send(self, message: tuple) -> None:
+        """On the loop: queue one message for the engine process (the
+        transport writes it when the socket takes it)."""
+        if self._transport is None or self._transport.is_closing():
+            raise EngineThreadDead("the engine process is not reachable")
+        self._transport.write(_frame(message))
+
+    # ---- messages from the engine process (on the loop) -------------------
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "outputs":
+            _, outputs, stats = message
+            # Tokens first; the metrics after.
+            if outputs:
+                self._callback(self.on_outputs, outputs)
+            if self.on_step is not None:
+                self._callback(self.on_step, stats, outputs)
+        elif kind == "reply":
+            _, command_id, ok, value = message
+            fut = self._pending.pop(command_id, None)
+            if fut is not None and not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+        elif kind == "step_error":
+            if self.on_step_error is not None:
+                self._callback(self.on_step_error, message[1])
+        elif kind == "fatal":
+            self._died(message[1], f"the engine thread died: {message[1]!r}")
+        elif kind == "built":
+            self.engine = RemoteEngine(message[1], self._status)
+            if self._built is not None and not self._built.done():
+                self._built.set_result(self.engine)
+        elif kind == "build_failed":
+            _, what, trace = message
+            if self._built is not None and not self._built.done():
+                self._built.set_exception(EngineBuildError(f"the engine process could not build the engine: {what}\n{trace}"))
+
+    def _callback(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - as an event loop callback's exception would be
+            self.loop.call_exception_handler({"message": f"engine process callback {fn!r} failed", "exception": exc})
+
+    def _engine_process_gone(self) -> None:
+        try:
+            code = self._proc.wait(0.5)  # reap it, for its exit code
+        except subprocess.TimeoutExpired:
+            code = None
+        if self._built is not None and not self._built.done():
+            self._built.set_exception(EngineBuildError(f"the engine process exited (exit code {code}) before the engine was built"))
+        if self._dead is None:
+            if self._stop_requested:
+                self._dead = ("the engine process was stopped", None)
+                self._fail_pending()
+            else:
+                self._died(RuntimeError(f"the engine process exited (exit code {code})"), None)
+
+    def _died(self, cause: BaseException, message: str | None) -> None:
+        """The engine is lost (a fatal failure reported by the engine
+        process, or the process gone): fail every pending and later command
+        and report it once."""
+        if self._dead is not None:
+            return
+        self._dead = (message or f"the engine process died: {cause!r}", cause)
+        self.fatal_error = cause
+        self._fail_pending()
+        if self.on_fatal is not None and not self._stop_requested:
+            self._callback(self.on_fatal, cause)
+
+    def _fail_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(self._dead_error())
+
+    def _dead_error(self) -> EngineThreadDead:
+        message, cause = self._dead  # type: ignore[misc]
+        err = EngineThreadDead(message)
+        err.__cause__ = cause
+        return err
