@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -275,13 +276,23 @@ async def test_stop_fails_the_commands_behind_it_without_on_fatal():
     assert h.fatal == [] and h.proc.fatal_error is None
 
 
-async def test_a_build_failure_is_raised_with_the_engine_process_traceback():
+async def test_a_build_failure_is_raised_as_itself_with_the_engine_process_traceback():
+    """So the command line's one-line messages for a model that cannot be
+    loaded work whichever process loads it."""
     h = Harness(fail_build=True)
-    with pytest.raises(EngineBuildError) as failed:
+    with pytest.raises(FileNotFoundError) as failed:
         await h.proc.start()
-    assert "FileNotFoundError('no checkpoint at /nowhere')" in str(failed.value)
-    assert 'raise FileNotFoundError("no checkpoint at /nowhere")' in str(failed.value)  # the traceback
+    assert str(failed.value) == "no checkpoint at /nowhere"
+    [note] = failed.value.__notes__
+    assert note.startswith("in the engine process:") and 'raise FileNotFoundError("no checkpoint at /nowhere")' in note
     await h.until(lambda: not h.proc.alive)
+
+
+async def test_an_engine_process_that_dies_while_building_is_a_build_error():
+    h = Harness(script=("exit",))
+    h.proc._setup = (h.proc._setup[0], pickle.dumps(functools.partial(os._exit, 4)), *h.proc._setup[2:])
+    with pytest.raises(EngineBuildError, match=r"exited \(exit code 4\) before the engine was built"):
+        await h.proc.start()
 
 
 async def test_a_factory_that_does_not_pickle_is_refused_in_the_caller():

@@ -82,8 +82,9 @@ StepCallback = Callable[[Any, Sequence[RequestOutput]], None]
 
 
 class EngineBuildError(RuntimeError):
-    """The engine process could not build the engine; the message holds the
-    engine process's traceback."""
+    """The engine process exited before it built the engine, or failed with
+    an exception that cannot cross to the worker's process (the message
+    holds its traceback). An exception that can is raised as itself."""
 
 
 def kv_cache_bytes(engine: Any) -> int | None:
@@ -126,14 +127,18 @@ class RemoteEngine:
         return None if math.isnan(value) else int(value)
 
 
+class UntransferableError(RuntimeError):
+    """Stands for an exception of the engine process that does not pickle
+    (an XLA error, say): its ``repr``."""
+
+
 def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else a RuntimeError naming it (an
-    XLA error, say, need not pickle)."""
+    """``exc`` if it survives pickling, else an UntransferableError naming it."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - anything unpicklable is described instead
-        return RuntimeError(repr(exc))
+        return UntransferableError(repr(exc))
 
 
 def _shared(slot: int, *, optional: bool = False, integer: bool = False) -> property:
@@ -299,7 +304,7 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
         factory = pickle.loads(factory_bytes)
         engine = factory()
     except BaseException as exc:  # noqa: BLE001 - reported to the worker, which fails its start
-        pipe.send(("build_failed", repr(exc), traceback.format_exc()))
+        pipe.send(("build_failed", _portable(exc), traceback.format_exc()))
         return
     pipe.send(("built", describe_engine(engine)))
 
@@ -555,9 +560,15 @@ class EngineProcess:
             if self._built is not None and not self._built.done():
                 self._built.set_result(self.engine)
         elif kind == "build_failed":
-            _, what, trace = message
+            _, exc, trace = message
+            if isinstance(exc, Exception) and not isinstance(exc, UntransferableError):
+                # Raised as itself (the command line turns a model that cannot
+                # load into one line), the engine process's traceback noted.
+                exc.add_note(f"in the engine process:\n{trace}")
+            else:
+                exc = EngineBuildError(f"the engine process could not build the engine: {exc!r}\n{trace}")
             if self._built is not None and not self._built.done():
-                self._built.set_exception(EngineBuildError(f"the engine process could not build the engine: {what}\n{trace}"))
+                self._built.set_exception(exc)
 
     def _callback(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
