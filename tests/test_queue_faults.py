@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import shutil
 import signal
 import socket
@@ -484,6 +485,43 @@ def test_a_broken_engine_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_
         assert all(r.ok for r in results)
         text = log.read_text()
         assert "engine_fatal" in text and "job_requeued" in text
+    finally:
+        for p in (w, w2):
+            if p is not None:
+                stop_process(p)
+
+
+def test_a_sigkilled_engine_process_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_path):
+    """The worker's engine process SIGKILLed mid-run (the OOM killer, say):
+    the worker requeues what it holds and exits 1, its engine process gone;
+    a healthy worker then serves every job once."""
+    log, log2 = tmp_path / "w.log", tmp_path / "w2.log"
+    w = start_worker_process(prefix, log, "--engine-arg", "step_s=0.05")
+    w2 = None
+    try:
+        wait_log(log, "worker_consuming")
+        [engine_pid] = [int(p) for p in open(f"/proc/{w.pid}/task/{w.pid}/children").read().split()]
+
+        async def publish_kill_and_wait() -> list:
+            from jaxserve.client import AsyncClient
+
+            async with AsyncClient(AMQP_URL, prefix=prefix) as c:
+                keys = [await c.publish({"prompt": f"job {i}", "max_tokens": 30}, queue="batch") for i in range(6)]
+                await asyncio.to_thread(wait_log, log, "job_start")
+                os.kill(engine_pid, signal.SIGKILL)
+                await asyncio.to_thread(w.wait, 30)
+                nonlocal w2
+                w2 = start_worker_process(prefix, log2)
+                results = await asyncio.gather(*(c.wait(k, timeout=60) for k in keys))
+                await c.delete_reply_queue()
+                return results
+
+        results = asyncio.run(publish_kill_and_wait())
+        assert w.returncode == 1, log.read_text()[-3000:]
+        assert [r.ok for r in results] == [True] * 6
+        text = log.read_text()
+        assert "the engine process exited (exit code -9)" in text and "job_requeued" in text
+        assert not os.path.exists(f"/proc/{engine_pid}") or "Z" in open(f"/proc/{engine_pid}/stat").read().split()[2]
     finally:
         for p in (w, w2):
             if p is not None:
