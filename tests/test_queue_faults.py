@@ -458,12 +458,13 @@ def test_sigterm_during_warmup_never_consumes(prefix, tmp_path):
     assert "worker_stopped_before_consuming" in text and "worker_consuming" not in text
 
 
-@pytest.mark.parametrize("fault", ["break_after_steps=3", "fail_every_step=true"])
-def test_a_broken_engine_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_path, fault):
-    """EngineBroken, or every step failing: the worker requeues what it holds
-    and exits 1; a healthy worker then serves every job."""
+def _engine_fault_sends_jobs_elsewhere(prefix: str, tmp_path, worker_args: list[str], fault=None) -> str:
+    """Six batch jobs to a worker whose engine fails (``fault(worker)``, if
+    given, is called once the worker has started a job): it must requeue
+    what it holds and exit 1, and a healthy worker then answers every job.
+    Returns the failed worker's log."""
     log, log2 = tmp_path / "w.log", tmp_path / "w2.log"
-    w = start_worker_process(prefix, log, "--engine-arg", fault, "--engine-arg", "step_s=0.01")
+    w = start_worker_process(prefix, log, *worker_args)
     w2 = None
     try:
         wait_log(log, "worker_consuming")
@@ -473,6 +474,9 @@ def test_a_broken_engine_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_
 
             async with AsyncClient(AMQP_URL, prefix=prefix) as c:
                 keys = [await c.publish({"prompt": f"job {i}", "max_tokens": 30}, queue="batch") for i in range(6)]
+                if fault is not None:
+                    await asyncio.to_thread(wait_log, log, "job_start")
+                    fault(w)
                 await asyncio.to_thread(w.wait, 30)
                 nonlocal w2
                 w2 = start_worker_process(prefix, log2)
@@ -482,50 +486,37 @@ def test_a_broken_engine_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_
 
         results = asyncio.run(publish_and_wait())
         assert w.returncode == 1, log.read_text()[-3000:]
-        assert all(r.ok for r in results)
+        assert [r.ok for r in results] == [True] * 6
         text = log.read_text()
         assert "engine_fatal" in text and "job_requeued" in text
+        return text
     finally:
         for p in (w, w2):
             if p is not None:
                 stop_process(p)
+
+
+@pytest.mark.parametrize("fault", ["break_after_steps=3", "fail_every_step=true"])
+def test_a_broken_engine_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_path, fault):
+    """EngineBroken, or every step failing: the worker requeues what it holds
+    and exits 1; a healthy worker then serves every job."""
+    _engine_fault_sends_jobs_elsewhere(prefix, tmp_path, ["--engine-arg", fault, "--engine-arg", "step_s=0.01"])
 
 
 def test_a_sigkilled_engine_process_stops_the_worker_and_its_jobs_go_elsewhere(prefix, tmp_path):
     """The worker's engine process SIGKILLed mid-run (the OOM killer, say):
     the worker requeues what it holds and exits 1, its engine process gone;
     a healthy worker then serves every job once."""
-    log, log2 = tmp_path / "w.log", tmp_path / "w2.log"
-    w = start_worker_process(prefix, log, "--engine-arg", "step_s=0.05")
-    w2 = None
-    try:
-        wait_log(log, "worker_consuming")
-        [engine_pid] = [int(p) for p in open(f"/proc/{w.pid}/task/{w.pid}/children").read().split()]
+    killed = []
 
-        async def publish_kill_and_wait() -> list:
-            from jaxserve.client import AsyncClient
+    def kill_engine_process(w) -> None:
+        [pid] = [int(p) for p in open(f"/proc/{w.pid}/task/{w.pid}/children").read().split()]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
 
-            async with AsyncClient(AMQP_URL, prefix=prefix) as c:
-                keys = [await c.publish({"prompt": f"job {i}", "max_tokens": 30}, queue="batch") for i in range(6)]
-                await asyncio.to_thread(wait_log, log, "job_start")
-                os.kill(engine_pid, signal.SIGKILL)
-                await asyncio.to_thread(w.wait, 30)
-                nonlocal w2
-                w2 = start_worker_process(prefix, log2)
-                results = await asyncio.gather(*(c.wait(k, timeout=60) for k in keys))
-                await c.delete_reply_queue()
-                return results
-
-        results = asyncio.run(publish_kill_and_wait())
-        assert w.returncode == 1, log.read_text()[-3000:]
-        assert [r.ok for r in results] == [True] * 6
-        text = log.read_text()
-        assert "the engine process exited (exit code -9)" in text and "job_requeued" in text
-        assert not os.path.exists(f"/proc/{engine_pid}") or "Z" in open(f"/proc/{engine_pid}/stat").read().split()[2]
-    finally:
-        for p in (w, w2):
-            if p is not None:
-                stop_process(p)
+    text = _engine_fault_sends_jobs_elsewhere(prefix, tmp_path, ["--engine-arg", "step_s=0.05"], kill_engine_process)
+    assert "the engine process exited (exit code -9)" in text
+    assert not os.path.exists(f"/proc/{killed[0]}") or open(f"/proc/{killed[0]}/stat").read().split()[2] == "Z"
 
 
 def test_drain_with_many_jobs_in_flight_is_bounded(prefix, tmp_path):

@@ -3,7 +3,9 @@
 Heavy imports live in submodules: ``jaxserve.worker.worker.Worker``,
 ``jaxserve.worker.lifecycle`` (a job key's states and deliveries),
 ``jaxserve.worker.replies`` (publishing with deadlines),
-``jaxserve.worker.engine_thread.EngineThread``,
+``jaxserve.worker.engine_thread.EngineThread`` (the engine on a thread) and
+``jaxserve.worker.engine_process.EngineProcess`` (the same, in a process of
+its own: ``jaxserve worker``'s default),
 ``jaxserve.worker.store`` (sqlite, memory and Redis idempotency stores).
 Names, messages and validation shared with producers are in ``jaxserve.wire``.
 """

@@ -17,7 +17,9 @@ the cores from the engine (``BENCHMARKS.md``, session 10).
 
 Threads started later inherit the value from the thread that starts them
 (the engine thread, XLA's pools), so one call after the engine is built and
-compiled covers them. Lowering one's own priority needs no privilege; where
+compiled covers them. With the engine in a process of its own (``jaxserve
+worker``'s default), every thread of that process is niced instead and the
+worker's own threads keep their priority. Lowering one's own priority needs no privilege; where
 the platform has no per-thread priority (not Linux), nothing changes.
 """
 

@@ -1,4 +1,11 @@
-"""The queue worker: RabbitMQ on asyncio, the engine on its own thread.
+"""The queue worker: RabbitMQ on asyncio, the engine in a process of its own.
+
+The event loop does I/O and bookkeeping only; the engine runs elsewhere:
+in its own process with ``engine_process`` (``jaxserve worker``'s default;
+``jaxserve.worker.engine_process``), so the loop never waits for the
+engine's Python work to let go of the GIL, or on a thread of this process
+(``jaxserve.worker.engine_thread``; the library default, for engines that
+cannot be pickled, such as tests' doubles). Both have the same interface.
 
 Life of a job (the states are :mod:`jaxserve.worker.lifecycle`'s; the wire
 contract is ``docs/protocol.md``):
@@ -15,14 +22,14 @@ contract is ``docs/protocol.md``):
 3. The key is fenced: a key already here attaches the delivery to its job; a
    key with a stored result is replayed (or refused as reused, if the body
    differs); a key claimed by another worker is held until that claim ends.
-4. The engine thread runs it; text deltas are coalesced into ordered chunks
+4. The engine runs it; text deltas are coalesced into ordered chunks
    by a per-job sender; the final result is stored, published with
    confirms, and only then is each delivery acked on its own channel.
 
 Faults: a store outage makes jobs wait (never an error they did not earn);
 an engine failure of one request is that request's (the engine contains
 it), a retryable internal error is requeued so ``x-delivery-limit`` ends a
-job that keeps failing; an engine thread that dies or hangs, or fails
+job that keeps failing; an engine (thread or process) that dies or hangs, or fails
 ``max_consecutive_step_failures`` steps in a row, stops the worker: it
 requeues what it holds and exits non-zero for its supervisor to restart.
 """
