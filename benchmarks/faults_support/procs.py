@@ -53,13 +53,25 @@ def src_env(src: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def rss_mib(pid: int | None) -> float | None:
-    """VmRSS of ``pid`` in MiB (None if it is gone)."""
+    """VmRSS of ``pid`` and of its child processes (a worker's engine
+    process), in MiB (None if ``pid`` is gone)."""
     if pid is None:
         return None
+    own = _vmrss_kib(pid)
+    if own is None:
+        return None
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        children = []
+    return round((own + sum(_vmrss_kib(c) or 0 for c in children)) / 1024.0, 1)
+
+
+def _vmrss_kib(pid: int) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024.0, 1)
+                return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
     return None

@@ -1308,7 +1308,7 @@ class Worker:
         if et is None:
             return True, "starting"
         if not et.alive:
-            return False, "the engine thread died"
+            return False, "the engine died (its thread or process is gone)"
         now = time.monotonic()
         since = et.busy_since_mono
         if self.ready.is_set() and since is not None and now - since > self.cfg.engine_hang_timeout_s:
@@ -1329,7 +1329,7 @@ class Worker:
                 self.admission.observe(computed, et.busy_s)
             await self._pace_batch()
             if not et.alive:
-                self._on_engine_fatal(RuntimeError("the engine thread died"))
+                self._on_engine_fatal(RuntimeError("the engine died (its thread or process is gone)"))
                 return
             since = et.busy_since_mono
             if since is not None and time.monotonic() - since > self.cfg.engine_hang_timeout_s:
