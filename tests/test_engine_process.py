@@ -373,3 +373,26 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
     finally:
         await w.shutdown(drain_timeout=1.0)
     assert _gone(engine_pid)
+
+
+def test_the_engine_process_logs_in_the_workers_format_and_context(prefix, tmp_path):
+    """``jaxserve worker --log-format json`` with the real engine: every line
+    on its stderr is JSON, and the engine process's own lines (the KV cache
+    it sized, the programs it compiled) carry the worker's id and
+    ``"process": "engine"``."""
+    import json
+
+    from queue_support import start_worker_process, stop_process, wait_log
+
+    log = tmp_path / "w.log"
+    w = start_worker_process(prefix, log, engine=None)
+    try:
+        wait_log(log, "worker_consuming", timeout=180)
+    finally:
+        stop_process(w)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    [worker_id] = {r["worker_id"] for r in lines if r.get("event") == "worker_consuming"}
+    engine_lines = {r["event"]: r for r in lines if r.get("process") == "engine"}
+    assert {"engine.kv_cache", "runner.compiled"} <= set(engine_lines), sorted(engine_lines)
+    assert all(r["worker_id"] == worker_id for r in engine_lines.values())
+    assert all(r.get("process") != "engine" for r in lines if r.get("event") == "worker_consuming")

@@ -29,6 +29,8 @@ contained, N failures in a row are fatal); only the two ends of it change:
   failed step, a fatal failure) is sent at once, from the engine thread,
   as one message; a step's outputs carry the scheduler's statistics for
   the metrics;
+- the engine process logs as the worker does (same format and level, the
+  same ``worker_id``, plus ``"process": "engine"``) on the same stderr;
 - the watchdog's clocks (``busy_since_mono``, ``last_progress_mono``) and
   the counters (``steps``, ``busy_s``, ``num_computed_tokens``) live in
   shared memory, written by the engine process and read by the worker's
@@ -70,6 +72,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
 from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
+from jaxserve.worker.logs import apply_logging_setup, logging_setup
 
 # Slots of the shared status array (float64; NaN: no value).
 _BUSY_SINCE, _LAST_PROGRESS, _STEPS, _BUSY_S, _COMPUTED = range(5)
@@ -299,7 +302,9 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
     os.close(status_fd)  # the mapping stays
     pipe = _Pipe(socket.socket(fileno=conn_fd))
     try:
-        path, factory_bytes, max_failures, name = pipe.recv()
+        path, factory_bytes, max_failures, name, log_setup = pipe.recv()
+        if log_setup is not None:  # the worker's format on the same stderr, its lines marked
+            apply_logging_setup(log_setup, process="engine")
         sys.path[:] = path
         factory = pickle.loads(factory_bytes)
         engine = factory()
@@ -393,7 +398,7 @@ class EngineProcess:
     ) -> None:
         check_max_consecutive_step_failures(max_consecutive_step_failures)
         # Fails here, in the caller, when the factory does not pickle.
-        self._setup = (list(sys.path), pickle.dumps(factory), max_consecutive_step_failures, name)
+        self._setup = (list(sys.path), pickle.dumps(factory), max_consecutive_step_failures, name, logging_setup())
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error

@@ -28,6 +28,10 @@ _process_context: dict[str, Any] = {}
 # replaces it instead of adding another.
 _HANDLER_NAME = "jaxserve"
 
+# configure_logging's format and level, when it writes to stderr: what
+# logging_setup hands a worker's engine process.
+_configured: dict[str, str] = {}
+
 
 def bind_worker_context(worker_id: str | None = None, model: str | None = None, **fields: Any) -> None:
     """Add ``worker_id``, ``model`` (and any other ``fields``) to every log
@@ -67,6 +71,9 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
     """
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     out = stream if stream is not None else sys.stderr
+    _configured.clear()
+    if stream is None:
+        _configured.update(fmt=fmt, level=level)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         _add_process_context,
@@ -114,3 +121,20 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
             logger.propagate = True
     # warnings.warn() goes to the "py.warnings" logger, not raw to stderr.
     logging.captureWarnings(True)
+
+
+def logging_setup() -> dict[str, Any] | None:
+    """This process's logging (format, level and the bound fields), as plain
+    values for another process that writes to the same stderr: the worker's
+    engine process (``apply_logging_setup`` there). None when
+    :func:`configure_logging` has not set up stderr."""
+    if not _configured:
+        return None
+    return {**_configured, "context": dict(_process_context)}
+
+
+def apply_logging_setup(setup: dict[str, Any], **fields: Any) -> None:
+    """Log like the process that made ``setup`` (:func:`logging_setup`), each
+    line also carrying ``fields``."""
+    configure_logging(setup["fmt"], setup["level"])
+    bind_worker_context(**setup["context"], **fields)
