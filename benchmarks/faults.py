@@ -63,7 +63,7 @@ class Sizes:
     cuts: int = 8
     redis_jobs: int = 3000
     redis_outage_s: float = 20.0
-    sigkill_jobs: int = 300  # max_tokens 16, temperature 0.9, no seed
+    sigkill_jobs: int = 1200  # max_tokens 16, temperature 0.9, no seed (300 ran out before the fifth kill once workers got faster)
     sigkills: int = 5
     malformed: int = 10_000
     malformed_poison: int = 27  # 3 of each of the 9 undecodable-property variants
