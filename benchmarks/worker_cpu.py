@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import sys
 import tempfile
 import time
@@ -139,8 +140,6 @@ def main() -> None:
         "threads": threads,
         "batch_jobs_published": published,
     }
-    import json
-
     print(json.dumps(summary, indent=2))
     print(f"wrote {qc.write_results(args.label, data)}", file=sys.stderr)
 
