@@ -179,6 +179,11 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
             "engine_steps": len(steps),
             "engine_seqs_per_step_mean": round(sum(s[2] for s in steps) / len(steps), 2) if steps else None,
             "engine_step_ms_median": round(1000 * qc.median([s[1] for s in steps]), 3) if steps else None,
+            "engine_step_ms_p90": round(1000 * pct(sorted(s[1] for s in steps), 0.9), 3) if steps else None,
+            # the expected rest of the step in flight at a random moment:
+            # long steps are likelier to be the one an arrival lands in
+            "engine_step_residual_ms": round(1000 * sum(s[1] ** 2 for s in steps) / (2 * sum(s[1] for s in steps)), 3)
+            if steps else None,
         }
     return out
 

@@ -377,3 +377,45 @@ def test_interactive_outputs_are_handed_over_before_the_next_plan(checkpoint):
     for i, e in enumerate(events):  # each hand-over is followed by that call's plan
         if e[0] == "urgent":
             assert events[i + 1] == ("plan",), events[i - 2 : i + 3]
+
+
+def test_batch_prompts_capped_beside_interactive_work_equal_alone(checkpoint, alone):
+    """``interactive_batch_prefill_tokens``: while interactive requests run,
+    batch prompts advance in chunks of at most the cap (and the outputs of
+    both classes stay exactly what each request gets alone)."""
+    from jaxserve.engine.types import RequestClass
+
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
+                               block_size=16, interactive_batch_prefill_tokens=5, enable_prefix_caching=False))
+    engine.warmup()
+    prompts = _prompts()
+    interactive = {0, 4}
+    for i in sorted(interactive):
+        engine.add_request(f"r{i}", prompts[i], _greedy(), request_class=RequestClass.INTERACTIVE)
+    got: dict[str, list[int]] = {}
+    batch_prompt_tokens: list[int] = []
+    pending = [i for i in range(len(prompts)) if i not in interactive]
+    while pending or engine.has_unfinished():
+        if pending:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], _greedy(), request_class=RequestClass.BATCH)
+        plan_seen = []
+        real = engine.scheduler.schedule
+
+        def spy():
+            out = real()
+            plan_seen.append(out)
+            return out
+
+        engine.scheduler.schedule = spy
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                got[out.request_id] = out.token_ids
+        engine.scheduler.schedule = real
+        for out in plan_seen:
+            if any(int(s.request_id[1:]) in interactive for s in out.scheduled):
+                batch_prompt_tokens.append(sum(s.num_scheduled_tokens for s in out.scheduled
+                                               if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1))
+    assert got == {f"r{i}": alone[f"r{i}"] for i in range(len(prompts))}
+    assert max(batch_prompt_tokens) == 5, batch_prompt_tokens  # the cap held and was reached

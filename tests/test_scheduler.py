@@ -686,3 +686,96 @@ def test_interactive_prompt_that_cannot_start_leaves_the_batch_step_as_usual():
     out, _ = step(s)
     assert plan(out) == [("b", 33, 1, True)] and not out.preempted_req_ids
     assert s.get_request("i").status == RequestStatus.WAITING
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_capped(clock: FakeClock, **overrides) -> Scheduler:
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=64,
+               enable_prefix_caching=False, interactive_prefill_alone=True,
+               interactive_batch_prefill_tokens=6, interactive_recent_s=2.0)
+    cfg.update(overrides)
+    return Scheduler(SchedulerConfig(**cfg), clock=clock)
+
+
+def test_batch_prompts_get_the_whole_budget_when_no_interactive_work_was_seen():
+    s = make_capped(FakeClock())
+    s.add_request(req("b1", 20, cls="batch", arrival=0))
+    s.add_request(req("b2", 20, cls="batch", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("b1", 0, 20, True), ("b2", 0, 20, True)]
+
+
+def test_batch_prompt_tokens_are_capped_while_interactive_work_runs_and_decodes_are_not():
+    clock = FakeClock()
+    s = make_capped(clock, max_num_seqs=6)
+    for k in range(3):
+        s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
+    step(s)  # three batch decoders
+    s.add_request(req("i", 4, max_tokens=20, cls="interactive", arrival=3))
+    out, _ = step(s)
+    assert plan(out) == [("i", 0, 4, True)]  # its own step
+    s.add_request(req("p", 10, cls="batch", arrival=4))
+    s.add_request(req("q", 10, cls="batch", arrival=5))
+    out, _ = step(s)
+    # every decode, then 6 batch prompt tokens: p's first chunk, q waits
+    assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True), ("d2", 2, 1, True),
+                         ("p", 0, 6, False)]
+    out, _ = step(s)
+    assert plan(out) == [("i", 5, 1, True), ("d0", 3, 1, True), ("d1", 3, 1, True), ("d2", 3, 1, True),
+                         ("p", 6, 4, True), ("q", 0, 2, False)]
+
+
+def test_the_cap_lasts_interactive_recent_s_after_the_last_interactive_request():
+    clock = FakeClock()
+    s = make_capped(clock)
+    s.add_request(req("i", 4, max_tokens=1, cls="interactive", arrival=0))
+    _, fin = step(s)
+    assert fin == ["i"]
+    clock.now += 1.9
+    s.add_request(req("b1", 20, max_tokens=1, cls="batch", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("b1", 0, 6, False)]  # 1.9 s after: still capped
+    clock.now += 0.1
+    out, _ = step(s)
+    assert plan(out) == [("b1", 6, 14, True)]  # 2.0 s after: the whole budget again
+
+
+def test_a_mixed_step_caps_its_batch_prompt_tokens():
+    # interactive_prefill_alone off: the interactive prompt shares its step,
+    # and the batch prompt beside it gets the capped share
+    clock = FakeClock()
+    s = make_capped(clock, interactive_prefill_alone=False)
+    s.add_request(req("b1", 20, max_tokens=4, cls="batch", arrival=0))
+    s.add_request(req("i", 30, max_tokens=4, cls="interactive", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("i", 0, 30, True), ("b1", 0, 6, False)]
+
+
+def test_interactive_cap_of_zero_means_no_cap():
+    clock = FakeClock()
+    s = make_capped(clock, interactive_batch_prefill_tokens=0)
+    s.add_request(req("i", 4, max_tokens=8, cls="interactive", arrival=0))
+    step(s)
+    s.add_request(req("b1", 20, cls="batch", arrival=1))
+    out, _ = step(s)
+    assert plan(out) == [("i", 4, 1, True), ("b1", 0, 20, True)]
+
+
+@pytest.mark.parametrize("field,value", [("interactive_batch_prefill_tokens", -1),
+                                         ("interactive_batch_prefill_tokens", 1.5),
+                                         ("interactive_recent_s", -0.1),
+                                         ("interactive_recent_s", float("nan")),
+                                         ("interactive_recent_s", float("inf")),
+                                         ("interactive_recent_s", True)])
+def test_interactive_cap_settings_are_validated(field, value):
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=64)
+    cfg[field] = value
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**cfg)

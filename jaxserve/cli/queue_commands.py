@@ -68,6 +68,10 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--interactive-reserved-seqs", type=click.IntRange(min=0), default=None,
               help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
+@click.option("--interactive-batch-prefill-tokens", type=click.IntRange(min=0), default=None,
+              help="While interactive jobs are about (waiting, running, or seen in the last 2 s), the batch prompt "
+                   "tokens one engine step may carry, so an arriving interactive prompt waits for a short step "
+                   "(engine default 32; 0: no cap).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
 @click.option("--served-model-name", default=None, help="The model name jobs use in `model` and results carry (default: the model folder's name).")
 @click.option("--limits", "limits_path", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -120,6 +124,7 @@ def worker(
     dtype: str | None,
     interactive_reserved_seqs: int | None,
     policy: str | None,
+    interactive_batch_prefill_tokens: int | None,
     metrics_port: int | None,
     served_model_name: str | None,
     limits_path: str | None,
@@ -177,6 +182,7 @@ def worker(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, dtype=dtype,
         interactive_reserved_seqs=interactive_reserved_seqs, policy=policy,
+        interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
     )
     kwargs.update({k: v for k, v in flags.items() if v is not None})
     topo = Topology(

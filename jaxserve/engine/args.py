@@ -54,6 +54,16 @@ class EngineArgs:
     - ``interactive_prefill_alone``: a step that starts an interactive
       prompt carries no batch work (``SchedulerConfig``), so the time to an
       interactive request's first token does not grow with the batch load.
+    - ``interactive_batch_prefill_tokens`` / ``interactive_recent_s``:
+      while interactive work is about (waiting, running, or seen within
+      ``interactive_recent_s`` seconds), the batch prompt tokens one step may
+      carry (``SchedulerConfig``; 0: no cap). An interactive prompt that
+      arrives waits for the step in flight, and batch prompt chunks are what
+      make a step long; the cap keeps that wait near a decode step's length.
+      Batch-only serving is untouched. The default 32 is measured
+      (BENCHMARKS.md, session 13): llama-56m under a saturated batch queue,
+      loaded TTFT p90 62-67 ms against 114-130 ms uncapped, with the same
+      batch jobs done; 16 cost about a tenth of the batch work.
     - ``tensor_parallel_size``: devices one engine shards the model and the
       KV cache over (attention heads, kv heads and the MLP, Megatron style;
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
@@ -76,6 +86,8 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     max_num_waiting: int = 0
     interactive_prefill_alone: bool = True
+    interactive_batch_prefill_tokens: int = 32
+    interactive_recent_s: float = 2.0
     seed: int = 0
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True

@@ -55,6 +55,14 @@ class SchedulerConfig:
       instead of sharing its step with every running batch sequence
       (measured in BENCHMARKS.md); batch throughput pays one step per
       interactive prompt.
+    - ``interactive_batch_prefill_tokens`` / ``interactive_recent_s``: while
+      interactive work is about (an interactive request waiting or running,
+      or one seen within the last ``interactive_recent_s`` seconds), one
+      step carries at most this many batch prompt tokens (0: no cap beyond
+      the step budget). A prompt that arrives waits for the step in flight,
+      and the steps that carry batch prompt chunks are the long ones, so
+      this bounds that wait; batch decodes are never held back by it, and
+      batch-only serving is untouched.
     """
 
     max_num_seqs: int = 128
@@ -69,6 +77,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_num_waiting: int = 0
     interactive_prefill_alone: bool = True
+    interactive_batch_prefill_tokens: int = 0
+    interactive_recent_s: float = 2.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +97,10 @@ class SchedulerConfig:
         _require_int("interactive_reserved_blocks", self.interactive_reserved_blocks, 0)
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int("max_num_waiting", self.max_num_waiting, 0)
+        _require_int("interactive_batch_prefill_tokens", self.interactive_batch_prefill_tokens, 0)
+        recent = self.interactive_recent_s
+        if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 <= recent < float("inf"):
+            raise ValueError(f"interactive_recent_s must be a finite number of seconds >= 0, got {recent!r}")
         if self.policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
         for name in ("enable_prefix_caching", "interactive_prefill_alone"):

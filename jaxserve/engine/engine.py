@@ -119,6 +119,8 @@ class Engine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_num_waiting=args.max_num_waiting,
             interactive_prefill_alone=args.interactive_prefill_alone,
+            interactive_batch_prefill_tokens=args.interactive_batch_prefill_tokens,
+            interactive_recent_s=args.interactive_recent_s,
         )
         self.allocator = BlockAllocator(
             self.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching

@@ -25,7 +25,11 @@ One step, in order:
    interactive prompt holds interactive work only: the batch decodes wait
    one step, so the prompt's step is as short as on an idle engine. When no
    interactive prompt can start after all (no seat or block for it), the
-   step is planned as usual.
+   step is planned as usual. While interactive work is about (waiting,
+   running, or seen within ``interactive_recent_s``), batch prompt chunks
+   and admissions together get at most ``interactive_batch_prefill_tokens``
+   of the step: an arriving interactive prompt waits for the step in
+   flight, and batch prompt tokens are what make a step long.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -57,7 +61,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
@@ -224,7 +228,14 @@ class _WaitingQueue:
 class Scheduler:
     """Plans each step over the running and waiting requests."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: seconds, for ``interactive_recent_s`` (tests pass a
+        fake one)."""
         config.validate()
         if allocator is None:
             allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -252,6 +263,8 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._rows_left = config.max_num_seqs  # logits rows left in the step being planned
+        self._clock = clock
+        self._interactive_seen = float("-inf")  # clock() when interactive work was last about
 
     # ------------------------------------------------------------ admission
 
@@ -315,6 +328,7 @@ class Scheduler:
         self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
         interactive = [r for r in self.running if r.request_class == RequestClass.INTERACTIVE]
         batch = [r for r in self.running if r.request_class != RequestClass.INTERACTIVE]
+        interactive_about = self._interactive_about(interactive)
         # Interactive first in time: every decode, then interactive chunks and
         # newly arrived interactive requests, and only then batch chunks and
         # batch admissions, so an interactive prefill never waits behind a
@@ -335,6 +349,9 @@ class Scheduler:
             return self._plan(planned, preempted)
         # no interactive prompt could start after all: the batch decodes as usual
         budget = self._plan_running(held, budget, planned, preempted)
+        cap = cfg.interactive_batch_prefill_tokens
+        if cap and interactive_about:
+            budget = min(budget, cap)  # the batch prompt tokens' share: nothing else follows them
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
@@ -344,6 +361,16 @@ class Scheduler:
         """Whether an interactive prompt waits to be computed: a waiting
         interactive request, or a running one with prompt tokens left."""
         return bool(self._waiting[RequestClass.INTERACTIVE]) or any(r.num_tokens_to_compute > 1 for r in interactive)
+
+    def _interactive_about(self, interactive: list[Request]) -> bool:
+        """Whether interactive work is waiting or running, or was within
+        ``interactive_recent_s`` (``SchedulerConfig``): the window keeps the
+        batch steps short between the requests of an interactive stream."""
+        now = self._clock()
+        if interactive or self._waiting[RequestClass.INTERACTIVE]:
+            self._interactive_seen = now
+            return True
+        return now - self._interactive_seen < self.config.interactive_recent_s
 
     def _plan_running(
         self, reqs: list[Request], budget: int, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]
