@@ -61,9 +61,11 @@ class EngineArgs:
       arrives waits for the step in flight, and batch prompt chunks are what
       make a step long; the cap keeps that wait near a decode step's length.
       Batch-only serving is untouched. The default 32 is measured
-      (BENCHMARKS.md, session 13): llama-56m under a saturated batch queue,
-      loaded TTFT p90 62-67 ms against 114-130 ms uncapped, with the same
-      batch jobs done; 16 cost about a tenth of the batch work.
+      (BENCHMARKS.md, sessions 13-14, llama-56m under a saturated batch
+      queue): it leaves the median TTFT where it was but trims the tail
+      (loaded p90 36-67 ms against 40-130 ms uncapped, on two machines) for
+      0-4% of the batch jobs done while interactive jobs run; 16 cost about
+      a tenth of the batch work.
     - ``tensor_parallel_size``: devices one engine shards the model and the
       KV cache over (attention heads, kv heads and the MLP, Megatron style;
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
