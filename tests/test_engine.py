@@ -392,30 +392,26 @@ def test_batch_prompts_capped_beside_interactive_work_equal_alone(checkpoint, al
     interactive = {0, 4}
     for i in sorted(interactive):
         engine.add_request(f"r{i}", prompts[i], _greedy(), request_class=RequestClass.INTERACTIVE)
+    plans = []
+    real = engine.scheduler.schedule
+
+    def spy():
+        plans.append(real())
+        return plans[-1]
+
+    engine.scheduler.schedule = spy
     got: dict[str, list[int]] = {}
-    batch_prompt_tokens: list[int] = []
     pending = [i for i in range(len(prompts)) if i not in interactive]
     while pending or engine.has_unfinished():
         if pending:
             i = pending.pop(0)
             engine.add_request(f"r{i}", prompts[i], _greedy(), request_class=RequestClass.BATCH)
-        plan_seen = []
-        real = engine.scheduler.schedule
-
-        def spy():
-            out = real()
-            plan_seen.append(out)
-            return out
-
-        engine.scheduler.schedule = spy
         for out in engine.step():
             if out.finished:
                 assert out.error is None, out.error
                 got[out.request_id] = out.token_ids
-        engine.scheduler.schedule = real
-        for out in plan_seen:
-            if any(int(s.request_id[1:]) in interactive for s in out.scheduled):
-                batch_prompt_tokens.append(sum(s.num_scheduled_tokens for s in out.scheduled
-                                               if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1))
     assert got == {f"r{i}": alone[f"r{i}"] for i in range(len(prompts))}
+    batch_prompt_tokens = [sum(s.num_scheduled_tokens for s in plan.scheduled
+                               if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1)
+                           for plan in plans if any(int(s.request_id[1:]) in interactive for s in plan.scheduled)]
     assert max(batch_prompt_tokens) == 5, batch_prompt_tokens  # the cap held and was reached
