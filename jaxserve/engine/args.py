@@ -61,7 +61,7 @@ class EngineArgs:
       arrives waits for the step in flight, and batch prompt chunks are what
       make a step long; the cap keeps that wait near a decode step's length.
       Batch-only serving is untouched. The default 32 is measured
-      (BENCHMARKS.md, sessions 13-14, llama-56m under a saturated batch
+      (commit 39f6eec's A/B runs, llama-56m under a saturated batch
       queue): it leaves the median TTFT where it was but trims the tail
       (loaded p90 36-67 ms against 40-130 ms uncapped, on two machines) for
       0-4% of the batch jobs done while interactive jobs run; 16 cost about

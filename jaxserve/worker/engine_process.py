@@ -8,7 +8,7 @@ after the switch interval (5 ms). Under a saturated batch queue on a 2-core
 machine that was the interactive job's cost: the loop used a quarter of a
 core, yet its lag had a median of 1.8 ms and a p90 of 7.4 ms, and the engine
 thread spent an eighth of its time getting the GIL back after waking the
-loop (py-spy; BENCHMARKS.md, session 12). vLLM's V1 engine core runs in its
+loop (py-spy; commit 4eda276). vLLM's V1 engine core runs in its
 own process for the same reason. Here the worker's process keeps the event
 loop, the broker connections and the tokenizer (prompts are encoded there);
 the engine process builds the engine, compiles it and steps it, and nothing

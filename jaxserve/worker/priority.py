@@ -13,7 +13,7 @@ project's 2-core machines, with the broker on the same cores, nice 5 lowered
 the interactive time to first token under a saturated batch queue in five of
 eight A/B pairs (mean loaded median 17.2 -> 14.7 ms) and cost ~9% of the
 jobs/s of a generating classification run, whose broker and client then win
-the cores from the engine (``BENCHMARKS.md``, session 10).
+the cores from the engine (commit ad73e71).
 
 Threads started later inherit the value from the thread that starts them
 (the engine thread, XLA's pools), so one call after the engine is built and

@@ -66,9 +66,9 @@ SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
 MATMUL_TOKEN_MULTIPLE = 16
 #: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
 #: token counts, and for more output rows (the vocabulary projection), XLA's
-#: own matmul measured as fast or faster (BENCHMARKS.md, sessions 8 and 9: 32
-#: tokens 1.18x here, 0.89x on session 8's machine, which took 48 up; an
-#: AVX2-only EPYC, session 11: 1.27x at 32 tokens, 1.08x at 64)
+#: own matmul measured as fast or faster (commits a08414a and 9489a6e: 32
+#: tokens 1.18x on an AVX-512 Intel machine, 0.89x on an AVX-512 EPYC, which
+#: took 48 up; an AVX2-only EPYC, fe11cca: 1.27x at 32 tokens, 1.08x at 64)
 MATMUL_MIN_TOKENS = 32
 MATMUL_MAX_TOKENS = 64
 MATMUL_MAX_ROWS = 8192
@@ -77,8 +77,8 @@ MATVEC_KERNEL_TOKENS = (1, 2, 4, 8, 16, 32)
 #: the token counts the model gives it (:func:`matvec_pays`):
 #: the few-token programs, where it measured faster than XLA's matmul for
 #: every matrix of the benchmark model, the vocabulary projection included;
-#: it also computes 32, where :func:`matmul_cpu` was faster (BENCHMARKS.md,
-#: session 9; with AVX2 only, session 11: 1.03-1.22x XLA's decode steps at
+#: it also computes 32, where :func:`matmul_cpu` was faster (commit
+#: 9489a6e; with AVX2 only, fe11cca: 1.03-1.22x XLA's decode steps at
 #: 1-16 tokens)
 MATVEC_TOKENS = (1, 2, 4, 8, 16)
 DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
@@ -233,7 +233,7 @@ def matmul_pays(w: jax.Array, x: jax.Array) -> bool:
     """Whether the model should take :func:`matmul_cpu` for ``w @ x``: shapes
     it computes, with a token count in ``[MATMUL_MIN_TOKENS,
     MATMUL_MAX_TOKENS]`` and at most ``MATMUL_MAX_ROWS`` output rows, where
-    it measured faster than XLA's matmul (BENCHMARKS.md, session 8: fewer
+    it measured faster than XLA's matmul (commit a08414a: fewer
     tokens, and the vocabulary projection, are XLA's). Availability is
     :func:`available`."""
     T = x.shape[-1]

@@ -5,7 +5,7 @@
 // and the vocabulary projection against 1-16 sampled rows. That is close to
 // the matrix-vector regime, where a step should stream its weights at the
 // machine's read bandwidth: XLA's CPU backend reads them at 7-11 GB/s at
-// T = 8-16 (BENCHMARKS.md, session 9), and matmul_cpu.cc's register tile
+// T = 8-16 (commit 8325c81), and matmul_cpu.cc's register tile
 // needs T >= 32 to pay (below that it streams 12-24 weight rows at once, one
 // float from each per step). It computes T = 32 too; the model leaves that
 // to matmul_cpu.cc, faster there. Here each weight row is read as contiguous

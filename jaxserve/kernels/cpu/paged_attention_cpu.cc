@@ -56,7 +56,7 @@ constexpr int64_t kPrefetchBytes = 512;  // of the next block's keys and of its 
 // prefetcher stops at every 4 KB page and starts each run cold, and decode
 // attention (each key read once) ran at half the machine's read bandwidth.
 // Into L2 rather than L1: requests into L1 this far ahead measured slower
-// than none (BENCHMARKS.md, session 8).
+// than none (commit 85f1e3c).
 constexpr int64_t kAheadRows = 32;
 
 // The 256-byte row at p (64 floats), requested into L2.
@@ -241,7 +241,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     // block's are read (kAheadRows). (Prefetching every line of both blocks
     // at once cost more than it saved: 256 instructions a block, mostly for
     // lines a prefill chunk's earlier tokens had already brought in;
-    // measured, BENCHMARKS.md session 7.)
+    // measured for commit d481bd6.)
     const float* next_kb = nullptr;  // this kv head's keys of the next block
     if (j < last && j + 1 < s.M) {
       const int32_t next = tables[row * s.M + j + 1];

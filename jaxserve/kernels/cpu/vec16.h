@@ -8,7 +8,7 @@
 // kVectorRegisters and kRegistersPerVec let a kernel size its register tile
 // to the target: a tile of AVX-512's 16 accumulators is 32 of AVX2's 16
 // registers, and the spills made the AVX2 build 0.67-0.85x XLA's matmul
-// (BENCHMARKS.md, session 11).
+// (commit fe11cca).
 
 #ifndef JAXSERVE_KERNELS_CPU_VEC16_H_
 #define JAXSERVE_KERNELS_CPU_VEC16_H_

@@ -5,8 +5,8 @@
 // 32000 x 64 is 8 MB) to each column's first index of the maximum. XLA's CPU
 // backend does not vectorise its (value, index) reduction, so
 // jaxserve.engine.sampler.argmax writes it as a max, then a min over an iota
-// where the logits equal it: three passes and ~2 ms a step (BENCHMARKS.md,
-// session 8). This is one pass: each thread scans a run of whole rows (R
+// where the logits equal it: three passes and ~2 ms a step (commit
+// 30325be). This is one pass: each thread scans a run of whole rows (R
 // contiguous floats), keeping per column a running maximum and its index.
 //
 //   logits f32 [V, R]   V, R >= 1
