@@ -410,6 +410,55 @@ def test_every_promql_expression_names_exported_series(prometheus):
         {"job_name": "r", "static_configs": [{"targets": ["rabbitmq:15692"]}]}]})
 
 
+def _selectors_and_groupings(expr: str) -> tuple[list[dict[str, tuple[str, str]]], list[list[str]]]:
+    """Every selector's matchers (label -> (op, value)) and every aggregation's
+    ``by`` labels in a PromQL expression."""
+    import promql_parser
+
+    selectors: list[dict[str, tuple[str, str]]] = []
+    groupings: list[list[str]] = []
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            ms = node.matchers.matchers if node.matchers else []
+            selectors.append({m.name: (str(m.op).rsplit(".", 1)[-1], m.value) for m in ms})
+        if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            groupings.append(list(node.modifier.labels))
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr.replace("$__rate_interval", "5m")), visit)
+    return selectors, groupings
+
+
+def test_ttft_panels_and_alerts_never_mix_queue_classes():
+    """Batch jobs wait behind interactive ones by design: a TTFT quantile
+    over both classes rises with the batch backlog, so every TTFT panel and
+    alert either selects one class or keeps ``queue`` apart."""
+    ttft = [(w, e) for w, e in promql_expressions() if "jaxserve_time_to_first_token_seconds" in e]
+    assert len(ttft) >= 3
+    for where, expr in ttft:
+        selectors, groupings = _selectors_and_groupings(expr)
+        one_class = all(sel.get("queue", ("", ""))[0] == "Equal" for sel in selectors)
+        split = bool(groupings) and all("queue" in g for g in groupings)
+        assert one_class or split, f"{where} mixes interactive and batch TTFT: {expr}"
+    (slow,) = [e for w, e in ttft if w == "alert JaxserveInteractiveSlow"]
+    assert _selectors_and_groupings(slow)[0][0]["queue"] == ("Equal", "interactive")
+
+
+def test_job_error_alert_ignores_refusals_and_cancellations():
+    import re
+
+    from jaxserve.wire.errors import ERROR_CODES
+
+    (expr,) = [e for w, e in promql_expressions() if w == "alert JaxserveJobErrors"]
+    ((op, pattern),) = [sel["outcome"] for sel in _selectors_and_groupings(expr)[0]]
+    assert op == "NotRe"
+    excluded = {o for o in ("ok", "replayed", *ERROR_CODES) if re.fullmatch(pattern, o)}
+    assert excluded == {"ok", "replayed", "overloaded", "rate_limited", "cancelled"}
+    # overload still has an alert of its own
+    assert any(w == "alert JaxserveOverloaded" and "code=\"overloaded\"" in e for w, e in promql_expressions())
+
+
 def test_dashboard_panels_use_the_provisioned_datasource():
     ds = yaml.safe_load((OPS / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
     (prom,) = [d for d in ds if d["type"] == "prometheus"]
@@ -479,7 +528,7 @@ def test_every_manifest_validates():
             crd_validator(doc["kind"], version).validate(doc)
         else:
             kubernetes_validate.validate(doc, k8s_version, strict=True)
-    assert kinds == {"Deployment", "Secret", "ScaledObject", "TriggerAuthentication"}
+    assert kinds == {"Deployment", "Secret", "ScaledObject", "TriggerAuthentication", "Service", "StatefulSet"}
     # the validators refuse what they should
     (deployment,) = by_kind("Deployment")
     broken = json.loads(json.dumps(deployment))
@@ -526,6 +575,28 @@ def test_worker_deployment_pins_the_image_serves_metrics_and_probes():
     (secret,) = by_kind("Secret")
     assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["stringData"]
     assert secret["stringData"][ref["key"]].startswith("amqp://")
+
+
+def test_the_redis_the_worker_names_is_deployed_with_a_persistent_volume():
+    """--store=redis against a host nobody runs leaves every job waiting: the
+    URL's host must be a Service whose selector picks a Redis pod on its port,
+    and that Redis keeps its keys across restarts."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit({e["name"]: e for e in worker_container()["env"]}["JAXSERVE_REDIS_URL"]["value"])
+    (service,) = [s for s in by_kind("Service") if s["metadata"]["name"] == url.hostname]
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == (url.port or 6379)]
+    pods = [w for kind in ("StatefulSet", "Deployment") for w in by_kind(kind)
+            if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+    (redis,) = pods
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:")
+    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data_dir = args[args.index("--dir") + 1]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data_dir]
+    assert mount["name"] in {t["metadata"]["name"] for t in redis["spec"]["volumeClaimTemplates"]}
 
 
 def test_keda_scales_the_worker_on_both_job_queues():

@@ -39,6 +39,26 @@ async def test_overloaded_when_the_interactive_budget_is_full_while_batch_flows(
     assert again.ok
 
 
+async def test_latency_metrics_count_answered_jobs_under_the_served_name(harness, client):
+    """A refusal is answered in microseconds: counted in the latency
+    histograms it would pull their quantiles down exactly when the worker is
+    overloaded. Metrics carry --served-model-name, as vLLM's do."""
+    eng = EchoEngine(step_s=0.002, stalled=True, model_name="/models/echo-preset")
+    w = await harness.start(eng, admission=AdmissionConfig(max_queued_tokens=40), served_model_name="public-name")
+    first = await client.publish({"prompt": "x" * 30, "max_tokens": 3})
+    await wait_until(lambda: w.admission.held_tokens == 30)
+    refused = await client.submit("y" * 30, max_tokens=3, timeout=10)
+    assert refused.error.code == "overloaded"
+    eng.unstall()
+    assert (await client.wait(first, timeout=20)).ok
+    labels = {"model_name": "public-name", "queue": "interactive"}
+    sample = w.metrics.registry.get_sample_value
+    await wait_until(lambda: sample("jaxserve_jobs_total", {**labels, "outcome": "ok"}) == 1.0)
+    assert sample("jaxserve_jobs_total", {**labels, "outcome": "overloaded"}) == 1.0
+    assert sample("jaxserve_e2e_request_latency_seconds_count", labels) == 1.0
+    assert sample("jaxserve_time_to_first_token_seconds_count", labels) == 1.0
+
+
 async def test_a_tenant_over_its_burst_is_limited_and_another_is_not(harness, client):
     eng = EchoEngine(step_s=0.002)
     await harness.start(eng, limits=limits(acme={"requests_per_s": 0.01, "burst": 2}))

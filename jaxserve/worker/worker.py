@@ -255,7 +255,8 @@ class Worker:
             return False
         load_s = time.monotonic() - t0
         bind_worker_context(model=self.served_model_name)
-        self.metrics = EngineMetrics(str(getattr(self.engine, "model_name", "")))
+        # the served name, as vLLM labels its metrics (--served-model-name)
+        self.metrics = EngineMetrics(self.served_model_name or "")
         self.metrics.set_health_checks(ready=self._readiness, live=self._liveness)
         self.metrics.model_load_seconds.labels(self.metrics.model_name).set(load_s)
         kv = kv_cache_bytes(self.engine)
@@ -1157,7 +1158,10 @@ class Worker:
         if replayed:
             log.info("job_replayed", deliveries=len(kj.deliveries), **kw)
             return
-        if self.metrics is not None:
+        if self.metrics is not None and result.ok:
+            # latencies of answered jobs only: a refused or cancelled job's
+            # short "latency" would pull the quantiles down exactly when the
+            # worker is overloaded (jaxserve_jobs_total counts every outcome)
             ts = _published_at(kj.primary.message)
             self.metrics.observe_job(
                 kj.queue_class,
