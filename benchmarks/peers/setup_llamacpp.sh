@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# llama.cpp peer: built from the llama-cpp-python 0.3.36 sdist's vendored tree
+# (the ggml a Python user of llama.cpp gets), with the tools the benchmark
+# uses: llama-bench, llama-batched-bench, llama-quantize. Output in
+# .peers/llama.cpp (ignored by git). Never part of jaxserve's install or tests.
+#   JOBS=2 benchmarks/peers/setup_llamacpp.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=.peers/llama.cpp
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+JOBS=${JOBS:-2}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$ROOT"
+if [ ! -d "$ROOT/src" ]; then
+  "$PY" -m pip download -q --no-binary llama-cpp-python --no-deps -d "$ROOT/sdist" "llama-cpp-python==$VERSION"
+  mkdir -p "$ROOT/unpack"
+  tar -xzf "$ROOT"/sdist/llama_cpp_python-"$VERSION".tar.gz -C "$ROOT/unpack"
+  mv "$ROOT/unpack/llama_cpp_python-$VERSION/vendor/llama.cpp" "$ROOT/src"
+  rm -rf "$ROOT/unpack"
+fi
+cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
+cmake --build "$ROOT/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize
+ls -la "$ROOT/build/bin/"
+"$ROOT/build/bin/llama-bench" --help >/dev/null && echo "llama.cpp tools ready in $ROOT/build/bin"
