@@ -33,6 +33,19 @@ Preset fields (``models/tiny.json`` is an example)::
                  generation_config.json); reserved_token_format (fills the
                  vocab up to vocab_size when the trainer stops short);
                  min_frequency; chat_template_file (next to the preset)
+
+A preset may instead name a real model shipped as a GGUF file inside an
+installed Python package (``models/smollm2-135m.json``)::
+
+    name         must match the file name
+    description  free text
+    gguf         {"package": importable name, "file": the .gguf inside it,
+                  "install": the command that installs the package}
+
+Such a preset resolves to the GGUF file's model folder
+(:mod:`jaxserve.models.gguf_folder`); the package is located without
+importing it (its own code may need dependencies jaxserve does not), and
+when it is missing the error gives the install command.
 """
 
 from __future__ import annotations
@@ -147,15 +160,28 @@ def _preset_file(name: str) -> Path | None:
 def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     """A model folder for ``name_or_path``.
 
-    An existing folder is returned as is. Otherwise the argument names a
-    preset (``models/NAME.json``), materialized into the cache on first use
-    and returned from there afterwards. A path to a preset ``.json`` file
-    works too.
+    An existing model folder is returned as is. A ``.gguf`` file, or a folder
+    with no ``config.json`` holding exactly one ``.gguf``, becomes a model
+    folder derived from the file's metadata under
+    ``$JAXSERVE_CACHE_DIR/gguf`` (:mod:`jaxserve.models.gguf_folder`).
+    Otherwise the argument names a preset (``models/NAME.json``),
+    materialized into the cache on first use and returned from there
+    afterwards. A path to a preset ``.json`` file works too.
     """
     raw = os.fspath(name_or_path)
     path = Path(raw).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            from jaxserve.models.gguf_folder import gguf_model_folder, single_gguf_in
+
+            gguf_file = single_gguf_in(path)
+            if gguf_file is not None:
+                return gguf_model_folder(gguf_file, cache_dir())
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from jaxserve.models.gguf_folder import gguf_model_folder
+
+        return gguf_model_folder(path, cache_dir())
     if path.is_file() and path.suffix == ".json":
         return materialize_preset(path)
     preset = _preset_file(raw)
@@ -163,13 +189,13 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
         return materialize_preset(preset)
     available = list_presets()
     listing = ", ".join(available) if available else "(none)"
-    looks_like_path = os.sep in raw or raw.startswith((".", "~"))
-    what = f"folder {raw!r} does not exist" if looks_like_path else f"unknown model {raw!r}"
+    looks_like_path = os.sep in raw or raw.startswith((".", "~")) or raw.lower().endswith(".gguf")
+    what = f"{'file' if raw.lower().endswith('.gguf') else 'folder'} {raw!r} does not exist" if looks_like_path else f"unknown model {raw!r}"
     raise UnknownModelError(
         f"{what}: it is neither an existing model folder nor a preset name. "
         f"Available presets (in {presets_dir()}): {listing}. "
         "A path to a Hugging Face model folder (config.json, model.safetensors, "
-        "tokenizer.json) also works."
+        "tokenizer.json) or to a .gguf file also works."
     )
 
 
@@ -183,6 +209,8 @@ def load_preset(path: Path) -> dict[str, Any]:
         raise PresetError(f"cannot read preset {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise PresetError(f"preset {path} must be a JSON object")
+    if "gguf" in data:
+        return _check_gguf_preset(path, data)
     for key in ("config", "tokenizer"):
         if not isinstance(data.get(key), dict):
             raise PresetError(f"preset {path} needs a {key!r} object")
@@ -225,6 +253,44 @@ def load_preset(path: Path) -> dict[str, Any]:
     return data
 
 
+def _check_gguf_preset(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    spec = data["gguf"]
+    if not isinstance(spec, dict):
+        raise PresetError(f"preset {path}: gguf must be an object with package, file and install")
+    for key in ("package", "file", "install"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise PresetError(f"preset {path}: gguf.{key} must be a non-empty string, got {spec.get(key)!r}")
+    if not spec["file"].endswith(".gguf") or "/" in spec["file"] or "\\" in spec["file"]:
+        raise PresetError(f"preset {path}: gguf.file must be a .gguf file name, got {spec['file']!r}")
+    return data
+
+
+def packaged_gguf(preset_path: Path, data: Mapping[str, Any]) -> Path:
+    """The GGUF file a packaged preset names, found without importing its package."""
+    import importlib.util
+
+    spec = data["gguf"]
+    name = data.get("name", preset_path.stem)
+    try:
+        found = importlib.util.find_spec(spec["package"])
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found is not None else []
+    if not locations:
+        raise PresetError(
+            f"preset {name!r} needs the Python package {spec['package']!r}, which holds "
+            f"{spec['file']}; install it with: {spec['install']}"
+        )
+    for folder in locations:
+        candidate = Path(folder) / spec["file"]
+        if candidate.is_file():
+            return candidate
+    raise PresetError(
+        f"preset {name!r}: package {spec['package']!r} (in {locations[0]}) has no {spec['file']}; "
+        f"reinstall it with: {spec['install']}"
+    )
+
+
 def _referenced_files(preset_path: Path, preset: Mapping[str, Any]) -> dict[str, Path]:
     tok = preset["tokenizer"]
     refs = {"corpus": tok["corpus"]}
@@ -242,7 +308,7 @@ def _referenced_files(preset_path: Path, preset: Mapping[str, Any]) -> dict[str,
 def preset_hash(preset_path: Path) -> str:
     """Hash of the preset JSON, the files it references, and FORMAT_VERSION."""
     preset = load_preset(preset_path)
-    refs = _referenced_files(preset_path, preset)
+    refs = {} if "gguf" in preset else _referenced_files(preset_path, preset)
     digest = hashlib.sha256()
     digest.update(f"jaxserve-preset-v{FORMAT_VERSION}\n".encode())
     digest.update(preset_path.read_bytes())
@@ -269,6 +335,10 @@ def materialize_preset(
     if not _NAME_RE.match(name):
         raise PresetError(f"preset {preset_path}: bad name {name!r}")
     root = Path(cache).expanduser() if cache is not None else cache_dir()
+    if "gguf" in data:
+        from jaxserve.models.gguf_folder import gguf_model_folder
+
+        return gguf_model_folder(packaged_gguf(preset_path, data), root)
     presets_root = root / "presets"
     target = presets_root / f"{name}-{preset_hash(preset_path)}"
     if all((target / f).is_file() for f in _MODEL_FILES):

@@ -1,12 +1,18 @@
 """Load a Hugging Face Llama-family checkpoint folder into ``LlamaForCausalLM``.
 
-Reads ``config.json`` and either ``model.safetensors`` or a sharded
-``model.safetensors.index.json``. HF tensors are mapped into the per-layer,
+Reads ``config.json`` and either ``model.safetensors``, a sharded
+``model.safetensors.index.json``, or (a folder without safetensors) the one
+``*.gguf`` file it holds, read through
+:class:`jaxserve.models.gguf_file.GGUFCheckpoint` under the same Hugging Face
+tensor names (``jaxserve.presets.resolve_model`` makes such a folder for a
+``.gguf`` path). HF tensors are mapped into the per-layer,
 fused parameters of ``jaxserve.models.llama`` (Linear weights kept ``[out,
 in]`` as HF stores them; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
 model is built abstractly (``nnx.eval_shape``, no random init) and filled
 one parameter at a time on the host, so peak host memory is about one
-fused parameter on top of the open files.
+fused parameter on top of the open files. Every parameter's value is made
+by :func:`param_value` from its source tensors (one place to change how a
+parameter is built, e.g. to keep quantized blocks).
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ class _TensorSource:
             weight_map = None
         else:
             raise ModelLoadError(
-                f"no weights in {folder}: expected {SINGLE_FILE} or {INDEX_FILE} (sharded safetensors)"
+                f"no weights in {folder}: expected {SINGLE_FILE}, {INDEX_FILE} (sharded safetensors) "
+                "or one .gguf file"
             )
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
@@ -123,6 +130,23 @@ class _TensorSource:
         return np.asarray(arr)
 
 
+def open_tensor_source(folder: str) -> Any:
+    """The folder's safetensors, else its one ``*.gguf`` file (a
+    :class:`GGUFCheckpoint`, which answers the same calls)."""
+    if not os.path.isfile(os.path.join(folder, SINGLE_FILE)) and not os.path.isfile(
+        os.path.join(folder, INDEX_FILE)
+    ):
+        from pathlib import Path
+
+        from jaxserve.models.gguf_file import GGUFCheckpoint
+        from jaxserve.models.gguf_folder import single_gguf_in
+
+        gguf_path = single_gguf_in(Path(folder))
+        if gguf_path is not None:
+            return GGUFCheckpoint(gguf_path)
+    return _TensorSource(folder)
+
+
 def _checkpoint_dtype(src: _TensorSource, name: str) -> jnp.dtype:
     d = src.dtype_name(name).upper()
     if d == "BF16":
@@ -138,7 +162,7 @@ def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
         raise ModelLoadError(f"model folder not found: {folder}")
     config = ModelConfig.from_folder(folder)
     want = _resolve_dtype(dtype)
-    src = _TensorSource(folder)
+    src = open_tensor_source(folder)
     try:
         embed_name = "model.embed_tokens.weight"
         if embed_name not in src:
@@ -153,12 +177,31 @@ def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
     return LoadedModel(config=config, model=model, folder=folder)
 
 
+Part = tuple[str, tuple[int, ...], slice]
+
+
+def param_value(
+    src: Any, shape: tuple[int, ...], parts: list[Part], np_dtype: np.dtype
+) -> np.ndarray:
+    """The host value of one parameter of ``shape``: each part is (HF tensor
+    name, its HF shape, the rows of the parameter it fills); q/k/v and
+    gate/up are fused by filling their rows of one array."""
+    if len(parts) == 1 and parts[0][2] == slice(None):
+        name, hf_shape, _ = parts[0]
+        return src.get(name, hf_shape).astype(np_dtype, copy=False)
+    out = np.empty(shape, np_dtype)
+    for name, hf_shape, rows in parts:
+        out[rows] = src.get(name, hf_shape).astype(np_dtype, copy=False)
+    return out
+
+
 def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype) -> None:
     E, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qs, kvs = H * D, KVH * D
 
-    def put(param: nnx.Param, arr: np.ndarray) -> None:
+    def put(param: nnx.Param, shape: tuple[int, ...], parts: list[Part]) -> None:
+        arr = param_value(src, shape, parts, np_dtype)
         assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
         param.set_value(jnp.asarray(arr))
 
@@ -170,17 +213,14 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
             param = getattr(layer, name)
             if param is None:
                 return
-            out = np.empty(shape, np_dtype)
-            for tmpl, hf_shape, rows in parts:
-                out[rows] = src.get(tmpl.format(i=i), hf_shape).astype(np_dtype, copy=False)
-            put(param, out)
+            put(param, shape, [(tmpl.format(i=i), hf_shape, rows) for tmpl, hf_shape, rows in parts])
 
     pre = "model.layers.{i}."
     a = slice(None)
-    put(model.embed, src.get("model.embed_tokens.weight", (V, E)).astype(np_dtype, copy=False))
-    put(model.norm, src.get("model.norm.weight", (E,)).astype(np_dtype, copy=False))
+    put(model.embed, (V, E), [("model.embed_tokens.weight", (V, E), a)])
+    put(model.norm, (E,), [("model.norm.weight", (E,), a)])
     if model.lm_head is not None:
-        put(model.lm_head, src.get("lm_head.weight", (V, E)).astype(np_dtype, copy=False))
+        put(model.lm_head, (V, E), [("lm_head.weight", (V, E), a)])
 
     fused("input_norm", (E,), [(pre + "input_layernorm.weight", (E,), a)])
     fused("post_norm", (E,), [(pre + "post_attention_layernorm.weight", (E,), a)])
