@@ -28,6 +28,13 @@ Numerics: weights in ``dtype`` (float32 or bfloat16); matmuls in that dtype
 with float32 accumulation; RMSNorm, RoPE, softmax and the residual stream in
 float32. The returned hidden state is float32.
 
+Quantized weights (``--quantization``, ``jaxserve.models.quant``): any linear
+weight, the embedding and ``lm_head`` may hold a ``QuantizedWeight`` instead
+of an array; ``_mm`` and the vocabulary projection dispatch on the type (the
+C++ kernels where they serve, ``quant.matmul`` otherwise) and the embedding
+lookup gathers quantized rows and dequantizes them. ``dtype`` stays the
+float type of the norms, the activations and the KV cache.
+
 Two static attributes, set by the engine before it splits the model, choose
 how a layer attends: ``attention`` (``jaxserve.kernels.backends.AttentionImpl``:
 the pure-JAX reference by default, or a shipped Pallas kernel over the
@@ -50,6 +57,7 @@ from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, TP_AXIS, write_and_attend
 from jaxserve.kernels.kv_cache import KVCache
+from jaxserve.models import quant
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 from jaxserve.models.sharding import split_fused
@@ -70,7 +78,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
 def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
     accumulation; float32 result. With ``cpu_kernel``, the C++ kernels take
-    the float32 shapes where they pay (:func:`_cpu_matmul`)."""
+    the float32 shapes where they pay (:func:`_cpu_matmul`). A quantized
+    ``w`` goes to the quantized kernels (:func:`_quantized_mm`)."""
+    if quant.is_quantized(w):
+        return _quantized_mm(w, x, cpu_kernel)
     kernel = _cpu_matmul(w, x) if cpu_kernel else None
     if kernel is not None:
         return kernel(w, x)
@@ -86,6 +97,22 @@ def _cpu_matmul(w: jax.Array, x: jax.Array):
     if cpu_kernels.matmul_pays(w, x):
         return cpu_kernels.matmul_cpu
     return None
+
+
+def _quantized_mm(w: quant.QuantizedWeight, x: jax.Array, cpu_kernel: bool) -> jax.Array:
+    """``dequantize(w) @ x`` with per-token int8 activations: the C++ kernel
+    (``qmatmul_cpu.cc``) on the CPU kernels' path, ``quant.matmul`` (pure
+    JAX: GPU, TPU, ``JAXSERVE_CPU_KERNEL=0``) otherwise; the same integer
+    dots either way."""
+    if cpu_kernel and cpu_kernels.qmatmul_serves(w, x):
+        return cpu_kernels.qmatmul_cpu(w, x)
+    return quant.matmul(w, x.astype(jnp.float32))
+
+
+def _value(p: nnx.Param):
+    """A parameter's array, or its ``QuantizedWeight``."""
+    v = p.get_value()
+    return v if quant.is_quantized(v) else p[...]
 
 
 def _add_bias(x: jax.Array, b: jax.Array | None) -> jax.Array:
@@ -137,7 +164,7 @@ class LlamaDecoderLayer(nnx.Module):
         out = {}
         for n in names:
             p = getattr(self, n)
-            out[n] = None if p is None else p[...]
+            out[n] = None if p is None else _value(p)
         return out
 
 
@@ -206,7 +233,11 @@ class LlamaForCausalLM(nnx.Module):
 
         positions = positions.astype(jnp.int32)
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
-        h = jnp.take(self.embed[...], input_ids, axis=0).astype(jnp.float32).T  # [E, T]
+        embed = _value(self.embed)
+        if quant.is_quantized(embed):
+            h = quant.embed(embed, input_ids).T  # [E, T]: the rows gathered quantized, then dequantized
+        else:
+            h = jnp.take(embed, input_ids, axis=0).astype(jnp.float32).T  # [E, T]
 
         def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, tokens] -> [tokens, n, D]
             return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
@@ -224,7 +255,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            if cpu_dense and _cpu_matmul(w["wqkv"], x) is None:
+            if cpu_dense and not quant.is_quantized(w["wqkv"]) and _cpu_matmul(w["wqkv"], x) is None:
                 # XLA's matmul here; it would transpose feature-major keys and
                 # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
                 # tokens), while a second dot leaves them token-major for free
@@ -285,13 +316,16 @@ class LlamaForCausalLM(nnx.Module):
         h = jax.lax.optimization_barrier(rms_norm(h, self.norm[...], eps, axis=0).T)
         return h, kv_cache.replace(k=k_layers, v=v_layers)
 
-    def output_embedding(self) -> jax.Array:
-        """The ``[vocab, hidden]`` matrix of the vocabulary projection."""
-        return self.embed[...] if self.lm_head is None else self.lm_head[...]
+    def output_embedding(self) -> jax.Array | quant.QuantizedWeight:
+        """The ``[vocab, hidden]`` matrix of the vocabulary projection (a
+        ``QuantizedWeight`` in a quantized model)."""
+        return _value(self.embed) if self.lm_head is None else _value(self.lm_head)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden_size]``."""
         w = self.output_embedding()
+        if quant.is_quantized(w):
+            return _mm(w, hidden.T, cpu_kernel=self._cpu_kernels()).T
         return jnp.einsum("ne,ve->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
     def compute_logits_t(self, hidden: jax.Array) -> jax.Array:

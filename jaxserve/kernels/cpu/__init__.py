@@ -47,7 +47,7 @@ log = structlog.get_logger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "matvec_cpu.cc", "vocab_argmax_cpu.cc")
+    for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "matvec_cpu.cc", "vocab_argmax_cpu.cc", "qmatmul_cpu.cc")
 )
 #: included by the sources; part of the library's cache key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("run_on_pool.h", "vec16.h"))
@@ -62,6 +62,12 @@ TARGET_MATVEC = "jaxserve_matvec_cpu"
 SYMBOL_MATVEC = "JaxserveMatvecCpu"
 TARGET_ARGMAX = "jaxserve_vocab_argmax_cpu"
 SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
+#: quantized weights (``jaxserve.models.quant``; ``qmatmul_cpu.cc``)
+TARGET_QMATMUL = "jaxserve_qmatmul_cpu"
+SYMBOL_QMATMUL = "JaxserveQmatmulCpu"
+#: extra compiler flags (space-separated), appended to FLAGS and part of the
+#: cache key: tests build the portable loops with ``-mno-avx512vnni``
+EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
 #: :func:`matmul_cpu` takes token counts that are a multiple of this
 MATMUL_TOKEN_MULTIPLE = 16
 #: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
@@ -86,6 +92,10 @@ DISABLE_ENV = "JAXSERVE_CPU_KERNEL"
 # the sums inside one (token, head) pair; the order is still fixed per pair.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC")
 
+
+def _flags() -> tuple[str, ...]:
+    return (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -101,7 +111,7 @@ def _library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, jaxlib.__version__, *FLAGS)).encode())
+    digest.update(" ".join((compiler, jaxlib.__version__, *_flags())).encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
@@ -109,7 +119,7 @@ def _build(compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
-        cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(out)]
+        cmd = [compiler, *_flags(), "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -134,7 +144,8 @@ def available() -> bool:
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 targets = ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL),
-                           (TARGET_MATVEC, SYMBOL_MATVEC), (TARGET_ARGMAX, SYMBOL_ARGMAX))  # fmt: skip
+                           (TARGET_MATVEC, SYMBOL_MATVEC), (TARGET_ARGMAX, SYMBOL_ARGMAX),
+                           (TARGET_QMATMUL, SYMBOL_QMATMUL))  # fmt: skip
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 ok = True
@@ -285,6 +296,38 @@ def matvec_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET_MATVEC, jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32))(w, x)
 
 
+_QUANT_KINDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+def qmatmul_serves(w, x: jax.Array) -> bool:
+    """Whether :func:`qmatmul_cpu` computes ``w @ x`` for a
+    ``jaxserve.models.quant.QuantizedWeight`` ``w``: any token count, one
+    device's weight (availability is :func:`available`)."""
+    return (
+        getattr(w, "kind", None) in _QUANT_KINDS and x.ndim == 2 and x.shape[0] == w.shape[1]
+        and x.shape[1] >= 1 and jnp.issubdtype(x.dtype, jnp.floating)
+    )  # fmt: skip
+
+
+def qmatmul_cpu(w, x: jax.Array) -> jax.Array:
+    """``dequantize(w) @ x`` for a ``QuantizedWeight`` ``[O, I]`` and
+    feature-major float inputs ``[I, T]``, float32 ``[O, T]``, from the C++
+    kernel (``qmatmul_cpu.cc``): the activations quantized per token and
+    block of 32 to int8, integer dots per block, as
+    ``jaxserve.models.quant.matmul`` computes them. Call :func:`available`
+    first."""
+    if not qmatmul_serves(w, x):
+        raise ValueError(
+            f"qmatmul_cpu takes a quantized [O, I] weight @ float [I, T], not "
+            f"{getattr(w, 'kind', type(w).__name__)}{list(getattr(w, 'shape', ()))} @ {x.dtype.name}{list(x.shape)}"
+        )
+    mins = w.scale if w.min is None else w.min
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_QMATMUL, out)(
+        w.q, w.scale, mins, x.astype(jnp.float32), kind=np.int32(_QUANT_KINDS[w.kind])
+    )
+
+
 def vocab_argmax_serves(logits_t: jax.Array) -> bool:
     """Whether :func:`vocab_argmax_cpu` takes these logits: float32 ``[V, R]``,
     ``V, R >= 1`` (availability is :func:`available`)."""
@@ -305,5 +348,5 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
 
 __all__ = [
     "available", "matmul_cpu", "matmul_pays", "matvec_cpu", "matvec_pays", "paged_attention_cpu",
-    "paged_attention_cpu_fm", "unsupported", "vocab_argmax_cpu", "vocab_argmax_serves",
+    "paged_attention_cpu_fm", "qmatmul_cpu", "qmatmul_serves", "unsupported", "vocab_argmax_cpu", "vocab_argmax_serves",
 ]  # fmt: skip
