@@ -152,3 +152,60 @@ def test_metrics_server_port_taken_later_is_translated_too():
     finally:
         first.shutdown()
         first.server_close()
+
+
+# ------------------------------------------------------------ producer side
+def test_batch_on_a_prefix_with_no_queues(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('{"prompt": "hello"}\n')
+    proc = jaxserve(tmp_path, "batch", "docs.jsonl", "-o", "out.jsonl", "--no-progress", "--prefix", "ops-noqueues",
+                    "--amqp-url", AMQP_URL)  # fmt: skip
+    assert_one_line_error(proc, "no queue 'ops-noqueues.batch'", "is a worker running")
+
+
+def test_batch_csv_without_a_template_says_how_to_build_prompts(tmp_path):
+    (tmp_path / "docs.csv").write_text("doc_id,text\n1,Liverpool won 2-0.\n2,Rates rose.\n")
+    proc = jaxserve(tmp_path, "batch", "docs.csv", "-o", "out.jsonl", "--amqp-url", AMQP_URL)
+    assert_one_line_error(proc, "no 'prompt' or 'messages' column", "--template", "{{ text }}")
+    assert not (tmp_path / "out.jsonl").exists()  # nothing ran: no file of failed rows
+
+
+def test_submit_that_gets_no_result_in_time_says_why(tmp_path):
+    """Queues declared, nobody consuming: the timeout names the key and
+    where to look instead of a bare "Error: "."""
+    import asyncio
+
+    import aio_pika
+
+    from jaxserve.wire.topology import Topology, declare_topology, delete_topology
+
+    topo = Topology(prefix="ops-noconsumer")
+
+    async def declare(fn):
+        conn = await aio_pika.connect(AMQP_URL)
+        try:
+            await fn(conn, topo)
+        finally:
+            await conn.close()
+
+    asyncio.run(declare(declare_topology))
+    try:
+        proc = jaxserve(tmp_path, "submit", "--prefix", topo.prefix, "--timeout", "1", "--key", "k-late", "hello",
+                        "--amqp-url", AMQP_URL)  # fmt: skip
+    finally:
+        asyncio.run(declare(delete_topology))
+    assert_one_line_error(proc, "no result for 'k-late' within 1s", "ops-noconsumer", "jaxserve status")
+
+
+def test_generate_chat_on_a_model_without_a_chat_template(tmp_path):
+    import shutil
+
+    from jaxserve.presets import resolve_model
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(resolve_model("tiny"), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not (folder / "chat_template.jinja").exists()
+    proc = jaxserve(tmp_path, "generate", "--model", str(folder), "--chat", "--max-tokens", "2", "hi")
+    assert_one_line_error(proc, "no chat template")

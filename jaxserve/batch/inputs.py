@@ -122,6 +122,13 @@ def read_items(path: str | Path, opts: InputOptions) -> tuple[str, list[BatchIte
             items.append(BatchItem(lineno, f"line-{lineno}", f"{batch_id}:line-{lineno}", None, None, ("invalid_request", f"line {lineno}: {err}"), named=False))
             continue
         assert rec is not None
+        if template is None and path.suffix.lower() in (".csv", ".parquet") and not ({"prompt", "messages"} & rec.keys()):
+            # every row would fail the same way: say so once, with the fix
+            example = next((k for k in ("text", "document", "content", "body") if k in rec), next(iter(rec), "text"))
+            raise InputError(
+                f"{path.name} has the columns {sorted(rec)} but no 'prompt' or 'messages' column: pass --template "
+                f"to build each prompt from a row's fields, e.g. --template 'Topic of: {{{{ {example} }}}}'"
+            )
         try:
             custom_id, body, endpoint = _interpret(rec, raw, opts, template)
         except _LineError as exc:

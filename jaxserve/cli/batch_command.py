@@ -82,8 +82,13 @@ def batch(
         amqp_url=amqp_url, prefix=prefix, queue=queue, max_in_flight=max_in_flight, idle_timeout=idle_timeout,
         progress=progress, out_format=out_format, served_model_name=served_model_name,
     )  # fmt: skip
+    from jaxserve.client import QueueError
+
     with broker_errors(amqp_url, mute=False):
-        summary = run_batch(items, output_path, settings)
+        try:
+            summary = run_batch(items, output_path, settings)
+        except QueueError as exc:  # no queue under --prefix (no worker ever declared it)
+            raise click.ClickException(str(exc)) from None
     click.echo(f"batch summary: {json.dumps(summary.as_dict())}", err=True)
     if summary.exit_status:
         sys.exit(summary.exit_status)

@@ -41,7 +41,8 @@ def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, ch
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )
     if chat:
-        prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        with user_errors():  # a model without a chat template: one line, not a traceback
+            prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     (out,) = llm.generate([prompt], params)
     if out.error is not None:
         raise click.ClickException(f"{out.error.code}: {out.error.message}")

@@ -331,6 +331,12 @@ class AsyncClient:
             fut = self._futures[key] = asyncio.get_running_loop().create_future()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            # asyncio's own TimeoutError has no message: the CLI printed "Error: "
+            raise TimeoutError(
+                f"no result for {key!r} within {timeout:g}s: is a worker consuming prefix {self.topo.prefix!r}? "
+                "(`jaxserve status` shows each queue's consumers)"
+            ) from None
         finally:
             if fut.done():
                 self._futures.pop(key, None)
