@@ -45,6 +45,7 @@ from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner, SeqWork
 from jaxserve.engine.sampler import sampler_seed
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.structured import Constraint, StructuredBackend
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -139,6 +140,11 @@ class Engine:
             cache_dtype=cache_dtype,
         )
         self._states: dict[str, OutputState] = {}
+        # Structured output: the grammars (compiled once per distinct
+        # constraint) and each constrained request's matcher.
+        self.structured = StructuredBackend(folder / "tokenizer.json", cfg.vocab_size, self.eos_token_ids)
+        self._constraints: dict[str, Constraint] = {}
+        self._top: dict[str, list[tuple[int, float]]] = {}  # top_logprobs of collected, unprocessed tokens
         # Label scoring (add_score_request): groups by their public id, and
         # each member request's group (the parent has the public id itself).
         self._groups: dict[str, _ScoreGroup] = {}
@@ -244,6 +250,7 @@ class Engine:
             raise RequestError("invalid_request", f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(31))
+        constraint = None if params.structured is None else self.structured.start(params.structured)
         request = Request(
             request_id,
             prompt_ids,
@@ -260,6 +267,8 @@ class Engine:
         self.scheduler.add_request(request)
         self._requests[request_id] = request
         self._states[request_id] = state
+        if constraint is not None:
+            self._constraints[request_id] = constraint
         self._metrics[request_id] = {"arrival": time.monotonic()}
 
     def add_score_request(
@@ -423,6 +432,8 @@ class Engine:
         self._metrics.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._suspects.pop(request_id, None)
+        self._constraints.pop(request_id, None)
+        self._top.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -749,6 +760,7 @@ class Engine:
         sampling = [s.request_id for s in plan.scheduled if s.sample]
         self._fault_point("fetch", [s.request_id for s in plan.scheduled])
         sampled, sampled_logprobs = _by_request(sampling, *result.fetch())
+        self._keep_top(sampling, result.fetch_top())
         scores = result.fetch_scores()
         finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
         self._record_scores(plan, scores)
@@ -784,7 +796,15 @@ class Engine:
                 self._fault_point("process", [request_id])
                 metrics = self._metrics[request_id]
                 metrics.setdefault("first_token", now)
-                verdict = state.add_token(token, sampled_logprobs[request_id] if state.params.logprobs else None)
+                constraint = self._constraints.get(request_id)
+                if constraint is not None and constraint.error is not None:
+                    outputs.append(self._fail_structured(request_id, state, constraint.error))
+                    continue
+                verdict = state.add_token(
+                    token,
+                    sampled_logprobs[request_id] if state.params.logprobs else None,
+                    self._top.pop(request_id, None),
+                )
                 finish = verdict.finish_reason
                 if finish is None and request_id in finished_by_length:
                     finish = "length"  # max_model_len reached before max_tokens
@@ -818,6 +838,7 @@ class Engine:
             out.text = state.text
             out.token_ids = list(state.token_ids)
             out.logprobs = list(state.logprobs) if state.params.logprobs else None
+            out.top_logprobs = list(state.top_logprobs) if state.params.logprobs and state.params.top_logprobs else None
             self._forget(request_id)
         return out
 
@@ -865,11 +886,48 @@ class Engine:
             "frequency_penalty": p.frequency_penalty,
             "presence_penalty": p.presence_penalty,
             "logprobs": p.logprobs,
+            "top_logprobs": p.top_logprobs if p.logprobs else 0,
         }
+        constraint = self._constraints.get(req.request_id)
+        if constraint is not None:
+            row["mask"] = constraint.fill_mask(req.output_token_ids)
         if p.has_penalties:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
+
+
+    def _keep_top(self, request_ids: list[str], top) -> None:
+        """Hold the ``top_logprobs`` alternatives of collected tokens until
+        ``_process_tokens`` gives them to the request's output state."""
+        if top is None:
+            return
+        values, ids = top
+        for row, request_id in enumerate(request_ids):
+            state = self._states.get(request_id)
+            n = state.params.top_logprobs if state is not None and state.params.logprobs else 0
+            if n:
+                self._top[request_id] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+
+    def _fail_structured(self, request_id: str, state: OutputState, message: str) -> RequestOutput:
+        """End a request whose grammar failed mid-generation (that request
+        alone; not retryable: the same grammar fails the same way)."""
+        log.warning("engine.structured_failed", request_id=request_id, error=message)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+        metrics = self._metrics.get(request_id, {})
+        self._forget(request_id)
+        metrics["finished"] = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=state.num_prompt_tokens,
+            completion_tokens=len(state.token_ids),
+            error=RequestError("internal", message, retryable=False),
+            metrics=metrics,
+        )
 
 
 def _place_model(model, args: EngineArgs, cache_dtype):

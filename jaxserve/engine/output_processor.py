@@ -50,12 +50,16 @@ class OutputState:
         self.emitted = 0
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        #: per completion token, its most likely alternatives (``SamplingParams.top_logprobs``)
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: FinishReason | None = None
         #: tokens given to ``add_token`` (stop ids included): how many of the
         #: request's sampled tokens have been delivered
         self.num_tokens_seen = 0
 
-    def add_token(self, token_id: int, logprob: float | None = None) -> TokenVerdict:
+    def add_token(
+        self, token_id: int, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> TokenVerdict:
         if self.finish_reason is not None:
             raise RuntimeError(f"token {token_id} arrived after the request finished ({self.finish_reason})")
         self.num_tokens_seen += 1
@@ -66,6 +70,8 @@ class OutputState:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(float(logprob))
+        if top is not None:
+            self.top_logprobs.append(top)
         before = len(self.text)
         self.text += self.detok.push(token_id)
         if len(self.token_ids) >= self.params.max_tokens:

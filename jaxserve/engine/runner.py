@@ -39,7 +39,9 @@ import structlog
 from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
-from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
+from jaxserve.engine.sampler import (
+    SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, mask_words, sample_with_top,
+)  # fmt: skip
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
@@ -90,6 +92,17 @@ class StepResult:
     #: score rows' log-probabilities, in work order (see ``SeqWork.score_targets``)
     scores: Any = None
     num_scores: int = 0
+    #: the sampling program's top-20 log-probabilities and ids (``[S, 20]``),
+    #: when some row asked for ``top_logprobs``
+    top_logprobs: Any = None
+    top_ids: Any = None
+
+    def fetch_top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Each sampled row's 20 most likely tokens: ``(logprobs, ids)``, or
+        None when no row asked for them."""
+        if self.top_logprobs is None:
+            return None
+        return np.asarray(self.top_logprobs)[: self.num_sampled], np.asarray(self.top_ids)[: self.num_sampled]
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
         tokens = np.asarray(self.tokens)[: self.num_sampled]
@@ -141,6 +154,9 @@ class ModelRunner:
         self._replicated = (
             None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )
+        #: int32 words of a row's structured-output token mask (``sampler.apply_token_mask``)
+        self.num_mask_words = mask_words(model.config.vocab_size)
+        self._no_mask: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.graphdef, self.state = nnx.split(model)
         self.kv_cache = KVCache.create(
             num_layers=num_layers,
@@ -257,7 +273,7 @@ class ModelRunner:
 
     def _sample_fn(self, state, hidden, tensors):
         num_rows = tensors.temperature.shape[0]
-        return sample(logits_fn(self.graphdef, state, hidden[:num_rows]), tensors)
+        return sample_with_top(logits_fn(self.graphdef, state, hidden[:num_rows]), tensors)
 
     def _abstract_meta(self, num_tokens: int) -> AttentionMetadata:
         i32 = jnp.int32
@@ -281,6 +297,9 @@ class ModelRunner:
             frequency_penalty=vec(f32), presence_penalty=vec(f32),
             history=jax.ShapeDtypeStruct((num_seqs, self.max_model_len), i32),
             num_prompt=vec(i32),
+            token_mask=jax.ShapeDtypeStruct((num_seqs, self.num_mask_words), i32),
+            masked=vec(jnp.bool_),
+            top_logprobs=vec(i32),
         )
 
     def warmup(self) -> None:
@@ -463,17 +482,23 @@ class ModelRunner:
             zeros = np.zeros(len(sampling_rows), np.float32)
             return StepResult(tokens=fwd_tokens, logprobs=zeros, num_sampled=len(sampling_rows), feedable=True)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
+        top = {}
         if greedy:
             tokens, logprobs = self._greedy[s_bucket, with_logprobs](self.state, hidden)
         else:
             tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
-            tokens, logprobs = self._sample[s_bucket](self.state, hidden, tensors)
+            tokens, logprobs, top_values, top_ids = self._sample[s_bucket](self.state, hidden, tensors)
+            if any(r.get("top_logprobs") for r in sampling_rows):
+                top_values.copy_to_host_async()
+                top_ids.copy_to_host_async()
+                top = {"top_logprobs": top_values, "top_ids": top_ids}
         # Start the device-to-host copy now; fetch() then only waits for it.
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepResult(
-            tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows), scores=scores, num_scores=len(score_rows)
-        )
+            tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows), scores=scores, num_scores=len(score_rows),
+            **top,
+        )  # fmt: skip
 
     def _block_major_plan(
         self, block_tables: np.ndarray, rows: int, counts: np.ndarray
@@ -504,10 +529,24 @@ class ModelRunner:
         return owner, index, np.asarray(major)
 
     def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
+        if any(r.get("mask") is not None for r in rows):
+            arrays = self._history_arrays(rows, s_bucket, self.num_mask_words)
+        else:
+            # No constrained row: one device array of -1 per bucket stands for
+            # the masks (never read: every ``masked`` flag is off).
+            arrays = self._history_arrays(rows, s_bucket, 1)
+            if s_bucket not in self._no_mask:
+                self._no_mask[s_bucket] = jax.device_put(
+                    np.full((s_bucket, self.num_mask_words), -1, np.int32), self._replicated
+                )
+            arrays["token_mask"] = self._no_mask[s_bucket]
+        return arrays
+
+    def _history_arrays(self, rows: list[dict], s_bucket: int, num_mask_words: int) -> dict:
         needs_history = any(r.get("history") is not None for r in rows)
         if needs_history:
-            return host_sampling_tensors(rows, s_bucket, self.max_model_len)
-        arrays = host_sampling_tensors(rows, s_bucket, 0)
+            return host_sampling_tensors(rows, s_bucket, self.max_model_len, num_mask_words)
+        arrays = host_sampling_tensors(rows, s_bucket, 0, num_mask_words)
         # Without penalties the history is never read: reuse one device array
         # of -1 per bucket instead of shipping [S, max_model_len] every step.
         if s_bucket not in self._no_history:
@@ -519,5 +558,10 @@ class ModelRunner:
 
 
 def _is_plain_greedy(row: dict) -> bool:
-    # A row carries a ``history`` exactly when a penalty is active.
-    return row["temperature"] == 0 and row.get("history") is None
+    # A row carries a ``history`` exactly when a penalty is active; a
+    # constrained row (``mask``) or one reporting alternatives
+    # (``top_logprobs``) needs the sampling program.
+    return (
+        row["temperature"] == 0 and row.get("history") is None and row.get("mask") is None
+        and not row.get("top_logprobs")
+    )  # fmt: skip

@@ -12,6 +12,15 @@ batch, or at which row the request sits, cannot change its tokens.
 The expensive parts (a full-vocabulary sort for top-k/top-p, the penalty
 scatter) sit under ``lax.cond`` and run only when some row needs them: a
 greedy batch costs one max and one min over the vocabulary (see ``argmax``).
+
+Structured output (``jaxserve.engine.structured``): a constrained row comes
+with a bitmask of its allowed tokens (``token_mask``, int32 words, bit ``v %
+32`` of word ``v // 32`` for token ``v``, llguidance's layout) and its
+``masked`` flag; disallowed tokens become ``_NEG_INF`` after the penalties
+and before temperature, filtering and the draw. The mask is an array
+argument like every other knob, so one compiled program serves any mix,
+and it is applied under ``lax.cond``: a batch with no constrained row skips
+it, and a row whose flag is off keeps its logits bit for bit.
 """
 
 from __future__ import annotations
@@ -47,6 +56,18 @@ class SamplingTensors:
     presence_penalty: jax.Array  # f32 [S]
     history: jax.Array  # i32 [S, H]
     num_prompt: jax.Array  # i32 [S]
+    token_mask: jax.Array  # i32 [S, W]: allowed-token bits of constrained rows (W = ceil(vocab / 32))
+    masked: jax.Array  # bool [S]: the row is constrained (its token_mask applies)
+    top_logprobs: jax.Array  # i32 [S]: how many most likely tokens to report (0-20)
+
+
+#: most alternatives a row may ask for (OpenAI's ``top_logprobs`` limit)
+MAX_TOP_LOGPROBS = 20
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask."""
+    return -(-int(vocab_size) // 32)
 
 
 def argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
@@ -75,6 +96,41 @@ def chosen_logprobs(logits: jax.Array, tokens: jax.Array, axis: int = -1) -> jax
     lse = jnp.log(jnp.sum(jnp.exp(logits - best), axis=axis)) + jnp.squeeze(best, axis)
     chosen = jnp.take_along_axis(logits, jnp.expand_dims(tokens, axis), axis=axis)
     return jnp.squeeze(chosen, axis) - lse
+
+
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array, masked: jax.Array) -> jax.Array:
+    """Disallowed tokens of the ``masked`` rows become ``_NEG_INF``; other
+    rows are returned unchanged. ``token_mask`` is ``[S, W]`` int32 words
+    (bit ``v % 32`` of word ``v // 32`` allows token ``v``); tokens past
+    ``32 * W`` are disallowed."""
+    num_rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (token_mask[:, :, None] >> shifts[None, None, :]) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_rows, -1) != 0
+    width = allowed.shape[1]
+    if width >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - width)))
+    return jnp.where(masked[:, None] & ~allowed, _NEG_INF, logits)
+
+
+def top_logprobs(raw_logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """The ``MAX_TOP_LOGPROBS`` most likely tokens of every row under the raw
+    distribution: ``(logprobs f32[S, 20], ids i32[S, 20])``, most likely
+    first. Computed only when some row asks (``lax.cond``; zeros otherwise);
+    the host keeps each row's first ``top_logprobs`` entries."""
+    num_rows, vocab = raw_logits.shape
+    k = min(MAX_TOP_LOGPROBS, vocab)
+
+    def compute(x):
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), k)
+        return values, ids.astype(jnp.int32)
+
+    def skip(x):
+        return jnp.zeros((num_rows, k), jnp.float32), jnp.zeros((num_rows, k), jnp.int32)
+
+    return jax.lax.cond(jnp.any(t.top_logprobs > 0), compute, skip, raw_logits)
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -145,14 +201,31 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     """Pick one token per row; returns ``(token_ids i32[S], logprobs f32[S])``.
 
     The log-probability is that of the chosen token under the model's raw
-    distribution (before penalties and temperature), as vLLM reports it.
+    distribution (before penalties, token mask and temperature), as vLLM
+    reports it.
     """
+    tokens, logprobs, _ = _sample(logits, t)
+    return tokens, logprobs
+
+
+def sample_with_top(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``sample`` plus ``top_logprobs``: ``(token_ids, logprobs, top values,
+    top ids)``."""
+    tokens, logprobs, raw_logits = _sample(logits, t)
+    values, ids = top_logprobs(raw_logits, t)
+    return tokens, logprobs, values, ids
+
+
+def _sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array]:
     logits = logits.astype(jnp.float32)
     raw_logits = logits
     needs_penalty = jnp.any(
         (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
     )
     logits = jax.lax.cond(needs_penalty, _apply_penalties, lambda x, _: x, logits, t)
+    logits = jax.lax.cond(
+        jnp.any(t.masked), lambda x: apply_token_mask(x, t.token_mask, t.masked), lambda x: x, logits
+    )
     needs_sampling = jnp.any(t.temperature > 0)
     tokens = jax.lax.cond(
         needs_sampling,
@@ -161,7 +234,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
         logits,
         t,
     )
-    return tokens, chosen_logprobs(raw_logits, tokens)
+    return tokens, chosen_logprobs(raw_logits, tokens), raw_logits
 
 
 _U32 = 0xFFFFFFFF
@@ -196,14 +269,17 @@ def host_sampling_tensors(
     rows: list[dict],
     num_rows: int,
     history_len: int,
+    num_mask_words: int = 1,
 ) -> dict[str, np.ndarray]:
     """Build the numpy arrays of a :class:`SamplingTensors` for ``num_rows``.
 
     ``rows`` has one dict per real sequence with keys ``temperature``,
     ``top_k``, ``top_p``, ``min_p``, ``seed``, ``output_index``,
     ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` and,
-    when a penalty is active, ``history`` (list of ids) and ``num_prompt``.
-    Padding rows are greedy with neutral penalties.
+    when a penalty is active, ``history`` (list of ids) and ``num_prompt``;
+    optionally ``top_logprobs`` (int) and, for a constrained row, ``mask``
+    (int32 ``[num_mask_words]``). Padding rows are greedy with neutral
+    penalties and no mask.
     """
     out = {
         "temperature": np.zeros(num_rows, np.float32),
@@ -217,8 +293,16 @@ def host_sampling_tensors(
         "presence_penalty": np.zeros(num_rows, np.float32),
         "history": np.full((num_rows, history_len), -1, np.int32),
         "num_prompt": np.zeros(num_rows, np.int32),
+        "token_mask": np.full((num_rows, num_mask_words), -1, np.int32),
+        "masked": np.zeros(num_rows, np.bool_),
+        "top_logprobs": np.zeros(num_rows, np.int32),
     }
     for i, row in enumerate(rows):
+        out["top_logprobs"][i] = row.get("top_logprobs", 0)
+        mask = row.get("mask")
+        if mask is not None:
+            out["token_mask"][i] = mask
+            out["masked"][i] = True
         for name in (
             "temperature", "top_k", "top_p", "min_p", "seed", "output_index",
             "repetition_penalty", "frequency_penalty", "presence_penalty",

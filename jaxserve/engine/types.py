@@ -78,6 +78,35 @@ class EngineBroken(RuntimeError):
     recognise it without loading the engine."""
 
 
+#: kinds of structured output (``StructuredOutput.kind``)
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced token by token
+    (``jaxserve.engine.structured``).
+
+    ``kind`` is one of :data:`STRUCTURED_KINDS`; ``value`` is the JSON
+    Schema as canonical JSON text (``json_schema``), ``""`` (``json_object``:
+    any JSON object), a regular expression (``regex``), the candidate strings
+    (``choice``) or a Lark grammar (``grammar``). Plain, hashable values: the
+    engine caches one compiled grammar per distinct constraint.
+    """
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise RequestError("invalid_request", f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if self.kind == "choice":
+            if not isinstance(self.value, tuple) or not self.value or not all(isinstance(c, str) and c for c in self.value):
+                raise RequestError("invalid_request", f"guided_choice must be a non-empty list of non-empty strings, got {self.value!r}")
+        elif not isinstance(self.value, str):
+            raise RequestError("invalid_request", f"structured output {self.kind} needs a string, got {self.value!r}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request generation settings (OpenAI names and meanings).
@@ -101,6 +130,11 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    #: how many most likely alternatives to report per token (0-20, OpenAI's);
+    #: with ``logprobs``
+    top_logprobs: int = 0
+    #: constrain the output (JSON Schema, regex, choice, grammar); None: free text
+    structured: StructuredOutput | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -174,6 +208,13 @@ class SamplingParams:
         for name in ("logprobs", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        integer("top_logprobs", 0, 20)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise bad(f"structured must be a StructuredOutput, got {self.structured!r}")
+            self.structured.validate()
+            if self.ignore_eos:
+                raise bad("ignore_eos cannot be combined with structured output (the grammar ends with EOS)")
 
 
 def _is_int(value: object) -> bool:
@@ -201,6 +242,9 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[float] | None = None
+    #: per completion token, its ``top_logprobs`` most likely alternatives as
+    #: ``(token id, logprob)``, most likely first (``SamplingParams.top_logprobs``)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     #: label scoring (``Engine.add_score_request``): each label's summed token
     #: log-probabilities, in the labels' order
     label_logprobs: list[float] | None = None
