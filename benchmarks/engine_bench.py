@@ -1,5 +1,5 @@
 """Set-up shared by the benchmarks that drive a ``ModelRunner`` directly
-(``trace_step.py``, ``last_layer_ab.py``, ``cpu_matmul_ab.py``) or time
+(``trace_step.py``, ``cpu_matmul_ab.py``, ``matmul_kernel_ab.py``) or time
 compiled programs against each other (``attention_kernel_ab.py``)."""
 
 from __future__ import annotations

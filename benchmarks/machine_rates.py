@@ -1,14 +1,19 @@
-"""Measure this machine's float32 matmul rate and memory bandwidth.
+"""Measure this machine's float32 and int8 matmul rates and memory bandwidth.
 
-The offline throughput benchmark divides what jaxserve achieves by these
+Every benchmark scenario (``benchmarks/suite.py``) records these beside its
 figures: a batched decode is bound by matmul rate, a one-sequence decode by
-how fast the weights stream from memory.
+how fast the weights stream from memory, and an int8 kernel by the int8
+rate (AVX-512 VNNI does four multiply-adds per 32-bit lane and instruction).
 
     .venv/bin/python benchmarks/machine_rates.py [--json]
 
 Matmul: square float32 products (numpy and a jitted JAX ``jnp.dot``), median
 of several runs per size, GFLOP/s = 2 n^3 / seconds. The best size's median
 is reported as the machine's rate.
+
+int8: ``int8_gemm_probe.cc`` (built here with ``g++ -O3 -march=native
+-fopenmp``; a plain VNNI GEMM, see its header) and XLA's ``s8 x s8 -> s32``
+dot, GOP/s = 2 n^3 / seconds; the better is the reference.
 
 Bandwidth: a numpy copy of a 512 MiB float32 array (read + write, counted as
 2 x bytes) and a numpy sum (read only), median GB/s; a JAX copy too. Arrays
@@ -18,11 +23,22 @@ far exceed the last-level cache, so this is DRAM bandwidth.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+
+PROBE_SRC = Path(__file__).resolve().parent / "int8_gemm_probe.cc"
+#: the CPU features a figure's reader needs to judge it (SIMD width, int8
+#: dot products, bf16, AMX)
+FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
+                     "amx_tile", "amx_int8", "amx_bf16")
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -60,6 +76,47 @@ def jax_matmul(sizes, repeats):
         b = jax.random.normal(key_b, (n, n), jnp.float32)
         seconds = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
         out[n] = 2 * n**3 / seconds / 1e9
+    return out
+
+
+def jax_int8_matmul(sizes, repeats):
+    import jax
+    import jax.numpy as jnp
+
+    dot = jax.jit(lambda a, b: jax.lax.dot(a, b, preferred_element_type=jnp.int32))
+    out = {}
+    for n in sizes:
+        a = jnp.ones((n, n), jnp.int8)
+        b = jnp.ones((n, n), jnp.int8)
+        seconds = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+        out[n] = 2 * n**3 / seconds / 1e9
+    return out
+
+
+def _probe_binary() -> Path | None:
+    """``int8_gemm_probe.cc`` compiled for this CPU (cached by source hash)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        return None
+    digest = hashlib.sha256(PROBE_SRC.read_bytes()).hexdigest()[:12]
+    exe = Path(tempfile.gettempdir()) / f"jaxserve-int8-gemm-probe-{digest}"
+    if not exe.exists():
+        build = subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", str(PROBE_SRC), "-o", str(exe)],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            return None
+    return exe
+
+
+def cpp_int8_matmul(sizes, repeats):
+    exe = _probe_binary()
+    out = {}
+    if exe is None:
+        return out
+    for n in sizes:
+        line = subprocess.run([str(exe), str(n), str(repeats)], capture_output=True, text=True).stdout.split()
+        if len(line) >= 5:
+            out[n] = float(line[4])
     return out
 
 
@@ -104,13 +161,16 @@ def jax_bandwidth(mib, repeats):
 def measure(sizes=(1024, 1536, 2048), repeats=7, bandwidth_mib=512) -> dict:
     np_mm = numpy_matmul(sizes, repeats)
     jax_mm = jax_matmul(sizes, repeats)
+    i8_cpp = cpp_int8_matmul(sizes, repeats)
+    i8_jax = jax_int8_matmul(sizes, repeats)
     np_bw = numpy_bandwidth(bandwidth_mib, repeats)
     jax_bw = jax_bandwidth(bandwidth_mib, repeats)
     return {
-        "machine": {
-            "cpu": _cpu_model(),
-            "logical_cpus": os.cpu_count(),
-            "platform": platform.platform(),
+        "machine": machine_facts(),
+        "int8_gop_s": {
+            "cpp_vnni": {str(n): round(v, 1) for n, v in i8_cpp.items()},
+            "jax": {str(n): round(v, 1) for n, v in i8_jax.items()},
+            "best": round(max([*i8_cpp.values(), *i8_jax.values()]), 1),
         },
         "matmul_gflop_s": {
             "numpy": {str(n): round(v, 1) for n, v in np_mm.items()},
@@ -124,6 +184,32 @@ def measure(sizes=(1024, 1536, 2048), repeats=7, bandwidth_mib=512) -> dict:
             "best_read": round(max(np_bw["read_gb_s"], jax_bw["read_gb_s"]), 2),
             "best_copy": round(max(np_bw["copy_gb_s"], jax_bw["copy_gb_s"]), 2),
         },
+    }
+
+
+def machine_facts() -> dict:
+    """CPU model, the flags of interest, logical and physical cores, memory."""
+    flags: set[str] = set()
+    physical: set[tuple[str, str]] = set()
+    phys_id = "0"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("physical id"):
+                phys_id = line.split(":", 1)[1].strip()
+            elif line.startswith("core id"):
+                physical.add((phys_id, line.split(":", 1)[1].strip()))
+    except OSError:
+        pass
+    return {
+        "cpu": _cpu_model(),
+        "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "physical_cores": len(physical) or None,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
     }
 
 
@@ -143,8 +229,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 1536, 2048])
     parser.add_argument("--bandwidth-mib", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeats, args.bandwidth_mib = [512], 3, 128
     result = measure(tuple(args.sizes), args.repeats, args.bandwidth_mib)
     if args.json:
         print(json.dumps(result))

@@ -445,7 +445,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
-    from offline_throughput import make_prompts
+    from bench.scenarios.offline import make_prompts
 
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.types import SamplingParams
@@ -461,7 +461,7 @@ def main() -> None:
     startup = time.perf_counter() - t0
     prompts = make_prompts(folder, n, args.input_len)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    from offline_throughput import git_state
+    from bench.machine import git_state
 
     result = {
         "git": git_state(),

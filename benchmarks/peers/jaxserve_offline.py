@@ -1,7 +1,7 @@
 """jaxserve offline throughput with the model kept loaded between timed runs.
 
     .venv/bin/python benchmarks/peers/jaxserve_offline.py \
-        --model FOLDER --prompts prompts.json --output-len 128 [--serve]
+        --model FOLDER --prompts prompts.json --output-len 128 [--quantization int8] [--serve]
 
 The same engine, settings and warm-up as ``jaxserve bench offline``
 (``LLM(model, max_num_seqs=min(prompts, 256), max_model_len=max(input +
@@ -9,8 +9,7 @@ output, 64), enable_prefix_caching=False)``, one 16-token warm-up request),
 on the driver's prompts, which are the ones the CLI draws itself (same
 recipe and seed). The CLI builds a fresh engine per run; this script exists
 so the driver can interleave jaxserve's timed runs tightly with the other
-systems' (``--serve``, see ``common.py``). The driver also runs the CLI
-itself, as a cross-check.
+systems' (``--serve``, see ``common.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from common import load_prompts, peer_arguments, serve_or_once
 
 def main() -> None:
     parser = peer_arguments(__doc__.splitlines()[0], warmup_tokens=False)
+    parser.add_argument("--quantization", default=None, help="int8 or int4 (weight-only, as the CLI's --quantization)")
     args = parser.parse_args()
 
     prompts, input_len = load_prompts(args.prompts)
@@ -39,6 +39,7 @@ def main() -> None:
         max_num_seqs=min(num_prompts, 256),
         max_model_len=max(input_len + args.output_len, 64),
         enable_prefix_caching=False,
+        **({"quantization": args.quantization} if args.quantization else {}),
     )
     llm.generate([prompts[0][: min(16, input_len)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     startup_s = time.perf_counter() - started
@@ -64,6 +65,7 @@ def main() -> None:
             "block_size": llm.engine.scheduler_config.block_size,
             "num_blocks": llm.engine.num_blocks,
             "enable_prefix_caching": False,
+            "quantization": args.quantization,
         },
         "first_output_ids": first,
     }

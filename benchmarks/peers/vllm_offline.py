@@ -6,7 +6,7 @@ Run with the vLLM virtual environment's Python, not jaxserve's:
         --model FOLDER --prompts prompts.json --output-len 128
 
 ``prompts.json`` is a JSON list of token-id lists (the driver,
-``benchmarks/offline_throughput.py``, writes it). Greedy decoding, exactly
+``benchmarks/bench/scenarios/offline.py``, writes it). Greedy decoding, exactly
 ``--output-len`` new tokens per prompt (EOS ignored), prefix caching off (the
 warm-up runs the same prompts, and a cache hit would skip the timed run's
 prefill). One warm-up ``generate`` of every prompt for a few tokens, then the

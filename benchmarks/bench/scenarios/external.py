@@ -1,0 +1,107 @@
+"""accuracy and quant-quality: scripts of their own, their headline figures in the table.
+
+Quality is not a speed: nothing alternates, the figures are computed once.
+
+- ``accuracy``: ``benchmarks/classify_accuracy.py`` (labelled documents in
+  ``benchmarks/data/``: accuracy per scoring method, confusion matrix, and
+  jaxserve's label log-likelihoods against transformers');
+- ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 against f32:
+  greedy agreement, largest logprob difference, perplexity).
+
+The contract with those scripts: the suite runs ``SCRIPT --json-out FILE``
+(plus ``--script-arg`` values) when the script's ``--help`` names
+``--json-out``, else ``SCRIPT`` alone and reads the newest JSON file it wrote
+under ``benchmarks/results/`` (a name starting with the script's stem, dashes
+or underscores). From that JSON it takes ``headline``: a list of
+``{"what", "value", "unit", "label"?, "goal"?, "goal_value"?,
+"higher_is_better"?}``, or a mapping of name to number; failing that, the
+numbers of ``summary``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..record import RESULTS, Figure, Stat
+
+BENCH = Path(__file__).resolve().parents[2]
+
+
+def headline_figures(data: dict[str, Any], source: str) -> list[Figure]:
+    head = data.get("headline")
+    items: list[dict[str, Any]] = []
+    if isinstance(head, list):
+        items = [h for h in head if isinstance(h, dict) and isinstance(h.get("value"), (int, float))]
+    elif isinstance(head, dict):
+        items = [{"what": k, "value": v} for k, v in head.items() if isinstance(v, (int, float))]
+    elif isinstance(data.get("summary"), dict):
+        items = [{"what": k, "value": v} for k, v in data["summary"].items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    out = []
+    for h in items:
+        higher = bool(h.get("higher_is_better", True))
+        goal_value = h.get("goal_value")
+        out.append(Figure(str(h["what"]), Stat(str(h.get("label", source)), str(h.get("unit", "")), [float(h["value"])]),
+                          goal=h.get("goal"), goal_value=float(goal_value) if goal_value is not None else None,
+                          higher_is_better=higher))
+    return out
+
+
+def _newest_output(stem: str, since: float) -> Path | None:
+    pattern = re.compile(rf"^{re.escape(stem).replace('_', '[-_]')}", re.I)
+    found = [p for p in RESULTS.rglob("*.json") if pattern.match(p.name) and p.stat().st_mtime >= since]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def run_script(script: Path, extra: list[str], ctx: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    if not script.is_file():
+        raise SystemExit(f"{script} does not exist yet")
+    helptext = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True).stdout
+    out = ctx.tmp / f"{script.stem}.json"
+    cmd = [sys.executable, str(script), *extra]
+    if "--json-out" in helptext:
+        cmd += ["--json-out", str(out)]
+    since = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH.parent)
+    path = out if out.exists() else _newest_output(script.stem, since)
+    run = {"command": " ".join(cmd), "returncode": proc.returncode, "stdout_tail": proc.stdout[-3000:],
+           "stderr_tail": proc.stderr[-3000:], "output": str(path) if path else None}
+    if proc.returncode != 0 or path is None:
+        raise SystemExit(f"{script.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(path.read_text()), run
+
+
+class ExternalScenario:
+    """One of the two quality scenarios (module-like: the suite reads these attributes)."""
+
+    DEFAULT_ROUNDS = 1
+    DEFAULT_WARMUP_ROUNDS = 0
+
+    def __init__(self, name: str, script: str, description: str) -> None:
+        self.NAME, self.script, self.DESCRIPTION = name, BENCH / script, description
+        self.COMMAND = f".venv/bin/python benchmarks/suite.py run {name}"
+        self.__doc__ = f"{name}: {description}\n\n" + (__doc__ or "")
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--script-arg", action="append", default=[],
+                       help=f"an argument passed on to {self.script.name} (repeatable)")
+
+    def run(self, args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
+        data, run = run_script(self.script, list(args.script_arg), ctx)
+        figs = headline_figures(data, self.script.stem.replace("_", " "))
+        return figs, [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}], \
+            {"script": str(self.script.relative_to(BENCH.parent)), "script_args": args.script_arg,
+             "script_result": data.get("headline") or data.get("summary")}
+
+
+ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
+                            "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M")
+QUANT_QUALITY = ExternalScenario("quant-quality", "quant_quality.py",
+                                 "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity")

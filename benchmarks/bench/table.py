@@ -1,0 +1,100 @@
+"""BENCHMARKS.md's current table, regenerated from the newest result of each scenario.
+
+The table sits between two markers at the top of BENCHMARKS.md (as
+RELIABILITY.md's table, written by ``benchmarks/faults.py``); everything
+outside the markers is left alone. Scenarios with no result yet get one row
+saying so, with the command that produces it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from . import machine as machine_mod
+from .record import Figure, Result, latest_results
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "BENCHMARKS.md"
+BEGIN = "<!-- benchmarks-table:begin (written by benchmarks/suite.py table; edit the scenarios, not this table) -->"
+END = "<!-- benchmarks-table:end -->"
+HEADER = "| what | figure | peer | ratio | spread (min-max over rounds) | machine | commit | command |"
+
+
+def num(v: float | None) -> str:
+    """Three significant figures, no exponent for everyday sizes."""
+    if v is None:
+        return "–"
+    a = abs(v)
+    if a >= 100:
+        return f"{v:,.0f}"
+    if a >= 10:
+        return f"{v:.1f}"
+    if a >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _goal_cell(f: Figure) -> str:
+    if f.goal is None:
+        return ""
+    met = f.met
+    return f" (goal {f.goal}: {'met' if met else 'not met' if met is False else 'no data'})"
+
+
+def row(f: Figure, res: Result, path: Path) -> str:
+    s = f.system
+    figure = f"{s.label} **{num(s.median)} {s.unit}**"
+    peer = f"{f.peer.label} {num(f.peer.median)} {f.peer.unit}" if f.peer else "–"
+    if f.peer is not None:
+        ratio = f"**{num(f.ratio)}x**{_goal_cell(f)}"
+    else:
+        ratio = f"–{_goal_cell(f)}"
+    parts = []
+    if f.ratio_runs:
+        parts.append(f"ratio {num(min(f.ratio_runs))}-{num(max(f.ratio_runs))}x")
+    for st in (s, f.peer):
+        if st is not None and st.spread is not None:
+            lo, hi = st.spread
+            swing = f", max/min {st.max_over_min:.2f}" if st.max_over_min else ""
+            parts.append(f"{st.label} {num(lo)}-{num(hi)}{swing}")
+    rule = f.spread_rule
+    if rule is not None:
+        parts.append("swing no wider than the peer's" if rule else "**swing wider than the peer's**")
+    parts.append(f"{len(s.runs)} rounds")
+    commit = f"{res.git.get('commit')}{' (dirty)' if res.git.get('jaxserve_dirty') else ''}"
+    note = f" {f.note}" if f.note else ""
+    cells = [f.what + note, figure, peer, ratio, "; ".join(parts), machine_mod.short(res.machine),
+             f"{commit}, {res.date_utc[:10]}, [result](benchmarks/results/{path.name})", f"`{res.command}`"]
+    return "| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |"
+
+
+def render(scenarios: Iterable[tuple[str, str, str]], results_dir: Path | None = None) -> str:
+    """``scenarios``: (name, description, command) of every scenario, in table order."""
+    latest = latest_results(results_dir) if results_dir else latest_results()
+    lines = [HEADER, "|---|---|---|---|---|---|---|---|"]
+    for name, description, command in scenarios:
+        if name not in latest:
+            lines.append(f"| {description} | not run yet | – | – | – | – | – | `{command}` |")
+            continue
+        path, res = latest[name]
+        if not res.figures:
+            lines.append(f"| {description} | no figures (see the result) | – | – | – | {machine_mod.short(res.machine)} | "
+                         f"[result](benchmarks/results/{path.name}) | `{res.command}` |")
+        for f in res.figures:
+            lines.append(row(f, res, path))
+    return "\n".join(lines)
+
+
+def write(table: str, doc: Path = DOC) -> None:
+    """Replace what is between the markers (add them after the title if absent)."""
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    block = f"{BEGIN}\n\n{table}\n\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + block + tail
+    else:
+        lines = text.splitlines(keepends=True)
+        text = "".join(lines[:1]) + "\n" + block + "\n" + "".join(lines[1:])
+    doc.write_text(text)
