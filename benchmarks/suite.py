@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
                     figures=figures, runs=runs, smoke=args.smoke)
     path = result.write()
     print(f"wrote {path}", file=sys.stderr)
-    rows = table.render([(scenario.NAME, scenario.DESCRIPTION, scenario.COMMAND)], path.parent)
-    print(rows)
+    print("\n".join([table.HEADER, "|---|---|---|---|---|---|---|---|", *table.result_rows(result, path)]))
     if not args.smoke and not args.no_doc:
         write_table()
         print(f"table in {table.DOC} regenerated", file=sys.stderr)

@@ -28,3 +28,10 @@ def require_hf_folder(path: str | Path = HF_FOLDER) -> Path:
     if not (p / "config.json").is_file():
         raise SystemExit(f"{p}: no config.json; run .venv/bin/python benchmarks/peers/prepare_smollm2.py")
     return p
+
+
+def label(model: str) -> str:
+    """How a table row names the model a system served."""
+    if model in (PRESET, str(HF_FOLDER)) or Path(model).resolve() == HF_FOLDER.resolve():
+        return "SmolLM2-135M"
+    return Path(model).name or model

@@ -69,6 +69,14 @@ def row(f: Figure, res: Result, path: Path) -> str:
     return "| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |"
 
 
+def result_rows(res: Result, path: Path) -> list[str]:
+    """The rows of one result (what ``suite.py run`` prints, smoke runs included)."""
+    if not res.figures:
+        return [f"| {res.scenario}: no figures (see the result) | – | – | – | – | {machine_mod.short(res.machine)} | "
+                f"[result](benchmarks/results/{path.name}) | `{res.command}` |"]
+    return [row(f, res, path) for f in res.figures]
+
+
 def render(scenarios: Iterable[tuple[str, str, str]], results_dir: Path | None = None) -> str:
     """``scenarios``: (name, description, command) of every scenario, in table order."""
     latest = latest_results(results_dir) if results_dir else latest_results()
@@ -78,11 +86,7 @@ def render(scenarios: Iterable[tuple[str, str, str]], results_dir: Path | None =
             lines.append(f"| {description} | not run yet | – | – | – | – | – | `{command}` |")
             continue
         path, res = latest[name]
-        if not res.figures:
-            lines.append(f"| {description} | no figures (see the result) | – | – | – | {machine_mod.short(res.machine)} | "
-                         f"[result](benchmarks/results/{path.name}) | `{res.command}` |")
-        for f in res.figures:
-            lines.append(row(f, res, path))
+        lines += result_rows(res, path)
     return "\n".join(lines)
 
 

@@ -92,10 +92,10 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
     records = rounds.alternate(cs, ctx.rounds, ctx.warmup_rounds, tag={"num_docs": args.num_docs})
     figs = []
     if "jaxserve-labels" in args.systems and "llmq" in args.systems:
-        figs.append(rounds.figure(records, f"{args.num_docs} classification jobs through the queue, SmolLM2-135M",
+        figs.append(rounds.figure(records, f"{args.num_docs} classification jobs through the queue, {models.label(args.model)}",
                                   "jaxserve-labels", "llmq", "jobs/s", labels=LABELS, goal=">= 1.5x", goal_ratio=1.5))
     else:
         for name in args.systems:
-            figs.append(rounds.figure(records, f"{args.num_docs} classification jobs, SmolLM2-135M", name, None,
+            figs.append(rounds.figure(records, f"{args.num_docs} classification jobs, {models.label(args.model)}", name, None,
                                       "jobs/s", labels=LABELS))
     return figs, records, dict(vars(args))

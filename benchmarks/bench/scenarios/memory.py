@@ -97,9 +97,9 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
         if kind == "f32" or "f32" not in args.systems:
             continue
         goal = {"goal": "<= 0.4x", "goal_ratio": 0.4} if kind == "int8" else {}
-        figs.append(rounds.figure(records, "resident memory of a worker serving SmolLM2-135M (worker + engine process)",
+        figs.append(rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)} (worker + engine process)",
                                   kind, "f32", "MiB", labels=LABELS, higher_is_better=False, **goal))
     if not figs:
-        figs = [rounds.figure(records, "resident memory of a worker serving SmolLM2-135M", k, None, "MiB", labels=LABELS)
+        figs = [rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)}", k, None, "MiB", labels=LABELS)
                 for k in args.systems]
     return figs, records, dict(vars(args))

@@ -83,17 +83,18 @@ class TtftContender:
         pass
 
 
-def figures(records: list[dict[str, Any]], systems: list[str]) -> list[Figure]:
+def figures(records: list[dict[str, Any]], systems: list[str], model: str) -> list[Figure]:
     out = []
+    depth = min((r["summary"]["min_batch_depth_at_loaded_publish"] for r in records if r.get("ok")), default=0)
     for kind in systems:
         rows = sorted((r for r in records if r["system"] == kind and not r["warmup"] and r.get("ok")),
                       key=lambda r: r["round"])
         loaded = Stat(f"{LABELS[kind]} loaded", "ms", [r["value"] for r in rows])
         idle = Stat(f"{LABELS[kind]} idle", "ms", [r["idle_ms"] for r in rows])
         ratios = [round(r["value"] / r["idle_ms"], 3) for r in rows if r["idle_ms"]]
-        what = "interactive TTFT p50 on SmolLM2-135M, 300+ queued batch jobs vs idle"
+        what = f"interactive TTFT p50 on {model}, {depth}+ queued batch jobs vs idle"
         out.append(Figure(what, loaded, idle, ratios, goal="<= 1.5x", goal_ratio=1.5, higher_is_better=False))
-        out.append(Figure("interactive TTFT p50 under 300+ queued batch jobs, SmolLM2-135M",
+        out.append(Figure(f"interactive TTFT p50 under {depth}+ queued batch jobs, {model}",
                           Stat(f"{LABELS[kind]} loaded", "ms", list(loaded.runs)), goal="< 300 ms", goal_value=300.0,
                           higher_is_better=False))
     return out
@@ -102,4 +103,4 @@ def figures(records: list[dict[str, Any]], systems: list[str]) -> list[Figure]:
 def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
     cs = [TtftContender(kind, args, ctx) for kind in args.systems]
     records = rounds.alternate(cs, ctx.rounds, ctx.warmup_rounds)
-    return figures(records, args.systems), records, dict(vars(args))
+    return figures(records, args.systems, models.label(args.model)), records, dict(vars(args))
