@@ -25,11 +25,13 @@ def bench() -> None:
               help="Default: the number of prompts (at most 256).")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
+@click.option("--quantization", type=click.Choice(["int8", "int4"]), default=None,
+              help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Devices to shard the model over (must divide its kv heads).")
-def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_batched_tokens, dtype, seed,
+def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_batched_tokens, dtype, quantization, seed,
             as_json, tensor_parallel_size) -> None:
     """Run NUM_PROMPTS prompts of INPUT_LEN random token ids to exactly
     OUTPUT_LEN new tokens each (EOS ignored, greedy), after a warm-up, and
@@ -45,6 +47,7 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
         llm = LLM(
             model,
             dtype=None if dtype == "auto" else dtype,
+            quantization=quantization,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max(input_len + output_len, 64),
@@ -79,6 +82,7 @@ def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_bat
         "num_blocks": llm.engine.num_blocks,
         "tensor_parallel_size": tensor_parallel_size,
         "attention": llm.engine.attention.kernel,
+        "quantization": quantization,
     }
     if as_json:
         click.echo(orjson.dumps(result).decode())

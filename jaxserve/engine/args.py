@@ -21,6 +21,11 @@ class EngineArgs:
 
     - ``model``: checkpoint folder or preset name (``tiny``).
     - ``dtype``: ``float32``/``bfloat16``; ``None`` keeps the checkpoint's.
+    - ``quantization``: ``"int8"`` or ``"int4"`` stores every linear weight,
+      the embedding and the vocabulary projection in blocks of 32 with a
+      float16 scale (int4: and a min), quantized tensor by tensor at load
+      (``jaxserve.models.quant``); a GGUF file's Q8_0/Q4_0/Q4_1 tensors are
+      taken as they are. ``None``: float weights. One device only.
     - ``max_model_len``: prompt + output tokens per request; default the
       model's ``max_position_embeddings`` capped at 4096.
     - ``kv_cache_memory``: bytes for the KV cache, or
@@ -75,6 +80,7 @@ class EngineArgs:
 
     model: str = "tiny"
     dtype: Literal["float32", "bfloat16"] | None = None
+    quantization: Literal["int8", "int4"] | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
@@ -107,6 +113,13 @@ class EngineArgs:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        from jaxserve.models.quant import check_quantization
+
+        check_quantization(self.quantization)
+        if self.quantization is not None and size > 1:
+            raise ValueError(
+                f"quantization={self.quantization!r} serves one device; tensor_parallel_size={size} is not supported with it"
+            )
 
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         limit = self.max_model_len or min(max_position_embeddings, 4096)

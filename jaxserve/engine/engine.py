@@ -86,7 +86,7 @@ class Engine:
         folder = Path(resolve_model(args.model))
         self.model_path = folder
         self.model_name = args.served_model_name or args.model
-        loaded = load_model(folder, dtype=args.dtype)
+        loaded = load_model(folder, dtype=args.dtype, quantization=args.quantization)
         cfg = loaded.config
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_folder(folder)
@@ -96,7 +96,7 @@ class Engine:
         self.interactive_reserved_seqs = args.interactive_reserved_seqs
         params = jax.tree.leaves(loaded.model)
         weight_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in params if hasattr(p, "dtype"))
-        cache_dtype = params[0].dtype if params else jnp.float32
+        cache_dtype = loaded.model.dtype  # (not a leaf's: a quantized embedding's are int8 and float16)
         self.attention, self.mesh = _place_model(loaded.model, args, cache_dtype)
         self.num_blocks = args.resolve_num_blocks(
             num_layers=cfg.num_hidden_layers,

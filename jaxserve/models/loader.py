@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.models import quant
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.llama import LlamaForCausalLM
@@ -154,9 +155,11 @@ def _checkpoint_dtype(src: _TensorSource, name: str) -> jnp.dtype:
     return jnp.dtype(jnp.float32)
 
 
-def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
+def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str | None = None) -> LoadedModel:
     """Load ``folder`` (config.json + safetensors). ``dtype`` None keeps the
-    checkpoint's float32/bfloat16 (anything else becomes float32)."""
+    checkpoint's float32/bfloat16 (anything else becomes float32; float32
+    with ``quantization``). ``quantization`` (``int8``/``int4``): every
+    matrix quantized as it is read (``jaxserve.models.quant.load_param``)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise ModelLoadError(f"model folder not found: {folder}")
@@ -168,10 +171,10 @@ def load_model(folder: str | os.PathLike, dtype: Any = None) -> LoadedModel:
         if embed_name not in src:
             raise ModelLoadError(f"missing tensor {embed_name} in checkpoint")
         if want is None:
-            want = _checkpoint_dtype(src, embed_name)
+            want = jnp.dtype(jnp.float32) if quantization else _checkpoint_dtype(src, embed_name)
         np_dtype = np.dtype(want)  # ml_dtypes bfloat16 or float32
         model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=want, rngs=nnx.Rngs(0)))
-        _fill(model, config, src, np_dtype)
+        _fill(model, config, src, np_dtype, quant.QUANTIZATIONS[quant.check_quantization(quantization)] if quantization else None)
     finally:
         src.close()
     return LoadedModel(config=config, model=model, folder=folder)
@@ -195,12 +198,15 @@ def param_value(
     return out
 
 
-def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype) -> None:
+def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype, qkind: str | None = None) -> None:
     E, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qs, kvs = H * D, KVH * D
 
     def put(param: nnx.Param, shape: tuple[int, ...], parts: list[Part]) -> None:
+        if qkind is not None and len(shape) == 2:  # a matrix, quantized as it is read
+            param.set_value(quant.load_param(src, parts, qkind))
+            return
         arr = param_value(src, shape, parts, np_dtype)
         assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
         param.set_value(jnp.asarray(arr))

@@ -184,6 +184,30 @@ def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> 
     return QuantizedWeight(q, d, m, kind)
 
 
+def load_param(src: Any, parts: list[tuple[str, tuple[int, ...], Any]], kind: str) -> QuantizedWeight:
+    """One ``[O, I]`` parameter, quantized, from a checkpoint's tensors
+    (``jaxserve.models.loader``'s parts: HF name, HF shape, the parameter
+    rows it fills, in row order). GGUF tensors already in Q8_0, Q4_0 or
+    Q4_1 blocks are taken as they are whatever ``kind`` asks (the file's
+    quantization was chosen for it; a fused parameter concatenates its
+    parts' rows); any other tensor is read as float and quantized to
+    ``kind``, one parameter at a time. JAX arrays as leaves."""
+    raw = getattr(src, "raw_blocks", None)
+    if raw is not None and all(src.dtype_name(name) in GGUF_KINDS for name, _, _ in parts):
+        pieces = [from_gguf_blocks(src.dtype_name(name), raw(name).blocks, shape) for name, shape, _ in parts]
+        if len({p.kind for p in pieces}) == 1:
+            if len(pieces) == 1:
+                return to_device(pieces[0])
+            cat = [np.concatenate([getattr(p, f) for p in pieces]) for f in ("q", "scale")]
+            mins = None if pieces[0].min is None else np.concatenate([p.min for p in pieces])
+            return to_device(QuantizedWeight(cat[0], cat[1], mins, pieces[0].kind))
+    rows = sum(shape[0] for _, shape, _ in parts)
+    arr = np.empty((rows, parts[0][1][1]), np.float32)
+    for name, shape, where in parts:
+        arr[where] = src.get(name, shape)
+    return to_device(quantize(arr, kind))
+
+
 def to_device(w: QuantizedWeight) -> QuantizedWeight:
     """The same weight with JAX arrays as leaves."""
     return jax.tree.map(jnp.asarray, w)
@@ -267,6 +291,6 @@ def reference_matmul(w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
 
 __all__ = [
     "GROUP", "KINDS", "QUANTIZATIONS", "QuantizedWeight", "check_quantization", "dequantize", "embed",
-    "from_gguf_blocks", "is_quantized", "matmul", "quantize", "quantize_activations", "reference_matmul",
+    "from_gguf_blocks", "is_quantized", "load_param", "matmul", "quantize", "quantize_activations", "reference_matmul",
     "to_device",
 ]  # fmt: skip
