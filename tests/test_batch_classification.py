@@ -51,8 +51,8 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
         openai_line("chat-1", "/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}),
         openai_line("emb-1", "/v1/embeddings", {"model": "echo", "input": "x"}),
         openai_line("wrong-model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}),
-        openai_line("fmt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}),
-        openai_line("lp", "/v1/completions", {"prompt": "x", "logprobs": 2}),
+        openai_line("fmt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+        openai_line("lp", "/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}),
         openai_line("too-long", "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}),
         b"{this line is not json",
     ])  # fmt: skip
@@ -68,7 +68,7 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
     chat = ChatCompletion.model_validate(got["chat-1"]["response"]["body"])
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
     for cid, code, needle in [("emb-1", "invalid_request", "/v1/embeddings"), ("wrong-model", "unknown_model", "gpt-9"),
-                              ("fmt", "invalid_request", "response_format"), ("lp", "invalid_request", "logprobs"),
+                              ("fmt", "invalid_request", "tools"), ("lp", "invalid_request", "echo"),
                               ("too-long", "context_length_exceeded", "context length")]:  # fmt: skip
         assert got[cid]["response"] is None and got[cid]["error"]["code"] == code and needle in got[cid]["error"]["message"], got[cid]
         assert BatchError.model_validate(got[cid]["error"]).code == code  # openai's own type for a request's error

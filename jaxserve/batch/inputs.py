@@ -31,7 +31,8 @@ import orjson
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 # Body fields an OpenAI endpoint accepts that jaxserve cannot honour: refused
 # per request rather than silently ignored.
-_UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "logit_bias", "echo", "suffix", "best_of")
+# (logprobs, top_logprobs and response_format are honoured: the worker checks them.)
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "logit_bias", "echo", "suffix", "best_of")
 
 
 @dataclasses.dataclass
@@ -207,9 +208,8 @@ def _openai_line(rec: dict[str, Any], opts: InputOptions) -> tuple[str, dict[str
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, False):
             raise _LineError("invalid_request", f"body.{name} is not supported by jaxserve (got {body[name]!r})")
-    fmt = body.pop("response_format", None)
-    if fmt not in (None, {"type": "text"}):
-        raise _LineError("invalid_request", f"body.response_format {fmt!r} is not supported (only {{'type': 'text'}})")
+    if body.get("response_format") in (None, {"type": "text"}):
+        body.pop("response_format", None)  # free text: a default (--json-schema) may apply
     if endpoint == "chat" and "messages" not in body:
         raise _LineError("invalid_request", "a /v1/chat/completions body needs messages")
     if endpoint == "completions":

@@ -8,6 +8,13 @@ itself returns: a ``text_completion`` for ``/v1/completions`` or a
 failed request has ``response: null`` and ``error: {"code", "message"}``
 (jaxserve's error code and message).
 
+Structured output and logprobs: ``choices[].logprobs`` in the endpoint's
+shape (chat: ``{content: [...]}``; completions: ``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), and the parsed JSON
+of a JSON-constrained request as ``message.parsed`` (chat, as the openai
+SDK's parsed messages) or ``choices[].parsed`` (completions), next to the
+text.
+
 Label scoring: the chosen label is the choice's text (``message.content``
 for chat), ``finish_reason`` is ``"stop"``, and the body carries one more
 field, ``labels``: ``[{"label", "logprob", "prob"}]`` in the request's
@@ -20,6 +27,8 @@ import time
 import uuid
 from typing import Any
 
+from jaxserve.wire.outputs import completion_logprobs
+
 
 def _hex(n: int = 24) -> str:
     return uuid.uuid4().hex[:n]
@@ -31,11 +40,17 @@ def response_body(result: dict[str, Any], endpoint: str, model: str, created: in
     created = int(time.time()) if created is None else created
     text = result.get("text") or ""
     finish = result.get("finish_reason") or "stop"
+    logprobs = result.get("logprobs")
     if endpoint == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
+        if "parsed" in result:
+            choice["message"]["parsed"] = result["parsed"]
         body = {"id": f"chatcmpl-{_hex()}", "object": "chat.completion"}
     else:
-        choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        lp = None if logprobs is None else completion_logprobs(logprobs)
+        choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        if "parsed" in result:
+            choice["parsed"] = result["parsed"]
         body = {"id": f"cmpl-{_hex()}", "object": "text_completion"}
     body.update(
         created=created,

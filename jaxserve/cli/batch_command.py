@@ -20,6 +20,42 @@ def _labels(value: str | None) -> list[str] | None:
     return labels
 
 
+def _output_constraint(json_schema_path: str | None, choices: str | None, labels: list[str] | None) -> dict[str, Any]:
+    """The body fields ``--json-schema`` / ``--choices`` give every row that
+    sets no constraint of its own. The schema is checked here, once, so a
+    schema the grammar compiler refuses stops the run before any publish."""
+    if json_schema_path is None and choices is None:
+        return {}
+    if json_schema_path is not None and choices is not None:
+        raise click.BadParameter("give --json-schema or --choices, not both")
+    if labels is not None:
+        raise click.BadParameter("--labels scores labels; --json-schema / --choices constrain generated text: pick one")
+    if choices is not None:
+        options = [x.strip() for x in choices.split(",") if x.strip()]
+        if not options:
+            raise click.BadParameter(f"give at least one comma-separated choice, got {choices!r}")
+        return {"guided_choice": options}
+    from pathlib import Path
+
+    import llguidance
+
+    try:
+        schema = json.loads(Path(json_schema_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"{json_schema_path}: not a readable JSON file ({exc})", param_hint="--json-schema") from None
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{json_schema_path}: a JSON Schema is an object", param_hint="--json-schema")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except ValueError as exc:
+        error = str(exc)
+    if error and not error.startswith("WARNING"):
+        raise click.BadParameter(f"{json_schema_path}: the schema is refused: {error.strip()}", param_hint="--json-schema")
+    name = "".join(c if c.isalnum() or c in "_-" else "_" for c in Path(json_schema_path).stem)[:64] or "schema"
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}
+
+
 @click.command("batch")
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
@@ -44,12 +80,16 @@ def _labels(value: str | None) -> list[str] | None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for rows that set none.")
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None, help="Default temperature for rows that set none.")
 @click.option("--seed", type=int, default=None, help="Default seed for rows that set none.")
+@click.option("--json-schema", "json_schema_path", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Every row's output is JSON following this JSON Schema (enforced token by token); lines keep the parsed JSON next to the text.")
+@click.option("--choices", default=None, metavar="A,B,C", help="Every row's output is exactly one of these strings (constrained generation).")
 @click.option("--cache/--no-cache", default=True, show_default=True, help="Let the workers answer deterministic rows from their response cache.")
 def batch(
     input_path: str, output_path: str, amqp_url: str, prefix: str, queue: str, max_in_flight: int,
     idle_timeout: float, progress: bool, out_format: str, template: str | None, chat: bool,
     id_column: str | None, batch_id: str | None, labels: str | None, label_normalization: str | None,
     served_model_name: str | None, max_tokens: int | None, temperature: float | None, seed: int | None, cache: bool,
+    json_schema_path: str | None = None, choices: str | None = None,
 ) -> None:  # fmt: skip
     """Run every line or row of INPUT (.jsonl, .csv, .parquet) as a job and
     write one output line per request to OUT.
@@ -67,9 +107,11 @@ def batch(
         defaults["label_normalization"] = label_normalization
     if not cache:
         defaults["cache"] = False
+    label_list = _labels(labels)
+    defaults.update(_output_constraint(json_schema_path, choices, label_list))
     opts = InputOptions(
         template=template, chat=chat, id_column=id_column, batch_id=batch_id,
-        labels=_labels(labels), served_model_name=served_model_name, defaults=defaults,
+        labels=label_list, served_model_name=served_model_name, defaults=defaults,
     )  # fmt: skip
     try:
         _, items = read_items(input_path, opts)

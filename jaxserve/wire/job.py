@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxserve.engine.types import RequestError, SamplingParams
+from jaxserve.engine.types import RequestError, SamplingParams, StructuredOutput
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 16
@@ -53,6 +53,44 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] = Field(description="A string, or OpenAI content parts of type text.")
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="The JSON Schema the output follows (absent: any JSON object)."
+    )
+    strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced token by token.")
+
+
+class TextFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+#: body fields of OpenAI's APIs that jaxserve cannot honour, with the value
+#: that is harmless (absent, null or this value is accepted; anything else is
+#: invalid_request rather than silently dropped)
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": None,
+    "logit_bias": {}, "echo": False, "suffix": None, "best_of": 1, "audio": None, "modalities": ["text"],
+    "prediction": None, "web_search_options": None, "guided_json": None, "guided_decoding_backend": None,
+}  # fmt: skip
+#: at most this many most likely alternatives per token (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
+
+
 class JobBody(BaseModel):
     """The JSON body of a job (OpenAI completions / chat completions names)."""
 
@@ -66,7 +104,9 @@ class JobBody(BaseModel):
             "exchange. AMQP properties: message_id (required, the idempotency key), correlation_id (echoed on "
             "every reply), reply_to (default <prefix>.results; never one of the worker's own queues or exchanges), "
             "expiration (ms string), priority (0-255, higher first), content_type application/json. Field names "
-            "and meanings follow OpenAI's completions/chat completions API. Unknown fields are ignored.",
+            "and meanings follow OpenAI's completions/chat completions API. Unknown fields are ignored; fields of "
+            "OpenAI's API that jaxserve cannot honour (tools, tool_choice, functions, logit_bias, echo, suffix, "
+            "best_of > 1, n > 1, audio, ...) are invalid_request.",
             "oneOf": [
                 {"required": ["prompt"], "not": {"required": ["messages"]}},
                 {"required": ["messages"], "not": {"required": ["prompt"]}},
@@ -131,6 +171,28 @@ class JobBody(BaseModel):
     cache: bool | None = Field(
         default=None,
         description="false: never answer this job from the response cache (deterministic jobs are cached by default).",
+    )
+    response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")] | None = Field(
+        default=None,
+        description="OpenAI's: {type: text}, {type: json_object} (any JSON object) or {type: json_schema, "
+        "json_schema: {name, schema, strict}}; the output is constrained token by token to follow it.",
+    )
+    guided_regex: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="The output matches this regular expression (vLLM's name)."
+    )
+    guided_choice: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_LABELS * 4)] | None
+    ) = Field(default=None, description="The output is exactly one of these strings (vLLM's name).")
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="The output follows this Lark grammar (llguidance's Lark dialect)."
+    )
+    logprobs: bool | Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        default=None,
+        description="true: the result carries each completion token's log-probability (OpenAI's chat shape). An "
+        "integer n (OpenAI completions' form): the same with the n most likely alternatives per token.",
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        default=None, description="0-20 most likely alternatives per token; needs logprobs true."
     )
 
 
@@ -243,8 +305,10 @@ def fingerprint(body: JobBody, max_tokens: int) -> str:
         include={
             "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
             "frequency_penalty", "presence_penalty", "stop", "model", "labels", "label_normalization",
+            "response_format", "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
         },
         exclude_none=True,
+        by_alias=True,
     )  # fmt: skip
     fields["max_tokens"] = max_tokens
     if isinstance(fields.get("stop"), str):
@@ -304,6 +368,7 @@ def parse_job(
         raise _bad(f"body is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(data, dict):
         raise _bad(f"body must be a JSON object, got {type(data).__name__}")
+    _refuse_unsupported(data)
     try:
         job_body = JobBody.model_validate(data)
     except ValidationError as exc:
@@ -333,6 +398,8 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         seed = derive_seed(key)
     stop = body.stop or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    structured = _structured(body)
+    want_logprobs, top_logprobs = _logprobs(body)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -343,6 +410,9 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         stop=stop,
+        logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+        structured=structured,
     )
     params.validate()
     messages = None
@@ -370,6 +440,61 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         label_normalization=body.label_normalization or "sum",
         use_cache=body.cache is not False,
     )
+
+
+def _refuse_unsupported(data: dict[str, Any]) -> None:
+    """A field of OpenAI's API that jaxserve cannot honour is refused, never
+    dropped: the caller would otherwise get an answer to another question."""
+    for name, harmless in UNSUPPORTED_FIELDS.items():
+        if name in data and data[name] is not None and data[name] != harmless:
+            raise _bad(f"{name} is not supported by jaxserve (got {_show(data[name])})")
+
+
+def _structured(body: JobBody) -> StructuredOutput | None:
+    """The job's output constraint: at most one of response_format (other
+    than text), guided_regex, guided_choice and guided_grammar."""
+    given = []
+    fmt = body.response_format
+    if isinstance(fmt, JsonObjectFormat):
+        given.append(("response_format", StructuredOutput("json_object")))
+    elif isinstance(fmt, JsonSchemaFormat):
+        schema = fmt.json_schema.schema_
+        if schema is None:
+            spec = StructuredOutput("json_object")
+        else:
+            try:
+                spec = StructuredOutput("json_schema", orjson.dumps(schema).decode())
+            except (TypeError, orjson.JSONEncodeError) as exc:
+                raise _bad(f"response_format.json_schema.schema cannot be encoded: {exc}") from None
+        given.append(("response_format", spec))
+    if body.guided_regex is not None:
+        given.append(("guided_regex", StructuredOutput("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        given.append(("guided_choice", StructuredOutput("choice", tuple(body.guided_choice))))
+    if body.guided_grammar is not None:
+        given.append(("guided_grammar", StructuredOutput("grammar", body.guided_grammar)))
+    if len(given) > 1:
+        raise _bad(f"give at most one output constraint, got {', '.join(name for name, _ in given)}")
+    if given and body.labels is not None:
+        raise _bad(f"labels (label scoring) cannot be combined with {given[0][0]}")
+    return given[0][1] if given else None
+
+
+def _logprobs(body: JobBody) -> tuple[bool, int]:
+    """(logprobs wanted, alternatives per token) from OpenAI's two forms:
+    chat's ``logprobs: true, top_logprobs: n`` and completions' ``logprobs: n``."""
+    lp, top = body.logprobs, body.top_logprobs
+    if isinstance(lp, bool) or lp is None:
+        if top is not None and top > 0 and not lp:
+            raise _bad(f"top_logprobs {top} needs logprobs: true")
+        wanted, n = bool(lp), (top or 0) if lp else 0
+    else:
+        if top is not None and top != lp:
+            raise _bad(f"logprobs {lp} (an integer: that many alternatives) and top_logprobs {top} disagree")
+        wanted, n = True, lp
+    if wanted and body.labels is not None:
+        raise _bad("logprobs cannot be combined with labels (the result's labels carry their logprobs)")
+    return wanted, n
 
 
 def _deadline(body: JobBody, props: JobProperties, now: float) -> float | None:

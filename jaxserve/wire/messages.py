@@ -126,6 +126,16 @@ class Result(_Reply):
         default=None, description="Label scoring: every label of the job, in the job's order, with its logprob and prob."
     )
     model: str | None = Field(default=None, description="The served model name.")
+    logprobs: dict[str, Any] | None = Field(
+        default=None,
+        description="Jobs with logprobs: OpenAI's chat shape, {content: [{token, logprob, bytes, top_logprobs: "
+        "[{token, logprob, bytes}]}], refusal: null}, one entry per completion token, raw model log-probabilities.",
+    )
+    parsed: Any = Field(
+        default=None,
+        description="JSON-constrained jobs (response_format json_schema / json_object) that ended with "
+        "finish_reason stop: the text, parsed.",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -153,6 +163,8 @@ class Result(_Reply):
         *,
         labels: list[dict[str, Any]] | None = None,
         model: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        parsed: Any = None,
     ) -> "Result":
         return cls(
             id=key,
@@ -163,6 +175,8 @@ class Result(_Reply):
             timings=timings,
             labels=None if labels is None else [LabelScore(**x) for x in labels],
             model=model,
+            logprobs=logprobs,
+            parsed=parsed,
         )
 
     @classmethod

@@ -69,6 +69,7 @@ from jaxserve.wire import (
     decode_cancel,
     parse_job,
 )
+from jaxserve.wire import outputs
 from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
@@ -168,6 +169,7 @@ class Worker:
         self.engine_thread: EngineThread | EngineProcess | None = None
         self.active: dict[str, KeyJob] = {}
         self._by_rid: dict[str, KeyJob] = {}  # engine request id -> job
+        self._token_bytes: Any = None  # token id -> bytes, for logprobs results (built on first use)
         self._cancelled_here: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._conns: dict[str, aio_pika.abc.AbstractRobustConnection] = {}
@@ -916,6 +918,10 @@ class Worker:
                 p.repetition_penalty, p.frequency_penalty, p.presence_penalty, list(p.stop),
             ],
         }  # fmt: skip
+        if label_ids is None and (p.structured is not None or p.logprobs):
+            # a constraint changes the text, logprobs the result's fields
+            s = p.structured
+            what["output"] = [None if s is None else [s.kind, s.value], p.logprobs, p.top_logprobs]
         return hashlib.sha256(orjson.dumps(what)).hexdigest()[:40]
 
     async def _answer_from_record(self, kj: KeyJob, rec: Record) -> None:
@@ -1006,11 +1012,26 @@ class Worker:
         if reason in ("stop", "length"):
             text = out.text if (out.text or not kj.text_parts) else "".join(kj.text_parts)
             return Result.success(
-                kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj), model=self.served_model_name
-            )
+                kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj), model=self.served_model_name,
+                **self._extras(kj, out, text),
+            )  # fmt: skip
         if reason == "abort":
             return Result.failure(kj.key, "cancelled", "the job was aborted")
         return Result.failure(kj.key, "internal", f"the engine failed the request (finish_reason={reason!r})", True)
+
+    def _extras(self, kj: KeyJob, out: RequestOutput, text: str) -> dict[str, Any]:
+        """A result's logprobs (OpenAI's chat shape) and parsed JSON
+        (``jaxserve.wire.outputs``), for the jobs that asked."""
+        params, extras = kj.job.params, {}
+        if params.logprobs and out.logprobs is not None:
+            if self._token_bytes is None:
+                self._token_bytes = outputs.token_bytes_for(self.engine.tokenizer)
+            extras["logprobs"] = outputs.chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs, self._token_bytes)
+        kind = None if params.structured is None else params.structured.kind
+        parsed = outputs.parsed_json(kind, text, out.finish_reason)
+        if parsed is not None:
+            extras["parsed"] = parsed
+        return extras
 
     def _timings(self, kj: KeyJob) -> dict[str, float]:
         now = time.monotonic()
