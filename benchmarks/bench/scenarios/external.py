@@ -8,14 +8,17 @@ Quality is not a speed: nothing alternates, the figures are computed once.
 - ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 against f32:
   greedy agreement, largest logprob difference, perplexity).
 
-The contract with those scripts: the suite runs ``SCRIPT --json-out FILE``
-(plus ``--script-arg`` values) when the script's ``--help`` names
-``--json-out``, else ``SCRIPT`` alone and reads the newest JSON file it wrote
-under ``benchmarks/results/`` (a name starting with the script's stem, dashes
-or underscores). From that JSON it takes ``headline``: a list of
+How the suite runs them: ``SCRIPT --json-out FILE`` (or ``--out FILE``,
+whichever its ``--help`` names; plus ``--script-arg`` values), else
+``SCRIPT`` alone, reading the newest JSON file it wrote under
+``benchmarks/results/`` (a name starting with the script's stem, dashes or
+underscores). The figures: for ``accuracy``, the accuracy of the default
+method and of the plain, chat, calibrated and few-shot methods, and the
+largest log-likelihood difference from transformers
+(:func:`accuracy_figures`); otherwise the JSON's ``headline``, a list of
 ``{"what", "value", "unit", "label"?, "goal"?, "goal_value"?,
-"higher_is_better"?}``, or a mapping of name to number; failing that, the
-numbers of ``summary``.
+"higher_is_better"?}`` or a mapping of name to number, failing that the
+numbers of its ``summary``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,34 @@ def headline_figures(data: dict[str, Any], source: str) -> list[Figure]:
     return out
 
 
+def accuracy_figures(data: dict[str, Any], source: str) -> list[Figure]:
+    """``classify_accuracy.py``'s report: accuracy on the whole labelled set per method."""
+    methods = data.get("methods") or {}
+    if not methods:
+        return headline_figures(data, source)
+    default = data.get("default_method")
+    n = data.get("documents")
+    model = data.get("model", "")
+    out = []
+    names = ([default] if default in methods else []) + [m for m in ("plain", "chat", "calibrated", "few-shot")
+                                                       if m != default and m in methods]
+    for name in names:
+        r = methods[name]
+        label = f"method {name}" + (" (the default)" if name == default else "")
+        f = Figure(f"classification accuracy, {n} labelled documents, {model}",
+                   Stat(label, "%", [round(100 * r["accuracy"]["all"], 1)]),
+                   note=f"(half A {100 * r['accuracy']['A']:.1f} %, half B {100 * r['accuracy']['B']:.1f} %)")
+        if name == default:
+            f.goal, f.goal_value = ">= 75 %", 75.0
+        out.append(f)
+    check = data.get("hf_check") or {}
+    if check.get("max_abs_diff") is not None:
+        out.append(Figure(f"label log-likelihoods against transformers on the same token ids ({check.get('labels_compared')} labels)",
+                          Stat("max abs difference", "nats", [float(check["max_abs_diff"])]),
+                          goal="<= 1e-4", goal_value=1e-4, higher_is_better=False))
+    return out
+
+
 def _newest_output(stem: str, since: float) -> Path | None:
     pattern = re.compile(rf"^{re.escape(stem).replace('_', '[-_]')}", re.I)
     found = [p for p in RESULTS.rglob("*.json") if pattern.match(p.name) and p.stat().st_mtime >= since]
@@ -66,8 +97,10 @@ def run_script(script: Path, extra: list[str], ctx: Any) -> tuple[dict[str, Any]
     helptext = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True).stdout
     out = ctx.tmp / f"{script.stem}.json"
     cmd = [sys.executable, str(script), *extra]
-    if "--json-out" in helptext:
-        cmd += ["--json-out", str(out)]
+    for flag in ("--json-out", "--out"):
+        if flag in helptext and flag not in extra:
+            cmd += [flag, str(out)]
+            break
     since = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH.parent)
     path = out if out.exists() else _newest_output(script.stem, since)
@@ -84,8 +117,8 @@ class ExternalScenario:
     DEFAULT_ROUNDS = 1
     DEFAULT_WARMUP_ROUNDS = 0
 
-    def __init__(self, name: str, script: str, description: str) -> None:
-        self.NAME, self.script, self.DESCRIPTION = name, BENCH / script, description
+    def __init__(self, name: str, script: str, description: str, extract: Any = headline_figures) -> None:
+        self.NAME, self.script, self.DESCRIPTION, self.extract = name, BENCH / script, description, extract
         self.COMMAND = f".venv/bin/python benchmarks/suite.py run {name}"
         self.__doc__ = f"{name}: {description}\n\n" + (__doc__ or "")
 
@@ -95,13 +128,14 @@ class ExternalScenario:
 
     def run(self, args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
         data, run = run_script(self.script, list(args.script_arg), ctx)
-        figs = headline_figures(data, self.script.stem.replace("_", " "))
+        figs = self.extract(data, self.script.stem.replace("_", " "))
         return figs, [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}], \
             {"script": str(self.script.relative_to(BENCH.parent)), "script_args": args.script_arg,
              "script_result": data.get("headline") or data.get("summary")}
 
 
 ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
-                            "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M")
+                            "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M",
+                            accuracy_figures)
 QUANT_QUALITY = ExternalScenario("quant-quality", "quant_quality.py",
                                  "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity")

@@ -19,6 +19,8 @@ prepare_smollm2.py`` writes every copy from the shipped Q4_1 GGUF):
   figure = N x 128 / (prompt time + generation time) from its report, the
   same definition as the others' (the process's model load is not counted,
   as no one else's is);
+- below 8 prompts a turn is the median of 3 runs for every system (the
+  serving peers' ``run 3``; ``-npl 1,1,1``);
 - ``transformers-f32`` (not in the default set): batched ``generate``.
 
 jaxserve, vLLM and transformers get the same prompts (jaxserve's bench
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -158,14 +161,14 @@ class LlamaCppContender:
     """``llama-batched-bench`` on one GGUF file, one process per turn."""
 
     def __init__(self, name: str, binary: Path, gguf: Path, n: int, input_len: int, output_len: int, threads: int,
-                 timeout: float) -> None:
-        self.name, self.binary, self.gguf = name, binary, gguf
+                 timeout: float, inner: int) -> None:
+        self.name, self.binary, self.gguf, self.inner = name, binary, gguf, inner
         self.n, self.input_len, self.output_len, self.threads, self.timeout = n, input_len, output_len, threads, timeout
 
     def command(self) -> list[str]:
         ctx = self.n * (self.input_len + self.output_len) + 64
         return [str(self.binary), "-m", str(self.gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
-                "-npp", str(self.input_len), "-ntg", str(self.output_len), "-npl", str(self.n),
+                "-npp", str(self.input_len), "-ntg", str(self.output_len), "-npl", ",".join([str(self.n)] * self.inner),
                 "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
 
     def start(self) -> dict[str, Any]:
@@ -176,11 +179,13 @@ class LlamaCppContender:
 
     def turn(self) -> dict[str, Any]:
         proc = subprocess.run(self.command(), capture_output=True, text=True, timeout=self.timeout)
-        row = parse_batched_bench(proc.stdout + "\n" + proc.stderr, self.n)
-        if proc.returncode != 0 or row is None:
-            return {"ok": False, "error": f"rc {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
-        total_s = float(row["t_pp"]) + float(row["t_tg"])
-        return {"ok": True, "value": round(self.n * self.output_len / total_s, 2), "report": row}
+        rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr, self.n)
+        if proc.returncode != 0 or not rows:
+            return {"ok": False, "error": f"rc {proc.returncode}, no report for {self.n} sequences",
+                    "stderr_tail": proc.stderr[-2000:]}
+        runs = [self.n * self.output_len / (float(r["t_pp"]) + float(r["t_tg"])) for r in rows]
+        return {"ok": True, "value": round(statistics.median(runs), 2), "runs_tok_s": [round(x, 2) for x in runs],
+                "report": rows}
 
     def pids(self) -> list[int]:
         return []
@@ -189,9 +194,10 @@ class LlamaCppContender:
         pass
 
 
-def parse_batched_bench(text: str, n: int) -> dict[str, Any] | None:
-    """The report line for ``n`` sequences: the JSONL form, else the markdown table
+def parse_batched_bench(text: str, n: int) -> list[dict[str, Any]]:
+    """The report lines for ``n`` sequences: the JSONL form, else the markdown table
     (``| PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |``)."""
+    rows = []
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("{") and '"pl"' in line:
@@ -200,16 +206,18 @@ def parse_batched_bench(text: str, n: int) -> dict[str, Any] | None:
             except json.JSONDecodeError:
                 continue
             if int(d.get("pl", -1)) == n:
-                return d
+                rows.append(d)
+    if rows:
+        return rows
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 10 and re.fullmatch(r"\d+", cells[2] or "") and int(cells[2]) == n:
             try:
-                return {"pp": int(cells[0]), "tg": int(cells[1]), "pl": n, "t_pp": float(cells[4]),
-                        "t_tg": float(cells[6]), "t": float(cells[8])}
+                rows.append({"pp": int(cells[0]), "tg": int(cells[1]), "pl": n, "t_pp": float(cells[4]),
+                             "t_tg": float(cells[6]), "t": float(cells[8])})
             except ValueError:
                 continue
-    return None
+    return rows
 
 
 def contender(name: str, args: argparse.Namespace, n: int, prompts_file: Path, tmp: Path) -> Any:
@@ -230,7 +238,7 @@ def contender(name: str, args: argparse.Namespace, n: int, prompts_file: Path, t
     if name.startswith("llamacpp-"):
         gguf = Path(args.gguf_dir) / GGUF_NAME.format(name.split("-", 1)[1])
         return LlamaCppContender(name, Path(args.llamacpp_bin) / "llama-batched-bench", gguf, n, args.input_len,
-                                 args.output_len, args.threads, args.timeout)
+                                 args.output_len, args.threads, args.timeout, inner)
     raise ValueError(name)
 
 
