@@ -57,6 +57,8 @@ class InputOptions:
     labels: list[str] | None = None
     served_model_name: str | None = None
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # body fields a line does not set
+    #: body fields a line does not set, for label-scoring lines only (label_prompt, calibrate, few_shot ...)
+    label_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class InputError(ValueError):
@@ -233,6 +235,58 @@ def _with_defaults(body: dict[str, Any], opts: InputOptions) -> dict[str, Any]:
     out = {**{k: v for k, v in opts.defaults.items() if v is not None}, **body}
     if opts.labels is not None and "labels" not in out:
         out["labels"] = list(opts.labels)
+    if out.get("labels"):
+        for k, v in opts.label_defaults.items():
+            if v is not None and k not in out:
+                # a chat request can only be scored in the chat form
+                out[k] = "chat" if (k, v) == ("label_prompt", "plain") and "messages" in out else v
+    return out
+
+
+def content_free(template_text: str) -> str:
+    """The template filled with ``"N/A"`` in every field: the content-free
+    input a calibrated job is scored against (the instruction kept, the
+    document gone). ``@FILE`` reads the template from FILE."""
+    import jinja2
+    import jinja2.meta
+
+    if template_text.startswith("@"):
+        template_text = Path(template_text[1:]).read_text(encoding="utf-8")
+    env = jinja2.Environment(autoescape=False, keep_trailing_newline=True)
+    names = jinja2.meta.find_undeclared_variables(env.parse(template_text))
+    return env.from_string(template_text).render(**{name: "N/A" for name in names})
+
+
+def read_few_shot(path: str | Path, template: str | None, labels: list[str] | None) -> list[dict[str, str]]:
+    """Worked examples for label scoring from a JSONL file: each line's
+    ``label``, and its text: the line filled into ``template`` when one is
+    given (as the documents are), else its ``text`` field."""
+    tmpl = _template(template) if template else None
+    out: list[dict[str, str]] = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise InputError(f"{path} line {lineno}: not valid JSON: {exc}") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("label"), str):
+                raise InputError(f"{path} line {lineno}: a few-shot example needs a string 'label' field")
+            if labels is not None and rec["label"] not in labels:
+                raise InputError(f"{path} line {lineno}: label {rec['label']!r} is not one of --labels {','.join(labels)}")
+            if tmpl is not None:
+                try:
+                    text = tmpl.render(**rec)
+                except Exception as exc:  # noqa: BLE001 - jinja2's errors name the missing field
+                    raise InputError(f"{path} line {lineno}: the template cannot be filled from this example: {exc}") from None
+            elif isinstance(rec.get("text"), str):
+                text = rec["text"]
+            else:
+                raise InputError(f"{path} line {lineno}: a few-shot example needs a string 'text' field (or give --template)")
+            out.append({"text": text, "label": rec["label"]})
+    if not out:
+        raise InputError(f"{path}: no few-shot examples")
     return out
 
 
@@ -246,4 +300,7 @@ def is_deterministic(body: dict[str, Any]) -> bool:
     return bool(body.get("labels")) or body.get("temperature") == 0 or body.get("seed") is not None
 
 
-__all__ = ["BatchItem", "InputError", "InputOptions", "canonical", "file_identity", "is_deterministic", "read_items"]
+__all__ = [
+    "BatchItem", "InputError", "InputOptions", "canonical", "content_free", "file_identity", "is_deterministic",
+    "read_few_shot", "read_items",
+]  # fmt: skip

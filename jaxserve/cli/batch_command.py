@@ -10,6 +10,12 @@ import click
 
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
+#: How ``--labels`` scores by default: the method with the best accuracy on
+#: benchmarks/data/topics.jsonl with SmolLM2-135M-Instruct
+#: (benchmarks/classify_accuracy.py; BENCHMARKS.md has the table per method).
+DEFAULT_LABEL_PROMPT = "chat"
+DEFAULT_CALIBRATE = True
+
 
 def _labels(value: str | None) -> list[str] | None:
     if value is None:
@@ -18,6 +24,32 @@ def _labels(value: str | None) -> list[str] | None:
     if len(labels) < 2:
         raise click.BadParameter(f"give at least two comma-separated labels, got {value!r}")
     return labels
+
+
+def _label_defaults(
+    labels: list[str] | None, template: str | None, chat: bool, label_prompt: str | None, normalization: str | None,
+    calibrate: bool | None, calibration_input: str | None, few_shot_path: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The label-scoring fields every labelled line gets unless it sets its
+    own: the CLI's defaults (the measured best method) or the flags."""
+    from jaxserve.batch.inputs import content_free, read_few_shot
+
+    if chat and label_prompt == "plain":
+        raise click.BadParameter("--chat sends each row as a chat message, which is scored in the chat form; drop --label-prompt plain")
+    if calibration_input is not None and calibrate is False:
+        raise click.BadParameter("--calibration-input is used with --calibrate")
+    out: dict[str, Any] = {
+        "label_prompt": "chat" if chat else (label_prompt or DEFAULT_LABEL_PROMPT),
+        "label_normalization": normalization,
+    }
+    if calibrate if calibrate is not None else DEFAULT_CALIBRATE:
+        out["calibrate"] = True
+        if calibration_input is None and template is not None:
+            calibration_input = content_free(template)
+        out["calibration_input"] = calibration_input
+    if few_shot_path is not None:
+        out["few_shot"] = read_few_shot(few_shot_path, template, labels)
+    return out
 
 
 def _output_constraint(json_schema_path: str | None, choices: str | None, labels: list[str] | None) -> dict[str, Any]:
@@ -75,7 +107,18 @@ def _output_constraint(json_schema_path: str | None, choices: str | None, labels
 @click.option("--id-column", default=None, help="The row field holding each row's id (custom_id).")
 @click.option("--batch-id", default=None, help="Scope of the keys (default: a hash of INPUT's content).")
 @click.option("--labels", "labels", default=None, metavar="A,B,C", help="Score these labels for every row instead of generating.")
-@click.option("--label-normalization", type=click.Choice(["sum", "mean"]), default=None, help="With --labels: sum (default) or mean.")
+@click.option("--label-normalization", type=click.Choice(["sum", "mean", "first"]), default=None,
+              help="With --labels: sum (default), mean per token, or the first token alone.")
+@click.option("--label-prompt", type=click.Choice(["chat", "plain"]), default=None,
+              help=f"With --labels: score each label as the assistant's answer in the model's chat template (chat) or as a "
+              f"continuation of the prompt text (plain). Default {DEFAULT_LABEL_PROMPT}; --chat implies chat.")
+@click.option("--calibrate/--no-calibrate", default=None,
+              help=f"With --labels: subtract each label's score on a content-free input (the template filled with N/A) "
+              f"before the softmax. Default {'on' if DEFAULT_CALIBRATE else 'off'}.")
+@click.option("--calibration-input", default=None, metavar="TEXT",
+              help="With --calibrate: the content-free input (default: the template filled with N/A, else N/A).")
+@click.option("--few-shot", "few_shot_path", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="With --labels: worked examples (JSONL with a label field; filled through --template like the rows, else their text field).")
 @click.option("--served-model-name", default=None, help="The model name requests use in body.model, written in OpenAI output bodies.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for rows that set none.")
 @click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None, help="Default temperature for rows that set none.")
@@ -89,7 +132,8 @@ def batch(
     idle_timeout: float, progress: bool, out_format: str, template: str | None, chat: bool,
     id_column: str | None, batch_id: str | None, labels: str | None, label_normalization: str | None,
     served_model_name: str | None, max_tokens: int | None, temperature: float | None, seed: int | None, cache: bool,
-    json_schema_path: str | None = None, choices: str | None = None,
+    label_prompt: str | None = None, calibrate: bool | None = None, calibration_input: str | None = None,
+    few_shot_path: str | None = None, json_schema_path: str | None = None, choices: str | None = None,
 ) -> None:  # fmt: skip
     """Run every line or row of INPUT (.jsonl, .csv, .parquet) as a job and
     write one output line per request to OUT.
@@ -103,8 +147,6 @@ def batch(
     from jaxserve.batch.run import BatchSettings, run_batch
 
     defaults: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
-    if label_normalization is not None:
-        defaults["label_normalization"] = label_normalization
     if not cache:
         defaults["cache"] = False
     label_list = _labels(labels)
@@ -114,6 +156,9 @@ def batch(
         labels=label_list, served_model_name=served_model_name, defaults=defaults,
     )  # fmt: skip
     try:
+        opts.label_defaults = _label_defaults(
+            label_list, template, chat, label_prompt, label_normalization, calibrate, calibration_input, few_shot_path
+        )
         _, items = read_items(input_path, opts)
     except (InputError, OSError, UnicodeDecodeError) as exc:
         raise click.ClickException(str(exc)) from None

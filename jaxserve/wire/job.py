@@ -35,6 +35,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 PRIORITY_MAX = 255  # AMQP's priority property is an octet
 MIN_LABELS, MAX_LABELS = 2, 64
 MAX_LABEL_CHARS = 256
+MAX_FEW_SHOT = 32  # as jaxserve.tokenizer.labels.MAX_FEW_SHOT
+MAX_FEW_SHOT_CHARS = 8192
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -44,6 +46,14 @@ class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
     text: str
+
+
+class FewShotExample(BaseModel):
+    model_config = _STRICT
+    text: Annotated[str, Field(min_length=1, max_length=MAX_FEW_SHOT_CHARS)] = Field(
+        description="A worked example's input: a user turn (chat) or a prompt (plain), filled like the job's own."
+    )
+    label: Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)] = Field(description="Its answer: one of the job's labels.")
 
 
 class ChatMessage(BaseModel):
@@ -165,8 +175,30 @@ class JobBody(BaseModel):
         description="Label scoring instead of generation: 2-64 distinct candidate continuations of the prompt; "
         "each is scored by the sum of its tokens' log-probabilities and the result names the most probable.",
     )
-    label_normalization: Literal["sum", "mean"] | None = Field(
-        default=None, description="'sum' (default) or 'mean': divide each label's logprob by its token count before the softmax."
+    label_normalization: Literal["sum", "mean", "first"] | None = Field(
+        default=None,
+        description="'sum' (default), 'mean' (divide each label's logprob by its token count before the softmax) or "
+        "'first' (each label's first token alone; labels must start with different tokens).",
+    )
+    label_prompt: Literal["plain", "chat"] | None = Field(
+        default=None,
+        description="With labels: 'plain' scores each label as a continuation of the prompt text; 'chat' renders the "
+        "prompt (as one user message) or the messages with the model's chat template and scores each label as the "
+        "assistant's answer. Default: 'chat' for messages, 'plain' for a prompt. Labels are tokenized together with "
+        "the text they follow.",
+    )
+    calibrate: bool | None = Field(
+        default=None,
+        description="With labels: subtract each label's score on a content-free input (calibration_input in place of "
+        "the prompt or the last user message) before the softmax; computed once per label set and form, and cached.",
+    )
+    calibration_input: Annotated[str, Field(max_length=MAX_FEW_SHOT_CHARS)] | None = Field(
+        default=None, description="With calibrate: the content-free input (default 'N/A')."
+    )
+    few_shot: Annotated[list[FewShotExample], Field(min_length=1, max_length=MAX_FEW_SHOT)] | None = Field(
+        default=None,
+        description="With labels: worked examples put before the job's own input (chat: a user and an assistant turn "
+        "each; plain: text + label blocks); every label one of the job's labels.",
     )
     cache: bool | None = Field(
         default=None,
@@ -238,6 +270,10 @@ class Job:
     labels: tuple[str, ...] | None = None
     label_normalization: str = "sum"
     use_cache: bool = True
+    label_prompt: str = "plain"
+    calibrate: bool = False
+    calibration_input: str = "N/A"
+    few_shot: tuple[tuple[str, str], ...] = ()  # (text, label)
 
     @property
     def deterministic(self) -> bool:
@@ -306,6 +342,7 @@ def fingerprint(body: JobBody, max_tokens: int) -> str:
             "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
             "frequency_penalty", "presence_penalty", "stop", "model", "labels", "label_normalization",
             "response_format", "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
+            "label_prompt", "calibrate", "calibration_input", "few_shot",
         },
         exclude_none=True,
         by_alias=True,
@@ -384,6 +421,7 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
     if body.labels is not None and len(set(body.labels)) != len(body.labels):
         dup = next(x for x in body.labels if body.labels.count(x) > 1)
         raise _bad(f"labels must be distinct, got {dup!r} twice")
+    _check_label_fields(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     mt_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -439,7 +477,30 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         labels=None if body.labels is None else tuple(body.labels),
         label_normalization=body.label_normalization or "sum",
         use_cache=body.cache is not False,
+        label_prompt=body.label_prompt or ("chat" if body.messages is not None else "plain"),  # as before the field
+        calibrate=bool(body.calibrate),
+        calibration_input="N/A" if body.calibration_input is None else body.calibration_input,
+        few_shot=tuple((x.text, x.label) for x in body.few_shot or ()),
     )
+
+
+def _check_label_fields(body: JobBody) -> None:
+    """The label-scoring options only mean something with ``labels``; a
+    worked example must answer with one of them; the plain form continues a
+    prompt, so messages need the chat form."""
+    if body.labels is None:
+        for name in ("label_prompt", "calibrate", "calibration_input", "few_shot"):  # (label_normalization predates them: ignored)
+            value = getattr(body, name)
+            if value is not None:
+                raise _bad(f"{name} is for label scoring and needs labels, got {name}={_show(value if not isinstance(value, list) else '[...]')}")
+        return
+    if body.label_prompt == "plain" and body.messages is not None:
+        raise _bad("label_prompt 'plain' continues a prompt; a job with messages uses label_prompt 'chat'")
+    if body.calibration_input is not None and not body.calibrate:
+        raise _bad(f"calibration_input is used with calibrate: true, got calibrate={_show(body.calibrate)}")
+    for i, shot in enumerate(body.few_shot or ()):
+        if shot.label not in body.labels:
+            raise _bad(f"few_shot[{i}].label {shot.label!r} is not one of the job's labels")
 
 
 def _refuse_unsupported(data: dict[str, Any]) -> None:

@@ -176,6 +176,7 @@ class KeyJob:
         self.claimed = False
         self.result: Result | None = None
         self.label_ids: list[list[int]] | None = None  # label scoring: each label's tokens
+        self.label_calibration: Any = None  # calibrated label scoring: the content-free scores (worker.calibration)
         self.cache_key: str | None = None  # response cache: set for deterministic jobs
         self.limit_tokens: int | None = None  # tokens charged to the tenant's limits (None: not charged)
         self.admission_held = False  # its prompt counts in the interactive admission budget

@@ -73,7 +73,9 @@ from jaxserve.wire import outputs
 from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import declare_topology
 from jaxserve.wire import amqp_compat
+from jaxserve.tokenizer import labels as label_prompts
 from jaxserve.worker.admission import AdmissionConfig, InteractiveAdmission
+from jaxserve.worker.calibration import LabelCalibrations
 from jaxserve.worker.engine_process import EngineProcess, kv_cache_bytes
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
@@ -169,6 +171,7 @@ class Worker:
         self.engine_thread: EngineThread | EngineProcess | None = None
         self.active: dict[str, KeyJob] = {}
         self._by_rid: dict[str, KeyJob] = {}  # engine request id -> job
+        self.label_calibrations = LabelCalibrations(self._submit_calibration)
         self._token_bytes: Any = None  # token id -> bytes, for logprobs results (built on first use)
         self._cancelled_here: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
@@ -681,7 +684,9 @@ class Worker:
         kj.claimed = True
         try:
             prompt_ids = self._prepare_prompt(job)
-            label_ids = None if job.labels is None else self._prepare_labels(job, prompt_ids)
+            label_ids = calibration = None
+            if job.labels is not None:
+                prompt_ids, label_ids, calibration = self._prepare_labels(job, prompt_ids)
         except RequestError as err:
             self.stats["invalid"] += 1
             log.info("job_invalid", key=key, code=err.code, reason=err.message)
@@ -689,7 +694,7 @@ class Worker:
             return
         kj.label_ids = label_ids
         if job.deterministic and job.use_cache:
-            kj.cache_key = self._cache_key(job, prompt_ids, label_ids)
+            kj.cache_key = self._cache_key(job, prompt_ids, label_ids, calibration)
             hit = await self._store(kj, self.store.cache_get, kj.cache_key)
             if hit is not None:
                 self.stats["cache_hits"] += 1
@@ -697,6 +702,8 @@ class Worker:
                 cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj)})
                 await self._finish(kj, cached)
                 return
+        if calibration is not None and not await self._calibrate(kj, calibration):
+            return
         if not await self._within_limits(kj, prompt_ids, label_ids):
             return
         self._log_start(kj, len(prompt_ids))
@@ -880,19 +887,25 @@ class Worker:
             )
         return ids
 
-    def _prepare_labels(self, job: Any, prompt_ids: list[int]) -> list[list[int]]:
-        """Each label's tokens as a continuation of the prompt: the label
-        encoded alone, without special tokens."""
+    def _prepare_labels(self, job: Any, prompt_ids: list[int]) -> tuple[list[int], list[list[int]], Any]:
+        """The prompt and each label's tokens in the job's label form, and the
+        content-free request to calibrate against when the job asks for one
+        (``jaxserve.tokenizer.labels``: labels tokenized with the text they
+        follow, the chat form, few-shot turns)."""
         tok = self.engine.tokenizer
-        out = []
-        for label in job.labels:
-            try:
-                ids = list(tok.encode(label, add_special_tokens=False))
-            except TypeError:  # a tokenizer without the flag adds no specials
-                ids = list(tok.encode(label))
-            if not ids:
-                raise RequestError("invalid_request", f"label {label!r} encodes to no tokens")
-            out.append(ids)
+        request = label_prompts.LabelRequest(
+            labels=tuple(job.labels), prompt=job.prompt, messages=None if job.messages is None else tuple(job.messages),
+            form=job.label_prompt, few_shot=tuple(label_prompts.FewShot(t, lab) for t, lab in job.few_shot),
+            first_token_only=job.label_normalization == "first",
+        )  # fmt: skip
+        try:
+            tokens = label_prompts.prepare(tok, request)
+            calibration = label_prompts.prepare(tok, request.content_free(job.calibration_input)) if job.calibrate else None
+        except label_prompts.LabelPromptError as exc:
+            raise RequestError("invalid_request", str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
+            raise RequestError("invalid_request", f"the labels' prompt could not be rendered ({job.label_prompt}): {exc}") from None
+        prompt_ids, out = tokens.prompt_ids, tokens.label_ids
         max_len = int(getattr(self.engine, "max_model_len", 1 << 30))
         longest = max(len(ids) for ids in out)
         if len(prompt_ids) + longest > max_len:
@@ -901,9 +914,32 @@ class Worker:
                 f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt_ids)} tokens "
                 f"and the longest label {longest}",
             )
-        return out
+        return prompt_ids, out, calibration
 
-    def _cache_key(self, job: Any, prompt_ids: list[int], label_ids: list[list[int]] | None) -> str:
+    async def _submit_calibration(self, request_id: str, tokens: Any, request_class: Any, priority: int) -> None:
+        assert self.engine_thread is not None
+        await self.engine_thread.add_score_request(request_id, tokens.prompt_ids, tokens.label_ids, request_class=request_class, priority=priority)
+
+    async def _calibrate(self, kj: KeyJob, tokens: Any) -> bool:
+        """The job's content-free label scores (``self.label_calibrations``:
+        computed once per label set, form and template); False when the job
+        was answered (the engine refused the content-free input) or
+        requeued (the engine is gone)."""
+        rc = RequestClass.INTERACTIVE if kj.queue_class == INTERACTIVE else RequestClass.BATCH
+        try:
+            kj.label_calibration = await self.label_calibrations.get(tokens, rc, kj.job.engine_priority)
+        except RequestError as err:
+            if err.retryable:
+                await self._requeue(kj, f"label calibration: {err.message}")
+            else:
+                await self._finish(kj, Result.failure(kj.key, err.code, f"label calibration: {err.message}", err.retryable))
+            return False
+        except Exception as exc:  # noqa: BLE001 - the engine thread is gone
+            await self._requeue(kj, f"engine unavailable: {exc!r}")
+            return False
+        return True
+
+    def _cache_key(self, job: Any, prompt_ids: list[int], label_ids: list[list[int]] | None, calibration: Any = None) -> str:
         """What determines a deterministic job's result, hashed: the served
         model, the prompt's token ids and every parameter that shapes the
         output (not the key, the tenant or the priority)."""
@@ -913,6 +949,7 @@ class Worker:
             "prompt": prompt_ids,
             "labels": label_ids,
             "normalization": job.label_normalization if label_ids is not None else None,
+            **({"calibration": calibration.identity()} if calibration is not None else {}),
             "params": None if label_ids is not None else [
                 p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed if job.seed_given else None,
                 p.repetition_penalty, p.frequency_penalty, p.presence_penalty, list(p.stop),
@@ -948,6 +985,8 @@ class Worker:
         before any batch job's result is."""
         mine = []
         for out in outputs:
+            if self.label_calibrations.on_output(out):
+                continue
             kj = self._by_rid.get(out.request_id)
             if kj is not None and kj.state is JobState.RUNNING:
                 mine.append((kj, out))
@@ -1001,9 +1040,9 @@ class Worker:
             return Result.failure(kj.key, out.error.code, out.error.message, out.error.retryable)
         reason = out.finish_reason
         if out.label_logprobs is not None and kj.job.labels is not None and kj.label_ids is not None:
-            scored = scoring.combine(
-                kj.job.labels, out.label_logprobs, [len(ids) for ids in kj.label_ids], kj.job.label_normalization
-            )
+            cal, norm = kj.label_calibration, kj.job.label_normalization
+            offsets = None if cal is None else scoring.normalize(cal.logprobs, cal.token_counts, norm)
+            scored = scoring.combine(kj.job.labels, out.label_logprobs, [len(ids) for ids in kj.label_ids], norm, offsets)
             labels = [{"label": s.label, "logprob": s.logprob, "prob": s.prob} for s in scored]
             return Result.success(
                 kj.key, scoring.best(scored).label, "stop", out.prompt_tokens, 0, self._timings(kj),
