@@ -68,6 +68,9 @@ class Figure:
     goal_value: float | None = None
     higher_is_better: bool = True
     note: str = ""
+    #: False when the peer is the same system in a baseline condition (idle,
+    #: f32): the spread rule compares systems, not conditions
+    compare_swing: bool = True
 
     @property
     def ratio(self) -> float | None:
@@ -87,7 +90,7 @@ class Figure:
     @property
     def spread_rule(self) -> bool | None:
         """The system's max/min no wider than the peer's (issue 25's spread rule)."""
-        if self.peer is None or len(self.system.runs) < 2 or len(self.peer.runs) < 2:
+        if not self.compare_swing or self.peer is None or len(self.system.runs) < 2 or len(self.peer.runs) < 2:
             return None
         a, b = self.system.max_over_min, self.peer.max_over_min
         return None if a is None or b is None else a <= b

@@ -65,15 +65,22 @@ def row(f: Figure, res: Result, path: Path) -> str:
     commit = f"{res.git.get('commit')}{' (dirty)' if res.git.get('jaxserve_dirty') else ''}"
     note = f" {f.note}" if f.note else ""
     cells = [f.what + note, figure, peer, ratio, "; ".join(parts), machine_mod.short(res.machine),
-             f"{commit}, {res.date_utc[:10]}, [result](benchmarks/results/{path.name})", f"`{res.command}`"]
+             f"{commit}, {res.date_utc[:10]}, [result]({_rel(path)})", f"`{res.command}`"]
     return "| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |"
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def result_rows(res: Result, path: Path) -> list[str]:
     """The rows of one result (what ``suite.py run`` prints, smoke runs included)."""
     if not res.figures:
         return [f"| {res.scenario}: no figures (see the result) | – | – | – | – | {machine_mod.short(res.machine)} | "
-                f"[result](benchmarks/results/{path.name}) | `{res.command}` |"]
+                f"[result]({_rel(path)}) | `{res.command}` |"]
     return [row(f, res, path) for f in res.figures]
 
 

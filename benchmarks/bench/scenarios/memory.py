@@ -98,7 +98,8 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
             continue
         goal = {"goal": "<= 0.4x", "goal_ratio": 0.4} if kind == "int8" else {}
         figs.append(rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)} (worker + engine process)",
-                                  kind, "f32", "MiB", labels=LABELS, higher_is_better=False, **goal))
+                                  kind, "f32", "MiB", labels=LABELS, higher_is_better=False, compare_swing=False,
+                                  **goal))
     if not figs:
         figs = [rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)}", k, None, "MiB", labels=LABELS)
                 for k in args.systems]

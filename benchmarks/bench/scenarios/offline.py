@@ -278,7 +278,7 @@ def figures(records: list[dict[str, Any]], systems: list[str], nums: list[int], 
                 continue
             what = f"offline SmolLM2-135M {input_len} -> {output_len}, {n} prompt{'s' if n > 1 else ''}"
             f = rounds.figure(records, what, system, peer, "tok/s", where={"num_prompts": n}, labels=LABELS,
-                              goal=goal, goal_ratio=goal_ratio)
+                              goal=goal, goal_ratio=goal_ratio, compare_swing=not peer.startswith("jaxserve"))
             notes = [machine_note(s, st.median, n, costs, machine) for s, st in ((system, f.system), (peer, f.peer)) if st]
             f.note = "(" + "; ".join(x for x in notes if x) + ")" if any(notes) else ""
             out.append(f)
