@@ -133,3 +133,51 @@ def test_the_model_takes_it_in_few_token_programs_with_xlas_results(family, toke
     for a, b in zip((*on[2].k, *on[2].v), (*off[2].k, *off[2].v)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(on[3]), np.asarray(off[3]), rtol=1e-4, atol=1e-4)
+
+
+def test_a_single_token_bucket_is_added_below_the_powers_of_two():
+    from jaxserve.engine.buckets import Buckets
+
+    assert Buckets.build(64, 4).tokens == (8, 16, 32, 64)
+    assert Buckets.build(64, 4, single_token=True).tokens == (1, 8, 16, 32, 64)
+    assert Buckets.build(64, 4, single_token=True).token_bucket(1) == 1
+    assert Buckets.build(64, 4, single_token=True).token_bucket(2) == 8
+
+
+@needs_kernel
+def test_one_sequence_decodes_in_a_one_token_program_with_the_eight_token_programs_tokens(tmp_path):
+    """On the C++ kernels' path the runner compiles a 1-token bucket (the
+    matrix-vector kernel then multiplies no padding columns): a lone decode
+    token runs there, calls the kernel, and picks the same greedy tokens and
+    log-probabilities as the 8-token program; the pure-JAX path keeps 8 as
+    its smallest bucket."""
+    from jaxserve.engine.buckets import Buckets
+    from jaxserve.engine.runner import ModelRunner, SeqWork
+
+    loaded = load_model(mf.llama2(str(tmp_path / "ck")))
+    cfg, model = loaded.config, loaded.model
+    sizes = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 num_blocks=8, block_size=16, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64)  # fmt: skip
+    assert ModelRunner(model, **sizes).buckets.tokens[0] == 8  # reference attention
+    model.attention = AttentionImpl(kernel="cpu")
+    one = ModelRunner(model, **sizes)
+    eight = ModelRunner(model, **sizes, buckets=Buckets(tokens=(8, 32), seqs=(1,)))
+    assert one.buckets.tokens == (1, 8, 16, 32)
+    for r in (one, eight):
+        r.warmup()
+    assert cpu.TARGET_MATVEC in one._forward[1].as_text()
+    prompt = np.random.default_rng(2).integers(3, cfg.vocab_size, 12).tolist()
+    tokens, logprobs = {}, {}
+    for name, r in (("one", one), ("eight", eight)):
+        for with_logprobs in (False, True):
+            sampling = {"temperature": 0.0, "logprobs": with_logprobs}
+            first = r.execute([SeqWork(token_ids=prompt, start_pos=0, block_ids=[1], sampling=sampling)]).fetch()[0]
+            seq, lps = [int(first[0])], []
+            for step in range(3):
+                t, lp = r.execute([SeqWork(token_ids=[seq[-1]], start_pos=12 + step, block_ids=[1, 2],
+                                           sampling=sampling)]).fetch()  # fmt: skip
+                seq.append(int(t[0]))
+                lps.append(float(lp[0]))
+            tokens[name, with_logprobs], logprobs[name, with_logprobs] = seq, lps
+    assert tokens["one", False] == tokens["eight", False] == tokens["one", True] == tokens["eight", True]
+    np.testing.assert_allclose(logprobs["one", True], logprobs["eight", True], rtol=1e-5, atol=1e-5)

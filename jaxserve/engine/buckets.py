@@ -31,14 +31,21 @@ class Buckets:
     seqs: tuple[int, ...]
 
     @classmethod
-    def build(cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8) -> "Buckets":
+    def build(
+        cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8, single_token: bool = False
+    ) -> "Buckets":
+        """Powers of two from ``min_tokens`` up to the maxima. ``single_token``
+        adds a 1-token bucket below them: one sequence decoding then runs a
+        program of one token instead of ``min_tokens``, which pays where the
+        dense layers' cost grows with the padded token count (the CPU's
+        matrix-vector kernel, ``jaxserve.kernels.cpu.matvec_cpu``)."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
                 f"need max_num_batched_tokens >= 1 and max_num_seqs >= 1, got "
                 f"{max_num_batched_tokens} and {max_num_seqs}"
             )
         lo = min(min_tokens, max_num_batched_tokens)
-        tokens = tuple(_powers_of_two(lo, max_num_batched_tokens))
+        tokens = tuple(sorted({*_powers_of_two(lo, max_num_batched_tokens), *((1,) if single_token else ())}))
         seqs = tuple(_powers_of_two(1, max_num_seqs))
         return cls(tokens=tokens, seqs=seqs)
 

@@ -139,7 +139,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.buckets = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs)
+        # One sequence decoding on the C++ kernels (one device) gets a 1-token
+        # program: in the 8-token bucket the matrix-vector kernel multiplies
+        # every weight by seven padding tokens as well.
+        single = getattr(model, "attention", REFERENCE).kernel == "cpu" and getattr(model, "mesh", None) is None
+        self.buckets = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs, single_token=single)
         # The model carries its kernel choice (the cache layout it reads) and
         # its tensor-parallel mesh (jaxserve.models.sharding): the cache is
         # created in that layout, sharded on its kv heads over the mesh.
@@ -229,7 +233,8 @@ class ModelRunner:
     def _greedy_in_forward(self, num_tokens: int) -> bool:
         """Whether the forward program of this token bucket can also pick greedy
         tokens: the buckets a decode step uses (up to ``max_num_seqs`` tokens)."""
-        return num_tokens <= max(self.max_num_seqs, self.buckets.tokens[0])
+        smallest_padded = next((t for t in self.buckets.tokens if t > 1), 1)  # past a single-token bucket
+        return num_tokens <= max(self.max_num_seqs, smallest_padded)
 
     def _greedy_fn(self, state, hidden, *, num_rows: int, logprobs: bool):
         """All rows greedy and unpenalized: argmax (and, with ``logprobs``, its
