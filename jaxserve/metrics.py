@@ -17,8 +17,8 @@ The same HTTP server answers the orchestrator's probes, from its own thread
               when it fails (a stuck engine, a stalled event loop), 200 while
               none is registered (the process answers, that is all it knows).
 ``/readyz``   readiness: 200 once the ``ready`` check passes (the worker is
-              consuming), 503 before, while draining, and while no check is
-              registered.
+              consuming), 503 before, while draining, while the worker's
+              store does not answer, and while no check is registered.
 
 A check is a callable returning ``bool`` or ``(bool, reason)``; the reason is
 the response body. A check that raises counts as failing.
@@ -90,6 +90,11 @@ class EngineMetrics:
         self.model_load_seconds = Gauge("jaxserve_model_load_seconds", "Seconds to build the engine (load the model)", labels,
                                         registry=r)
         self.warmup_seconds = Gauge("jaxserve_warmup_seconds", "Seconds to compile every shape bucket", labels, registry=r)
+        # 0 while the idempotency store does not answer: the worker then takes
+        # no jobs and /readyz says "store unavailable" (worker.store_health)
+        self.store_up = Gauge("jaxserve_store_up", "1 while the idempotency store answers, 0 during an outage", labels,
+                              registry=r)
+        self.store_up.labels(model_name).set(1)
         ProcessCollector(namespace="jaxserve", registry=r)  # jaxserve_process_resident_memory_bytes, cpu, fds
         for q in ("interactive", "batch"):  # series present from start-up, at zero
             for h in (self.ttft, self.itl, self.e2e, self.queue_time, self.broker_wait, self.prefill_time, self.decode_time):

@@ -95,6 +95,8 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--interactive-ttl-ms", type=int, default=120_000, show_default=True, help="x-message-ttl of the interactive queue.")
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
 @click.option("--claim-lease", type=float, default=30.0, show_default=True, help="Lease (s) of a key in progress, renewed while it runs.")
+@click.option("--store-hold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
+              help="While the store is unreachable (the worker then takes no jobs), seconds a job it holds waits for it before going back to the broker.")
 @click.option("--reply-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds a final reply may take to be confirmed; then the job is requeued (or acked if its destination cannot take it).")
 @click.option("--engine-hang-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True,
@@ -143,6 +145,7 @@ def worker(
     interactive_ttl_ms: int,
     max_body_bytes: int,
     claim_lease: float,
+    store_hold: float,
     reply_timeout: float,
     engine_hang_timeout: float,
     compute_nice: int,
@@ -201,6 +204,7 @@ def worker(
         drain_timeout=drain_timeout,
         max_body_bytes=max_body_bytes,
         claim_lease_s=claim_lease,
+        store_hold_s=store_hold,
         reply_timeout_s=reply_timeout,
         engine_hang_timeout_s=engine_hang_timeout,
         compute_nice=compute_nice,

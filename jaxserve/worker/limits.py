@@ -18,17 +18,27 @@ tenant ``""``, under ``default``). Per tenant, every key optional:
 A tenant listed under ``tenants`` gets its own keys and falls back to
 ``default`` for the rest. :class:`MemoryLimiter` keeps the state in the
 worker; :class:`RedisLimiter` shares it between every worker on one Redis
-(atomic Lua scripts on the server's clock), so limits hold across a fleet.
-What happens to a job over its limit is the worker's rule (interactive:
-``rate_limited`` with ``retry_after_s``; batch: it waits, back in the
-broker), see ``jaxserve.worker.worker``.
+(atomic Lua scripts), so limits hold across a fleet. What happens to a job
+over its limit is the worker's rule (interactive: ``rate_limited`` with
+``retry_after_s``; batch: it waits, back in the broker), see
+``jaxserve.worker.worker``.
+
+Limits apply to arrivals. A bucket is judged at the moment the job's
+delivery was received (``at``, epoch seconds), not when the limiter happens
+to be called: otherwise a slow store or a loaded machine between receipt and
+the check spreads a burst of arrivals over seconds and lets the refill admit
+it (``tests/test_queue_tenant_arrival.py``). A bucket only moves forward in
+time: an arrival older than the last one it judged (calls reach it out of
+order, or workers' clocks differ a little) adds no tokens. The worker asks in
+two steps: :meth:`Limiter.arrive` (in flight, requests) before any store
+look-up, :meth:`Limiter.charge` (tokens) once the prompt is tokenized; a job
+that never runs gives its request back (:meth:`Limiter.release`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,7 +56,7 @@ class TenantLimit:
     tokens_per_min: float | None = None
     max_in_flight: int | None = None
 
-    def merged(self, fallback: "TenantLimit") -> "TenantLimit":
+    def merged(self, fallback: TenantLimit) -> TenantLimit:
         return TenantLimit(*(getattr(self, k) if getattr(self, k) is not None else getattr(fallback, k) for k in _KEYS))
 
     @property
@@ -117,13 +127,22 @@ ALLOWED = Decision(True)
 
 
 class Limiter(Protocol):
-    async def acquire(self, tenant: str, job: str, tokens: int) -> Decision:
-        """Admit one job of ``tenant`` charged ``tokens`` (prompt +
-        max_tokens), or say which limit refuses it and for how long."""
+    async def arrive(self, tenant: str, job: str, at: float) -> Decision:
+        """Count one job of ``tenant`` that arrived at ``at`` (epoch seconds):
+        it enters the tenant's in-flight set and takes one request, judged as
+        of ``at``; or say which limit refuses it and for how long (then it
+        holds nothing)."""
 
-    async def release(self, tenant: str, job: str, unused_tokens: int) -> None:
-        """The job ended: it leaves the in-flight count and gives back the
-        tokens it did not use."""
+    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
+        """Charge an arrived job its ``tokens`` (prompt + max_tokens), judged
+        as of its arrival ``at``. A refusal takes nothing; the caller then
+        releases the job."""
+
+    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
+        """The job ended: it leaves the in-flight set and gives back the
+        tokens it did not use, and its request when it never ran
+        (``unserved``: answered from the store, refused, requeued before
+        the engine took it)."""
 
     async def renew(self, tenant: str, job: str) -> None: ...
 
@@ -139,21 +158,21 @@ class _Bucket:
 class MemoryLimiter:
     """Limits kept in this worker (for one worker, or per worker)."""
 
-    def __init__(self, config: LimitsConfig, clock: Any = time.monotonic) -> None:
+    def __init__(self, config: LimitsConfig) -> None:
         self.config = config
-        self.clock = clock
         self._buckets: dict[tuple[str, str], _Bucket] = {}
         self._in_flight: dict[str, set[str]] = {}
 
-    def _take(self, name: tuple[str, str], rate: float, burst: float, cost: float) -> float:
-        """Take ``cost`` from a bucket; 0 when taken, else the seconds until
-        it would be there."""
-        now = self.clock()
+    def _take(self, name: tuple[str, str], rate: float, burst: float, cost: float, at: float) -> float:
+        """Take ``cost`` from a bucket as of ``at``; 0 when taken, else the
+        seconds until it would be there. An ``at`` before the bucket's last
+        one refills nothing."""
         b = self._buckets.get(name)
         if b is None:
-            b = self._buckets[name] = _Bucket(burst, now)
-        b.level = min(burst, b.level + (now - b.stamp) * rate)
-        b.stamp = now
+            b = self._buckets[name] = _Bucket(burst, at)
+        if at > b.stamp:
+            b.level = min(burst, b.level + (at - b.stamp) * rate)
+            b.stamp = at
         if b.level >= cost:
             b.level -= cost
             return 0.0
@@ -164,45 +183,51 @@ class MemoryLimiter:
         if b is not None:
             b.level = min(burst, b.level + amount)
 
-    async def acquire(self, tenant: str, job: str, tokens: int) -> Decision:
+    async def arrive(self, tenant: str, job: str, at: float) -> Decision:
         lim = self.config.for_tenant(tenant)
         running = self._in_flight.setdefault(tenant, set())
         if lim.max_in_flight is not None and job not in running and len(running) >= lim.max_in_flight:
             return Decision(False, "max_in_flight", 0.2)
         if lim.requests_per_s is not None:
-            wait = self._take((tenant, "requests"), lim.requests_per_s, lim.request_burst, 1.0)
+            wait = self._take((tenant, "requests"), lim.requests_per_s, lim.request_burst, 1.0, at)
             if wait:
                 return Decision(False, "requests_per_s", wait)
-        if lim.tokens_per_min is not None:
-            wait = self._take((tenant, "tokens"), lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens))
-            if wait:
-                if lim.requests_per_s is not None:  # the request was not served: give its slot back
-                    self._give((tenant, "requests"), lim.request_burst, 1.0)
-                return Decision(False, "tokens_per_min", wait)
         running.add(job)
         return ALLOWED
 
-    async def release(self, tenant: str, job: str, unused_tokens: int) -> None:
+    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
+        lim = self.config.for_tenant(tenant)
+        if lim.tokens_per_min is not None:
+            wait = self._take((tenant, "tokens"), lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at)
+            if wait:
+                return Decision(False, "tokens_per_min", wait)
+        return ALLOWED
+
+    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
         self._in_flight.get(tenant, set()).discard(job)
         lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None and unused_tokens > 0:
             self._give((tenant, "tokens"), lim.tokens_per_min, float(unused_tokens))
+        if unserved and lim.requests_per_s is not None:
+            self._give((tenant, "requests"), lim.request_burst, 1.0)
 
     async def renew(self, tenant: str, job: str) -> None:
         pass
 
 
-# KEYS[1] bucket; ARGV: rate/s, burst, cost, ttl ms. Returns {1, 0} when the
-# cost was taken, else {0, seconds to wait}. The server's clock, so every
-# worker sees the same bucket.
+# KEYS[1] bucket; ARGV: rate/s, burst, cost, ttl ms, at (the arrival, epoch
+# seconds). Returns {1, 0} when the cost was taken, else {0, seconds to
+# wait}. The bucket is judged as of the arrival; it never moves back in
+# time, so an arrival older than its stamp refills nothing.
 _TAKE_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local rate, burst, cost, at = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
 local s = redis.call('HMGET', KEYS[1], 'level', 'stamp')
 local level = tonumber(s[1]) or burst
-local stamp = tonumber(s[2]) or now
-level = math.min(burst, level + (now - stamp) * rate)
+local stamp = tonumber(s[2]) or at
+if at > stamp then
+  level = math.min(burst, level + (at - stamp) * rate)
+  stamp = at
+end
 local ok = 0
 local wait = 0
 if level >= cost then
@@ -211,19 +236,20 @@ if level >= cost then
 else
   wait = (math.min(cost, burst) - level) / rate
 end
-redis.call('HSET', KEYS[1], 'level', tostring(level), 'stamp', tostring(now))
+redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'stamp', string.format('%.17g', stamp))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 return {ok, tostring(wait)}
 """
 _GIVE_LUA = """
 local s = redis.call('HMGET', KEYS[1], 'level')
 if s[1] then
-  redis.call('HSET', KEYS[1], 'level', tostring(math.min(tonumber(ARGV[1]), tonumber(s[1]) + tonumber(ARGV[2]))))
+  redis.call('HSET', KEYS[1], 'level', string.format('%.17g', math.min(tonumber(ARGV[1]), tonumber(s[1]) + tonumber(ARGV[2]))))
 end
 return 0
 """
 # KEYS[1] sorted set of in-flight jobs (score: expiry); ARGV: job, limit,
-# lease s. Members whose lease ran out (a worker died) drop off.
+# lease s. Members whose lease ran out (a worker died) drop off. Leases run
+# on the server's clock (they measure real time, not arrivals).
 _ENTER_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -254,27 +280,28 @@ class RedisLimiter:
     def _k(self, kind: str, tenant: str) -> str:
         return f"{self.ns}:limits:{kind}:{tenant}"
 
-    async def _bucket(self, kind: str, tenant: str, rate: float, burst: float, cost: float) -> float:
+    async def _bucket(self, kind: str, tenant: str, rate: float, burst: float, cost: float, at: float) -> float:
         ttl_ms = int(max(60.0, burst / rate * 2) * 1000)
-        ok, wait = await self._take(keys=[self._k(kind, tenant)], args=[rate, burst, cost, ttl_ms])
+        ok, wait = await self._take(keys=[self._k(kind, tenant)], args=[rate, burst, cost, ttl_ms, repr(float(at))])
         return 0.0 if int(ok) else float(wait)
 
-    async def acquire(self, tenant: str, job: str, tokens: int) -> Decision:
+    async def arrive(self, tenant: str, job: str, at: float) -> Decision:
         lim = self.config.for_tenant(tenant)
-        if lim.max_in_flight is not None:
-            if not int(await self._enter(keys=[self._k("inflight", tenant)], args=[job, lim.max_in_flight, self.lease_s])):
-                return Decision(False, "max_in_flight", 0.2)
+        enter = self._k("inflight", tenant)
+        if lim.max_in_flight is not None and not int(await self._enter(keys=[enter], args=[job, lim.max_in_flight, self.lease_s])):
+            return Decision(False, "max_in_flight", 0.2)
         if lim.requests_per_s is not None:
-            wait = await self._bucket("requests", tenant, lim.requests_per_s, lim.request_burst, 1.0)
+            wait = await self._bucket("requests", tenant, lim.requests_per_s, lim.request_burst, 1.0, at)
             if wait:
                 await self._leave(tenant, job, lim)
                 return Decision(False, "requests_per_s", wait)
+        return ALLOWED
+
+    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
+        lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None:
-            wait = await self._bucket("tokens", tenant, lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens))
+            wait = await self._bucket("tokens", tenant, lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at)
             if wait:
-                if lim.requests_per_s is not None:
-                    await self._give(keys=[self._k("requests", tenant)], args=[lim.request_burst, 1.0])
-                await self._leave(tenant, job, lim)
                 return Decision(False, "tokens_per_min", wait)
         return ALLOWED
 
@@ -282,11 +309,13 @@ class RedisLimiter:
         if lim.max_in_flight is not None:
             await self._r.zrem(self._k("inflight", tenant), job)
 
-    async def release(self, tenant: str, job: str, unused_tokens: int) -> None:
+    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
         lim = self.config.for_tenant(tenant)
         await self._leave(tenant, job, lim)
         if lim.tokens_per_min is not None and unused_tokens > 0:
             await self._give(keys=[self._k("tokens", tenant)], args=[lim.tokens_per_min, float(unused_tokens)])
+        if unserved and lim.requests_per_s is not None:
+            await self._give(keys=[self._k("requests", tenant)], args=[lim.request_burst, 1.0])
 
     async def renew(self, tenant: str, job: str) -> None:
         lim = self.config.for_tenant(tenant)

@@ -26,7 +26,9 @@ contract is ``docs/protocol.md``):
    by a per-job sender; the final result is stored, published with
    confirms, and only then is each delivery acked on its own channel.
 
-Faults: a store outage makes jobs wait (never an error they did not earn);
+Faults: a store outage stops the intake and makes jobs wait, at most
+``store_hold_s``, then go back to the broker (never an error they did not
+earn; ``jaxserve.worker.store_health``);
 an engine failure of one request is that request's (the engine contains
 it), a retryable internal error is requeued so ``x-delivery-limit`` ends a
 job that keeps failing; an engine (thread or process) that dies or hangs, or fails
@@ -84,6 +86,7 @@ from jaxserve.worker.logs import bind_worker_context
 from jaxserve.worker.priority import deprioritize_other_threads, deprioritize_process
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
 from jaxserve.worker.store import MemoryStore, Record, RedisStore, StoreUnavailable
+from jaxserve.worker.store_health import StoreHealth
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -116,7 +119,10 @@ class WorkerConfig:
     # that can never take it, ack); chunks get the shorter chunk_timeout_s.
     reply_timeout_s: float = 60.0
     chunk_timeout_s: float = 10.0
-    store_retry_max_s: float = 5.0  # backoff cap while the store is unreachable
+    store_retry_max_s: float = 5.0  # backoff cap of the outage probe while the store is unreachable
+    # While the store is unreachable a job waits for it at most this long,
+    # then goes back to the broker (--store-hold).
+    store_hold_s: float = 10.0
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
     # nice value for every thread but the event loop's once the engine is
     # compiled (jaxserve.worker.priority, --compute-nice); 0 leaves
@@ -201,6 +207,13 @@ class Worker:
                 self.limiter = MemoryLimiter(self.cfg.limits)
         self._batch_paused = False
         self._draining = False
+        # Store outages: the job consumers pause while the store is down
+        # (jaxserve.worker.store_health); one lock orders every consume/cancel.
+        self.store_health = StoreHealth(
+            lambda: self.store.ping(), on_change=self._on_store_change, spawn=self._spawn, retry_max_s=self.cfg.store_retry_max_s
+        )
+        self._store_paused = False
+        self._consumers_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ life
     def _url(self) -> URL:
@@ -228,6 +241,7 @@ class Worker:
         Returns False, without consuming, when ``stop`` is set first."""
         if not await self.start_engine(stop) or (stop is not None and stop.is_set()):
             return False
+        await self.store_health.check()  # a store down at start: consume once it answers
         await self._connect()
         self._spawn(self._renew_loop())
         self._spawn(self._watchdog_loop())
@@ -363,7 +377,11 @@ class Worker:
             self._channels[qc] = ch
             q = await ch.declare_queue(self.topo.queue_for(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
             self._queues[qc] = q
-            self._consumer_tags[qc] = await q.consume(self._make_job_cb(qc), no_ack=False)
+            async with self._consumers_lock:
+                if self.store_health.up:
+                    self._consumer_tags[qc] = await q.consume(self._make_job_cb(qc), no_ack=False)
+                else:
+                    self._store_paused = True  # consumed once the store answers
         log.info(
             "worker_consuming",
             worker_id=self.cfg.worker_id,
@@ -404,6 +422,10 @@ class Worker:
         return 1 if self._fatal.is_set() else 0
 
     async def stop_consuming(self) -> None:
+        async with self._consumers_lock:
+            await self._cancel_consumers()
+
+    async def _cancel_consumers(self) -> None:
         for qc in (INTERACTIVE, BATCH):
             q, tag = self._queues.get(qc), self._consumer_tags.pop(qc, None)
             if q is not None and tag is not None:
@@ -420,7 +442,7 @@ class Worker:
         self._draining = True
         await self.stop_consuming()
         t_end = time.monotonic() + timeout
-        while self.active and time.monotonic() < t_end:
+        while time.monotonic() < t_end and any(self._drain_waits_for(kj) for kj in self.active.values()):
             await asyncio.sleep(0.05)
         leftover = list(self.active.values())
         for kj in leftover:
@@ -467,42 +489,98 @@ class Worker:
             del self._by_rid[kj.request_id]
 
     async def _store(self, kj: KeyJob | None, fn: Callable, *args: Any) -> Any:
-        """Call the store, waiting out outages with backoff. While the job
-        waits in admission it is HELD. Raises :class:`_Abandoned` when the
-        job leaves the phase it was in meanwhile."""
+        """Call the store. While it is unreachable the job is HELD (in
+        admission) and waits for the outage probe to find the store back
+        (``self.store_health``; the job itself does not call it meanwhile),
+        at most ``store_hold_s``: then it goes back to the broker, once (the
+        consumers are paused, so it is not redelivered here in a loop).
+        Raises :class:`_Abandoned` when the job leaves the phase it was in
+        meanwhile, or went back."""
         phase = None if kj is None else (_ADMISSION if kj.state in _ADMISSION else frozenset({kj.state}))
-        delay, warned = 0.1, False
+        health = self.store_health
+        give_up_at: float | None = None
         while True:
-            try:
-                value = await fn(*args)
-            except StoreUnavailable as exc:
-                self.stats["store_unavailable"] += 1
-                if not warned:
-                    log.warning("store_unavailable_waiting", key=None if kj is None else kj.key, error=str(exc))
-                    warned = True
-                if kj is not None and kj.state is JobState.ADMITTING:
-                    kj.to(JobState.HELD)
-                if self._closing:
-                    raise _Abandoned from None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.cfg.store_retry_max_s)
-                if kj is not None and kj.state not in phase:
-                    raise _Abandoned from None
+            if health.up:
+                try:
+                    value = await fn(*args)
+                except StoreUnavailable as exc:
+                    self.stats["store_unavailable"] += 1
+                    health.failed(exc)
+                    if give_up_at is None:
+                        log.warning("store_unavailable_waiting", key=None if kj is None else kj.key, error=str(exc),
+                                    hold_s=self.cfg.store_hold_s)  # fmt: skip
+                else:
+                    if kj is not None:
+                        if kj.state not in phase:
+                            raise _Abandoned
+                        if kj.state is JobState.HELD:
+                            kj.to(JobState.ADMITTING)
+                    return value
+            if kj is None:
+                await health.wait_up(None)
                 continue
-            if kj is not None:
-                if kj.state not in phase:
-                    raise _Abandoned
-                if kj.state is JobState.HELD:
-                    kj.to(JobState.ADMITTING)
-            return value
+            if kj.state is JobState.ADMITTING:
+                kj.to(JobState.HELD)
+            if self._closing or kj.state not in phase:
+                raise _Abandoned from None
+            now = time.monotonic()
+            give_up_at = now + self.cfg.store_hold_s if give_up_at is None else give_up_at
+            back = await health.wait_up(max(0.0, give_up_at - now))
+            if kj.state not in phase:
+                raise _Abandoned from None
+            if not back:
+                self.stats["store_hold_expired"] += 1
+                await self._requeue(kj, f"store unavailable for {self.cfg.store_hold_s:g}s")
+                raise _Abandoned from None
 
     async def _best_effort(self, what: str, fn: Callable, *args: Any) -> None:
-        """A store write whose loss costs nothing but efficiency."""
+        """A store write whose loss costs nothing but efficiency (skipped
+        while the store is down)."""
+        if not self.store_health.up:
+            self.stats["store_write_skipped"] += 1
+            return
         try:
             await fn(*args)
         except StoreUnavailable as exc:
             self.stats["store_write_skipped"] += 1
+            self.store_health.failed(exc)
             log.warning("store_write_skipped", what=what, error=str(exc))
+
+    def _drain_waits_for(self, kj: KeyJob) -> bool:
+        """Drain waits for a job that can finish: not for one held in
+        admission (it has not started: it goes back to the broker at once),
+        nor, while the store is down, for one that started (its result could
+        not be stored)."""
+        if kj.state is JobState.HELD:
+            return False
+        return self.store_health.up or kj.state in (JobState.RECEIVED, JobState.ADMITTING)
+
+    async def _on_store_change(self, up: bool) -> None:
+        """The store went down: both job consumers pause (a job taken now
+        would only be held); it answers again: they resume (batch unless
+        ``_pace_batch`` holds it). Whatever changed last wins."""
+        if self.metrics is not None:
+            self.metrics.store_up.labels(self.metrics.model_name).set(1 if self.store_health.up else 0)
+        async with self._consumers_lock:
+            if up != self.store_health.up or self._draining or self._closing:
+                return
+            if not up and not self._store_paused:
+                self._store_paused = True
+                await self._cancel_consumers()
+                log.info("job_consumers_paused", reason="store unavailable", held=len(self.active))
+            elif up and self._store_paused:
+                while self.store_health.up and not (self._draining or self._closing):
+                    try:
+                        for qc in (INTERACTIVE, BATCH):
+                            q = self._queues.get(qc)
+                            if q is not None and qc not in self._consumer_tags and not (qc == BATCH and self._batch_paused):
+                                self._consumer_tags[qc] = await q.consume(self._make_job_cb(qc), no_ack=False)
+                        self._store_paused = False
+                        log.info("job_consumers_resumed", reason="store available")
+                        return
+                    except Exception as exc:  # noqa: BLE001 - a channel being restored: try again
+                        log.warning("job_consumers_resume_failed", error=repr(exc))
+                        await asyncio.sleep(1.0)
 
     def _count_job(self, queue_class: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -652,6 +730,8 @@ class Worker:
         if self._cancelled_locally(key):
             await self._finish(kj, Result.failure(key, "cancelled", "the job was cancelled"))
             return
+        if not await self._limit_on_arrival(kj):
+            return
         rec = await self._store(kj, self.store.get, key)
         if rec is not None:
             await self._answer_from_record(kj, rec)
@@ -735,30 +815,59 @@ class Worker:
             return
         kj.admitted_mono = time.monotonic()
 
+    async def _limit_on_arrival(self, kj: KeyJob) -> bool:
+        """The tenant's in-flight and request-rate limits, judged as of the
+        job's arrival (``kj.received_at``) and asked before any store
+        look-up, so neither a slow store nor a loaded machine moves the
+        moment a job is counted (``tests/test_queue_tenant_arrival.py``).
+        Passing sets ``kj.limit_tokens`` to 0 (counted, no tokens charged
+        yet); a job that then never runs gives its request back
+        (``_release_limits``). Returns whether the job may go on."""
+        if self.limiter is None:
+            return True
+        try:
+            decision = await self.limiter.arrive(kj.job.tenant or "", kj.request_id, kj.received_at)
+        except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
+            self.stats["limiter_unavailable"] += 1
+            log.warning("limiter_unavailable", key=kj.key, error=repr(exc))
+            return True
+        if not decision.allowed:
+            await self._over_limit(kj, decision)
+            return False
+        kj.limit_tokens = 0
+        return True
+
+    async def _over_limit(self, kj: KeyJob, decision: Any) -> None:
+        """Interactive: answered rate_limited with retry_after_s; batch: it
+        waits, back in the broker (``_defer``)."""
+        tenant = kj.job.tenant or ""
+        self._count_rejection("rate_limited", decision.reason, kj.queue_class, tenant)
+        if kj.queue_class == INTERACTIVE:
+            await self._finish(kj, Result.failure(
+                kj.key, "rate_limited", f"tenant {tenant!r} is over its {decision.reason} limit",
+                retry_after_s=round(decision.retry_after_s, 3),
+            ))  # fmt: skip
+        else:
+            await self._defer(kj, decision.retry_after_s, decision.reason)
+
     async def _within_limits(self, kj: KeyJob, prompt_ids: list[int], label_ids: list[list[int]] | None) -> bool:
-        """The tenant's limits, then (interactive) the admission budget. A job
-        over them is answered (interactive: rate_limited or overloaded, with
-        retry_after_s) or given back to its queue to wait (batch); returns
-        whether it may run."""
+        """The tenant's tokens limit (charged as of the job's arrival), then
+        (interactive) the admission budget. A job over them is answered
+        (interactive: rate_limited or overloaded, with retry_after_s) or
+        given back to its queue to wait (batch); returns whether it may run."""
         job, key = kj.job, kj.key
         tenant = job.tenant or ""
-        if self.limiter is not None:
+        if self.limiter is not None and kj.limit_tokens is not None:  # counted on arrival: now its tokens
             tokens = len(prompt_ids) + (max(len(x) for x in label_ids) if label_ids else job.params.max_tokens)
             try:
-                decision = await self.limiter.acquire(tenant, kj.request_id, tokens)
+                decision = await self.limiter.charge(tenant, kj.request_id, tokens, kj.received_at)
             except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
                 self.stats["limiter_unavailable"] += 1
                 log.warning("limiter_unavailable", key=key, error=repr(exc))
                 decision = None
             if decision is not None and not decision.allowed:
-                self._count_rejection("rate_limited", decision.reason, kj.queue_class, tenant)
-                if kj.queue_class == INTERACTIVE:
-                    await self._finish(kj, Result.failure(
-                        key, "rate_limited", f"tenant {tenant!r} is over its {decision.reason} limit",
-                        retry_after_s=round(decision.retry_after_s, 3),
-                    ))  # fmt: skip
-                else:
-                    await self._defer(kj, decision.retry_after_s, decision.reason)
+                await self._release_limits(kj, used_tokens=0)
+                await self._over_limit(kj, decision)
                 return False
             if decision is not None:
                 kj.limit_tokens = tokens
@@ -810,8 +919,9 @@ class Worker:
         if kj.limit_tokens is None or self.limiter is None:
             return
         charged, kj.limit_tokens = kj.limit_tokens, None
+        unserved = kj.admitted_mono is None  # never reached the engine: its request is given back
         try:
-            await self.limiter.release(kj.job.tenant or "", kj.request_id, max(0, charged - used_tokens))
+            await self.limiter.release(kj.job.tenant or "", kj.request_id, max(0, charged - used_tokens), unserved=unserved)
         except Exception as exc:  # noqa: BLE001
             log.warning("limiter_release_failed", key=kj.key, error=repr(exc))
 
@@ -1294,13 +1404,14 @@ class Worker:
         while True:
             await asyncio.sleep(period)
             for kj in list(self.active.values()):
-                if not kj.claimed or kj.state is not JobState.RUNNING:
+                if not kj.claimed or kj.state is not JobState.RUNNING or not self.store_health.up:
                     continue
                 try:
                     if await self.store.renew(kj.key, self.cfg.worker_id, self.cfg.claim_lease_s):
                         continue
                     owner = await self.store.claim(kj.key, self.cfg.worker_id, self.cfg.claim_lease_s)
                 except StoreUnavailable as exc:
+                    self.store_health.failed(exc)
                     log.warning("claim_renew_failed", key=kj.key, error=str(exc))
                     continue
                 if owner is not None and kj.state is JobState.RUNNING:
@@ -1337,20 +1448,23 @@ class Worker:
         pressure = self.admission.pressure
         limit = self.cfg.admission.pause_batch_at
         q = self._queues.get(BATCH)
-        if q is None or self._closing or self._draining:
+        if q is None or self._closing or self._draining or self._store_paused:
             return
-        try:
-            if not self._batch_paused and pressure > limit and BATCH in self._consumer_tags:
-                await q.cancel(self._consumer_tags.pop(BATCH))
-                self._batch_paused = True
-                self.stats["batch_paused"] += 1
-                log.info("batch_consumer_paused", interactive_pressure=round(pressure, 2))
-            elif self._batch_paused and pressure < limit / 2:
-                self._consumer_tags[BATCH] = await q.consume(self._make_job_cb(BATCH), no_ack=False)
-                self._batch_paused = False
-                log.info("batch_consumer_resumed", interactive_pressure=round(pressure, 2))
-        except Exception as exc:  # noqa: BLE001 - a reconnect re-consumes anyway
-            log.warning("batch_pacing_failed", error=repr(exc))
+        async with self._consumers_lock:
+            if self._store_paused:  # the store went down meanwhile: it resumes batch itself
+                return
+            try:
+                if not self._batch_paused and pressure > limit and BATCH in self._consumer_tags:
+                    await q.cancel(self._consumer_tags.pop(BATCH))
+                    self._batch_paused = True
+                    self.stats["batch_paused"] += 1
+                    log.info("batch_consumer_paused", interactive_pressure=round(pressure, 2))
+                elif self._batch_paused and pressure < limit / 2:
+                    self._consumer_tags[BATCH] = await q.consume(self._make_job_cb(BATCH), no_ack=False)
+                    self._batch_paused = False
+                    log.info("batch_consumer_resumed", interactive_pressure=round(pressure, 2))
+            except Exception as exc:  # noqa: BLE001 - a reconnect re-consumes anyway
+                log.warning("batch_pacing_failed", error=repr(exc))
 
     # ------------------------------------------------------------ health
     def _readiness(self) -> tuple[bool, str]:
@@ -1359,6 +1473,8 @@ class Worker:
             return False, "stopping"
         if not self.ready.is_set():
             return False, "warming up"
+        if not self.store_health.up:
+            return False, f"store unavailable ({self.store_health.error})"
         if INTERACTIVE not in self._consumer_tags or (BATCH not in self._consumer_tags and not self._batch_paused):
             return False, "not consuming"
         return True, "consuming"

@@ -17,7 +17,10 @@ from typing import Any, Protocol
 
 class StoreUnavailable(Exception):
     """The store could not be reached (Redis down, a timeout). The worker
-    waits and retries; it never answers a job with an error because of it."""
+    never answers a job with an error because of it: it stops taking jobs,
+    holds the ones it has for a bounded time, gives them back to the broker,
+    and probes the store (``ping``) until it answers
+    (``jaxserve.worker.store_health``)."""
 
 
 @dataclasses.dataclass
@@ -34,11 +37,14 @@ class Record:
         return {"result": self.result, "delivered": self.delivered, "fingerprint": self.fingerprint}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Record":
+    def from_json(cls, data: dict[str, Any]) -> Record:
         return cls(dict(data["result"]), list(data.get("delivered") or []), data.get("fingerprint"))
 
 
 class IdempotencyStore(Protocol):
+    async def ping(self) -> None:
+        """Return when the store answers; :class:`StoreUnavailable` when
+        it does not (the outage probe's question)."""
     async def get(self, key: str) -> Record | None: ...
     async def put(self, key: str, record: Record) -> None: ...
     async def mark_delivered(self, key: str, dest: str) -> None: ...

@@ -20,6 +20,9 @@ class MemoryStore:
         self._claims: dict[str, tuple[str, float]] = {}
         self._cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()
 
+    async def ping(self) -> None:
+        pass  # in this process: always there
+
     async def get(self, key: str) -> Record | None:
         rec = self._results.get(key)
         if rec is not None:

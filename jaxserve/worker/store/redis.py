@@ -9,7 +9,8 @@ wait instead of hanging or failing jobs.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import orjson
 
@@ -62,6 +63,9 @@ class RedisStore:
             return await awaitable
         except self._errors as exc:
             raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
+
+    async def ping(self) -> None:
+        await self._call(self._r.ping())
 
     async def get(self, key: str) -> Record | None:
         async def fetch() -> tuple[Any, Any]:

@@ -93,6 +93,9 @@ class SqliteStore:
         except sqlite3.OperationalError as exc:  # locked / busy / disk I/O
             raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
 
+    async def ping(self) -> None:
+        self._run("SELECT 1")
+
     async def get(self, key: str) -> Record | None:
         row = self._run("SELECT record, expires FROM results WHERE key = ?", (key,)).fetchone()
         if row is None or row[1] < time.time():
