@@ -84,6 +84,33 @@ def test_job_fields_translate_and_unhonourable_fields_are_refused():
         assert needle.strip() in str(info.value), (needle, str(info.value))
 
 
+def test_batch_cli_constraint_options(tmp_path):
+    import click
+
+    from jaxserve.cli.batch_command import _output_constraint
+
+    assert _output_constraint(None, None, None) == {}
+    assert _output_constraint(None, " yes, no ,maybe", None) == {"guided_choice": ["yes", "no", "maybe"]}
+    good = tmp_path / "invoice v2.json"
+    good.write_text(json.dumps(SCHEMA))
+    fmt = _output_constraint(str(good), None, None)["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["schema"] == SCHEMA and fmt["json_schema"]["name"] == "invoice_v2"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}))
+    for args, needle in [
+        ((str(bad), None, None), "nope"),
+        ((str(good), "a,b", None), "not both"),
+        ((str(good), None, ["x", "y"]), "--labels"),
+        ((None, " , ", None), "at least one"),
+    ]:
+        with pytest.raises(click.BadParameter, match=needle):
+            _output_constraint(*args)
+    notjson = tmp_path / "x.json"
+    notjson.write_text("{oops")
+    with pytest.raises(click.BadParameter, match="not a readable JSON"):
+        _output_constraint(str(notjson), None, None)
+
+
 async def test_a_worker_answers_constrained_and_logprobs_jobs(prefix, worker, tmp_path):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
@@ -101,8 +128,13 @@ async def test_a_worker_answers_constrained_and_logprobs_jobs(prefix, worker, tm
             "tools": dict(prompt="x", tools=[{"type": "function", "function": {"name": "f"}}]),
         }  # fmt: skip
         results = dict(zip(jobs, await asyncio.gather(*(client.submit(**kw, queue="batch", timeout=300) for kw in jobs.values()))))
+        # streaming: the chunks of a constrained job concatenate to its JSON
+        stream = await client.stream("Invoice:", response_format=RESPONSE_FORMAT, max_tokens=120, temperature=1.0, seed=9, timeout=300)
+        streamed = "".join([piece async for piece in stream])
     finally:
         await client.close()
+    assert stream.result.ok and streamed == stream.result.text
+    jsonschema.validate(json.loads(streamed), SCHEMA)
     for name in ("schema", "chat-schema"):
         r = results[name]
         assert r.ok and r.finish_reason == "stop", r
