@@ -95,8 +95,9 @@ def _encode_tensor(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.nda
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
 
-def hf_weights(vocab: int, *, seed: int, tied: bool) -> dict[str, np.ndarray]:
-    """Random Hugging Face-layout Llama weights (norms around 1)."""
+def hf_weights(vocab: int, *, seed: int, tied: bool, qkv_bias: bool = False) -> dict[str, np.ndarray]:
+    """Random Hugging Face-layout Llama weights (norms around 1; q/k/v biases
+    as Qwen2 has them when ``qkv_bias``)."""
     rng = np.random.default_rng(seed)
     def mat(rows: int, cols: int, std: float = 0.08) -> np.ndarray:
         return (std * rng.standard_normal((rows, cols))).astype(np.float32)
@@ -109,6 +110,9 @@ def hf_weights(vocab: int, *, seed: int, tied: bool) -> dict[str, np.ndarray]:
         w[p + "self_attn.q_proj.weight"] = mat(H * D, E)
         w[p + "self_attn.k_proj.weight"] = mat(KVH * D, E)
         w[p + "self_attn.v_proj.weight"] = mat(KVH * D, E)
+        if qkv_bias:
+            for proj, rows in (("q", H * D), ("k", KVH * D), ("v", KVH * D)):
+                w[p + f"self_attn.{proj}_proj.bias"] = (0.05 * rng.standard_normal(rows)).astype(np.float32)
         w[p + "self_attn.o_proj.weight"] = mat(E, H * D)
         w[p + "post_attention_layernorm.weight"] = norm()
         w[p + "mlp.gate_proj.weight"] = mat(I, E)
@@ -125,6 +129,9 @@ _GGUF_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -167,11 +174,12 @@ def write_llama_gguf(
     w.add_rope_dimension_count(D)
     w.add_vocab_size(vocab)
     _add_vocab(w, vocab_meta)
+    permuted = arch == "llama"  # llama.cpp's converter permutes Llama's Q/K rows, not Qwen2's
     for name, value in weights.items():
         if value.ndim == 2:
-            if name.endswith("q_proj.weight"):
+            if permuted and name.endswith("q_proj.weight"):
                 value = _permute(value, H)
-            elif name.endswith("k_proj.weight"):
+            elif permuted and name.endswith("k_proj.weight"):
                 value = _permute(value, KVH)
             qtype = types.get(name, QT.F32) if isinstance(types, dict) else types
             data = _encode_tensor(value, qtype, rng)
@@ -399,6 +407,25 @@ def test_greedy_tokens_equal_transformers_sentencepiece_tied(spm_tied, cache):
     ids, ours, theirs = _greedy_pair(folder, name, "Workers pull jobs from the broker")
     assert ids[0] == 1  # add-BOS is the default of a SentencePiece vocabulary
     assert ours == theirs
+
+
+def test_qwen2_file_with_biases_equals_transformers(tmp_path, cache):
+    """Qwen2: q/k/v biases, rows not permuted, Qwen2's pre-tokenizer."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.presets import resolve_model
+    from jaxserve.tokenizer import Tokenizer
+
+    vocab = gpt2_vocab("qwen2")
+    weights = hf_weights(len(vocab["tokens"]), seed=11, tied=False, qkv_bias=True)
+    write_llama_gguf(tmp_path / "qwen2.gguf", vocab, weights, QT.Q8_0, arch="qwen2")
+    folder = resolve_model(tmp_path / "qwen2.gguf")
+    assert ModelConfig.from_folder(folder).architecture == "Qwen2ForCausalLM"
+    ours = Tokenizer.from_folder(folder)
+    theirs = _hf_tokenizer(tmp_path, "qwen2.gguf")
+    for text in TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+    ids, mine, hf = _greedy_pair(tmp_path, "qwen2.gguf", "Producers put 12 jobs on the queue")
+    assert mine == hf
 
 
 def test_model_folder_files(mixed, cache):
