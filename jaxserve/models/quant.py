@@ -225,7 +225,7 @@ def quantize_activations(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
     I, T = x.shape
     xt = x.astype(jnp.float32).T.reshape(T, I // GROUP, GROUP)
     amax = jnp.max(jnp.abs(xt), axis=-1)
-    d = amax / jnp.float32(127.0)
+    d = amax * jnp.float32(1.0 / 127.0)
     inv = jnp.where(d > 0, jnp.float32(1.0) / jnp.where(d > 0, d, 1.0), 0.0)
     xq = jnp.round(xt * inv[..., None]).astype(jnp.int8)
     return xq, d, jnp.sum(xq.astype(jnp.int32), axis=-1)
@@ -275,7 +275,7 @@ def reference_matmul(w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
     O, I = w.shape
     G = I // GROUP
     xt = x.T.reshape(x.shape[1], G, GROUP)
-    d = np.abs(xt).max(axis=-1) / np.float32(127.0)
+    d = np.abs(xt).max(axis=-1) * np.float32(1.0 / 127.0)
     inv = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
     xq = np.rint(xt * inv[..., None]).astype(np.int64)
     sx = xq.sum(axis=-1)

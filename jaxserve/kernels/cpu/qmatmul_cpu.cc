@@ -8,7 +8,7 @@
 //   out   f32  [O, T]       dequantize(w) @ x, with x quantized as below
 //
 // The activations are quantized per token and block of 32 features to int8
-// with a float32 scale (dx = max|x| / 127, xq = round(x / dx)), as
+// with a float32 scale (dx = max|x| * f32(1/127), xq = round(x * (1 / dx))), as
 // jaxserve.models.quant.quantize_activations does, and each block's product
 // is an exact int32 dot of the weight's integers and xq, then
 // out += d * dx * dot (q4_0: dot - 8 * sum(xq); q4_1: + m * dx * sum(xq)).
@@ -117,8 +117,14 @@ void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Act
         v[k] = x[(b * kGroup + k) * T + t];
         amax = std::max(amax, std::fabs(v[k]));
       }
-      const float d = amax / 127.0f;
-      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+      // d = amax * float(1/127), inv = 1 / d, x * inv: each rounded as the
+      // Python side rounds it. The volatiles keep -ffast-math from folding
+      // them into 127 / amax or x / d, which round differently and move
+      // ties (x.5) of xq by one.
+      volatile float d_kept = amax * (1.0f / 127.0f);
+      const float d = d_kept;
+      volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
+      const float inv = inv_kept;
       int32_t sum = 0;
       for (int64_t k = 0; k < kGroup; ++k) {
         const int8_t q = static_cast<int8_t>(std::nearbyint(v[k] * inv));
