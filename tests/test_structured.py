@@ -208,19 +208,24 @@ def test_a_grammar_failure_mid_generation_fails_that_job_only(llm):
     engine.add_request("neighbour", "hello", SamplingParams(max_tokens=8, temperature=1.0, seed=4, structured=spec))
     engine.add_request("free", "hello", SamplingParams(max_tokens=8, temperature=1.0, seed=5))
     victim = engine._constraints["victim"]
-    real_fill = victim.fill_mask
+    real_fill = engine.structured.fill_masks
 
-    def sabotaged(tokens):
-        row = real_fill(tokens)
-        row[:] = -1
-        return row
+    def sabotaged(items):
+        masks = real_fill(items)
+        for i, (constraint, _) in enumerate(items):
+            if constraint is victim:
+                masks[i] = -1
+        return masks
 
-    victim.fill_mask = sabotaged
+    engine.structured.fill_masks = sabotaged
     done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        del engine.structured.fill_masks
     assert done["victim"].finish_reason == "error"
     assert done["victim"].error.code == "internal" and not done["victim"].error.retryable
     assert "structured output failed" in done["victim"].error.message
@@ -286,6 +291,21 @@ def test_masks_have_the_model_vocab_width_and_allow_only_eos_at_the_end(backend)
     end = c.fill_mask(ids)
     bits = np.unpackbits(end.view(np.uint8), bitorder="little")
     assert np.flatnonzero(bits).tolist() == backend.eos_token_ids
+
+
+def test_a_steps_masks_filled_together_equal_one_row_at_a_time(backend):
+    specs = [json_schema_constraint(SCHEMAS[i % len(SCHEMAS)]) for i in range(6)] + [StructuredOutput("regex", "[0-9]{4}")]
+    text = ['{"person":{"name":"ab', '{"tags":["red"', '{"score":1.', '{"kind":"a"', '[{"id":3', '"ab', "12"]
+    outputs = [_tokens_of(backend, t) for t in text]
+    batched = [backend.start(s) for s in specs]
+    masks = backend.fill_masks(list(zip(batched, outputs)))
+    assert masks.shape == (len(specs), backend.num_words)
+    for spec, out, mask in zip(specs, outputs, masks):
+        assert np.array_equal(mask, backend.start(spec).fill_mask(out))
+    # a matcher that cannot take the output records an error; its row allows everything
+    broken = backend.start(StructuredOutput("regex", "[0-9]+"))
+    [row] = backend.fill_masks([(broken, _tokens_of(backend, "abc"))])
+    assert broken.error is not None and (row == -1).all()
 
 
 def test_grammars_compile_once_per_distinct_constraint(backend):

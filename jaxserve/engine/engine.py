@@ -622,6 +622,7 @@ class Engine:
                     score_targets=s.score_targets,
                 )
             )
+        self._fill_masks(work)
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
         result = self.runner.execute(work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies)
         self._in_flight = (plan, result)
@@ -890,12 +891,22 @@ class Engine:
         }
         constraint = self._constraints.get(req.request_id)
         if constraint is not None:
-            row["mask"] = constraint.fill_mask(req.output_token_ids)
+            row["constraint"] = (constraint, req.output_token_ids)  # its mask: _fill_masks, the step's rows at once
         if p.has_penalties:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
 
+
+    def _fill_masks(self, work: list[SeqWork]) -> None:
+        """Structured output: the token masks of a step's constrained rows,
+        computed together (``StructuredBackend.fill_masks``)."""
+        rows = [w.sampling for w in work if w.sampling is not None and "constraint" in w.sampling]
+        if not rows:
+            return
+        masks = self.structured.fill_masks([row.pop("constraint") for row in rows])
+        for row, mask in zip(rows, masks):
+            row["mask"] = mask
 
     def _keep_top(self, request_ids: list[str], top) -> None:
         """Hold the ``top_logprobs`` alternatives of collected tokens until

@@ -110,6 +110,7 @@ class StructuredBackend:
         self._cache: collections.OrderedDict[StructuredOutput, object] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # distinct grammars compiled (the cache's misses)
+        self._executor = None  # llguidance's parallel mask filler (fill_masks)
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
@@ -151,6 +152,39 @@ class StructuredBackend:
                 self._cache.popitem(last=False)
         return matcher
 
+    def fill_masks(self, items: Sequence[tuple["Constraint", Sequence[int]]]) -> np.ndarray:
+        """The masks of a step's constrained rows at once: ``[len(items),
+        num_words]`` int32, row ``i`` for ``items[i] = (constraint, its
+        request's output so far)``. Each matcher first catches up with its
+        output (:meth:`Constraint.catch_up`); the masks are then computed
+        by llguidance's executor on its thread pool, all rows in parallel
+        (one at a time, a 64-row batch of a 49k vocabulary spends
+        milliseconds per step inside JSON strings)."""
+        out = np.full((len(items), self.num_words), -1, np.int32)
+        live = []
+        for i, (constraint, tokens) in enumerate(items):
+            constraint.catch_up(tokens)
+            if constraint.error is None:
+                live.append((i, constraint))
+        if not live:
+            return out
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        words = self._tokenizer_words
+        buf = np.zeros((len(live), words), np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(c.matcher, j) for j, (_, c) in enumerate(live)], buf.ctypes.data, words * 4, len(live)
+        )
+        for j, (i, constraint) in enumerate(live):
+            if constraint.matcher.is_error():
+                constraint.error = f"structured output failed: {constraint.matcher.get_error()}"
+                continue
+            out[i, :words] = buf[j]
+            out[i, words:] = 0
+        return out
+
     def start(self, spec: StructuredOutput) -> "Constraint":
         """A request's constraint (its own copy of the compiled matcher)."""
         return Constraint(self.compile(spec), self.num_words, self._tokenizer_words)
@@ -173,7 +207,16 @@ class Constraint:
     def num_consumed(self) -> int:
         return len(self._fed)
 
-    def _catch_up(self, output_token_ids: Sequence[int]) -> None:
+    @property
+    def matcher(self):
+        """The llguidance matcher, advanced to the output consumed so far."""
+        return self._matcher
+
+    def catch_up(self, output_token_ids: Sequence[int]) -> None:
+        """Bring the matcher to ``output_token_ids`` (the request's whole
+        output so far); a token it cannot accept records :attr:`error`."""
+        if self.error is not None:
+            return
         n = len(self._fed)
         if len(output_token_ids) < n or list(output_token_ids[:n]) != self._fed:
             # output cut back (preemption, a recomputed step): replay from scratch
@@ -193,11 +236,11 @@ class Constraint:
 
     def fill_mask(self, output_token_ids: Sequence[int]) -> np.ndarray:
         """The bitmask (int32 ``[num_words]``) of the tokens allowed after
-        ``output_token_ids`` (the request's whole output so far). After an
-        error, every token is allowed (the engine fails the request when it
-        sees :attr:`error`)."""
-        if self.error is None:
-            self._catch_up(output_token_ids)
+        ``output_token_ids`` (the request's whole output so far), for one
+        row (``StructuredBackend.fill_masks`` does a step's rows at once).
+        After an error, every token is allowed (the engine fails the request
+        when it sees :attr:`error`)."""
+        self.catch_up(output_token_ids)
         row = np.zeros(self.num_words, np.int32)
         if self.error is not None:
             row[:] = -1
