@@ -51,17 +51,20 @@ def row(f: Figure, res: Result, path: Path) -> str:
     else:
         ratio = f"–{_goal_cell(f)}"
     parts = []
-    if f.ratio_runs:
+    if len(s.runs) <= 1 and (f.peer is None or len(f.peer.runs) <= 1):
+        parts.append("one run: no spread")
+    elif f.ratio_runs:
         parts.append(f"ratio {num(min(f.ratio_runs))}-{num(max(f.ratio_runs))}x")
     for st in (s, f.peer):
-        if st is not None and st.spread is not None:
+        if st is not None and st.spread is not None and len(st.runs) > 1:
             lo, hi = st.spread
             swing = f", max/min {st.max_over_min:.2f}" if st.max_over_min else ""
             parts.append(f"{st.label} {num(lo)}-{num(hi)}{swing}")
     rule = f.spread_rule
     if rule is not None:
         parts.append("swing no wider than the peer's" if rule else "**swing wider than the peer's**")
-    parts.append(f"{len(s.runs)} rounds")
+    if len(s.runs) > 1:
+        parts.append(f"{len(s.runs)} rounds")
     commit = f"{res.git.get('commit')}{' (dirty)' if res.git.get('jaxserve_dirty') else ''}"
     note = f" {f.note}" if f.note else ""
     cells = [f.what + note, figure, peer, ratio, "; ".join(parts), machine_mod.short(res.machine),
