@@ -208,6 +208,10 @@ class Engine:
 
     def warmup(self) -> None:
         """Compile every shape bucket before the first request."""
+        import threading
+
+        # meanwhile, structured output's tokenizer (StructuredBackend.prepare)
+        threading.Thread(target=self.structured.prepare, name="structured-prepare", daemon=True).start()
         self.runner.warmup()
 
     @property

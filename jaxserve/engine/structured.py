@@ -109,10 +109,25 @@ class StructuredBackend:
         self._tokenizer_words = 0
         self._cache: collections.OrderedDict[StructuredOutput, object] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self.num_compiled = 0  # distinct grammars compiled (the cache's misses)
         self._executor = None  # llguidance's parallel mask filler (fill_masks)
 
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (seconds at a 49k vocabulary on a
+        busy CPU) rather than under the first constrained request, which
+        would hold every other request's step; ``Engine.warmup`` starts it
+        on a thread of its own. A failure here is left for that request."""
+        try:
+            self._llg_tokenizer()
+        except Exception:  # noqa: BLE001 - raised again, to the request, by _llg_tokenizer
+            pass
+
     def _llg_tokenizer(self):
+        with self._tokenizer_lock:
+            return self._build_tokenizer()
+
+    def _build_tokenizer(self):
         if self._tokenizer is None:
             import llguidance
 
