@@ -316,3 +316,25 @@ def test_grammars_compile_once_per_distinct_constraint(backend):
         backend.start(json_schema_constraint(json.dumps(schema)))
     backend.start(StructuredOutput("regex", "q+"))
     assert backend.num_compiled - before == 2
+
+
+def test_the_sampler_applies_llguidances_bit_layout_to_masked_rows_only():
+    import jax.numpy as jnp
+
+    from jaxserve.engine.sampler import apply_token_mask, mask_words
+
+    rng = np.random.default_rng(0)
+    vocab = 77  # not a multiple of 32: the last word is partial
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    allowed = rng.random((3, vocab)) < 0.3
+    words = np.zeros((3, mask_words(vocab)), np.uint32)
+    for r, v in zip(*np.nonzero(allowed)):
+        words[r, v // 32] |= np.uint32(1) << np.uint32(v % 32)
+    masked = np.array([True, False, True])
+    out = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(words.view(np.int32)), jnp.asarray(masked)))
+    for r in range(3):
+        if masked[r]:
+            assert np.array_equal(out[r][allowed[r]], logits[r][allowed[r]])
+            assert (out[r][~allowed[r]] <= -1e29).all()
+        else:
+            assert np.array_equal(out[r], logits[r])  # bit for bit
