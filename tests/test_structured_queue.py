@@ -213,3 +213,19 @@ async def test_jaxserve_batch_with_a_schema_for_every_row(prefix, worker, tmp_pa
     if comp.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(comp.choices[0].text), dict)
     assert got["tools-1"]["response"] is None and got["tools-1"]["error"]["code"] == "invalid_request"
+
+
+def test_batch_command_refuses_a_bad_schema_before_publishing(tmp_path):
+    from click.testing import CliRunner
+
+    from jaxserve.cli.main import cli
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"id": "a", "prompt": "x"}\n')
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "nope"}}}')
+    result = CliRunner().invoke(cli, ["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "--json-schema", str(schema),
+                                      "--amqp-url", "amqp://guest:guest@127.0.0.1:1/"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "--json-schema" in result.output and "nope" in result.output
+    assert not (tmp_path / "out.jsonl").exists()
