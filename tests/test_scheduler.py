@@ -768,7 +768,58 @@ def test_interactive_cap_of_zero_means_no_cap():
     assert plan(out) == [("i", 4, 1, True), ("b1", 0, 20, True)]
 
 
-@pytest.mark.parametrize("field,value", [("interactive_batch_prefill_tokens", -1),
+def test_batch_decodes_take_turns_within_the_step_cap_while_interactive_work_runs():
+    clock = FakeClock()
+    s = make_capped(clock, max_num_seqs=6, interactive_batch_step_tokens=2)
+    for k in range(4):
+        s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
+    out, _ = step(s)  # no interactive work seen yet: every batch prompt at once
+    assert plan(out) == [(f"d{k}", 0, 2, True) for k in range(4)]
+    s.add_request(req("i", 4, max_tokens=20, cls="interactive", arrival=4))
+    out, _ = step(s)
+    assert plan(out) == [("i", 0, 4, True)]  # its own step
+    # then two batch decodes a step, least recently served first; the
+    # interactive decode is not counted
+    out, _ = step(s)
+    assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True)]
+    out, _ = step(s)
+    assert plan(out) == [("i", 5, 1, True), ("d2", 2, 1, True), ("d3", 2, 1, True)]
+    out, _ = step(s)
+    assert plan(out) == [("i", 6, 1, True), ("d0", 3, 1, True), ("d1", 3, 1, True)]
+    s.abort("i")
+    clock.now += 2.0  # interactive_recent_s after the last interactive work
+    out, _ = step(s)
+    assert plan(out) == [("d0", 4, 1, True), ("d1", 4, 1, True), ("d2", 3, 1, True), ("d3", 3, 1, True)]
+
+
+def test_batch_prompt_chunks_get_what_the_decodes_leave_of_the_step_cap():
+    clock = FakeClock()
+    s = make_capped(clock, max_num_seqs=6, interactive_batch_step_tokens=4)
+    for k in range(3):
+        s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
+    step(s)
+    s.add_request(req("i", 4, max_tokens=20, cls="interactive", arrival=3))
+    step(s)  # i's own step
+    s.add_request(req("p", 10, cls="batch", arrival=4))
+    out, _ = step(s)
+    # three decodes, then one prompt token: four batch tokens in all (the
+    # prompt cap alone, 6, would have given p six)
+    assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True), ("d2", 2, 1, True),
+                         ("p", 0, 1, False)]
+
+
+def test_the_step_cap_leaves_batch_only_serving_alone():
+    s = make_capped(FakeClock(), max_num_seqs=6, interactive_batch_step_tokens=2)
+    for k in range(4):
+        s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
+    step(s)
+    out, _ = step(s)
+    assert plan(out) == [(f"d{k}", 2, 1, True) for k in range(4)]
+
+
+@pytest.mark.parametrize("field,value", [("interactive_batch_step_tokens", -1),
+                                         ("interactive_batch_step_tokens", 2.5),
+                                         ("interactive_batch_prefill_tokens", -1),
                                          ("interactive_batch_prefill_tokens", 1.5),
                                          ("interactive_recent_s", -0.1),
                                          ("interactive_recent_s", float("nan")),

@@ -29,7 +29,10 @@ One step, in order:
    running, or seen within ``interactive_recent_s``), batch prompt chunks
    and admissions together get at most ``interactive_batch_prefill_tokens``
    of the step: an arriving interactive prompt waits for the step in
-   flight, and batch prompt tokens are what make a step long.
+   flight, and batch prompt tokens are what make a step long. With
+   ``interactive_batch_step_tokens`` set, the batch tokens of a step,
+   decodes included, are bounded too at such times: the batch decodes
+   beyond it wait a step, those served least recently going first.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -265,6 +268,7 @@ class Scheduler:
         self._rows_left = config.max_num_seqs  # logits rows left in the step being planned
         self._clock = clock
         self._interactive_seen = float("-inf")  # clock() when interactive work was last about
+        self._last_served: dict[str, int] = {}  # request id -> the last step that planned it
 
     # ------------------------------------------------------------ admission
 
@@ -334,6 +338,14 @@ class Scheduler:
         # batch admissions, so an interactive prefill never waits behind a
         # batch prefill chunk for the step's token budget.
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        # While interactive work is about, one step's batch tokens (decodes
+        # and prompt chunks) are bounded (SchedulerConfig.
+        # interactive_batch_step_tokens): the step in flight is what an
+        # arriving interactive prompt waits for. The batch decodes that do
+        # not fit wait one step, least recently served first next time.
+        step_cap = cfg.interactive_batch_step_tokens if interactive_about else 0
+        if step_cap:
+            decodes = self._batch_decodes_within(decodes, step_cap)
         # A step that starts an interactive prompt is that prompt's own
         # (SchedulerConfig.interactive_prefill_alone): batch decodes wait.
         alone = cfg.interactive_prefill_alone and self._interactive_prompt_pending(interactive)
@@ -352,10 +364,25 @@ class Scheduler:
         cap = cfg.interactive_batch_prefill_tokens
         if cap and interactive_about:
             budget = min(budget, cap)  # the batch prompt tokens' share: nothing else follows them
+        if step_cap:
+            batch_tokens = sum(n for r, n, _ in planned.values() if r.request_class != RequestClass.INTERACTIVE)
+            budget = min(budget, step_cap - batch_tokens)
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
         return self._plan(planned, preempted)
+
+    def _batch_decodes_within(self, decodes: list[Request], limit: int) -> list[Request]:
+        """``decodes`` with at most ``limit`` batch ones: those served least
+        recently (then in running order), so every batch sequence advances
+        in turn; interactive decodes all stay. Running order is kept."""
+        batch = [r for r in decodes if r.request_class != RequestClass.INTERACTIVE]
+        if len(batch) <= limit:
+            return decodes
+        order = {id(r): k for k, r in enumerate(batch)}
+        chosen = sorted(batch, key=lambda r: (self._last_served.get(r.request_id, -1), order[id(r)]))[:limit]
+        keep = {id(r) for r in chosen}
+        return [r for r in decodes if r.request_class == RequestClass.INTERACTIVE or id(r) in keep]
 
     def _interactive_prompt_pending(self, interactive: list[Request]) -> bool:
         """Whether an interactive prompt waits to be computed: a waiting
@@ -434,6 +461,7 @@ class Scheduler:
         scheduled = []
         total = 0
         for req, n, is_new in planned.values():
+            self._last_served[req.request_id] = self._step
             start = req.num_computed_tokens
             scheduled.append(
                 ScheduledRequest(
@@ -827,6 +855,7 @@ class Scheduler:
             req.block_ids = []
         req.status = status
         del self.requests[req.request_id]
+        self._last_served.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
         if status == RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(req.request_id)
