@@ -7,9 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from jaxserve.worker.limits import LimitsConfig, MemoryLimiter, RedisLimiter, TenantLimit
 from test_queue_faults import private_redis  # noqa: F401 - fixture
+
+from jaxserve.worker.limits import (
+    LimitsConfig,
+    MemoryLimiter,
+    RedisLimiter,
+    TenantLimit,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,7 +22,6 @@ import urllib.request
 
 import orjson
 import pytest
-
 from busy_cpu import busy_cpu
 from queue_support import client, prefix, start_worker_process  # noqa: F401 - fixtures
 from test_queue_faults import free_port, private_redis, queue_depth  # noqa: F401 - fixture
@@ -45,7 +44,7 @@ def probe(port: int, path: str) -> tuple[int, str]:
 
 def store_up(port: int) -> float | None:
     _, text = probe(port, "/metrics")
-    m = re.search(r"^jaxserve_store_up\{[^}]*\} (\S+)$", text, re.M)
+    m = re.search(r"^jaxserve_store_up\{[^}]*\} (\S+)$", text, re.MULTILINE)
     return None if m is None else float(m.group(1))
 
 
@@ -68,7 +67,7 @@ async def _depth_is(queue: str, n: int) -> bool:
 
 
 def _epoch(event: dict) -> float:
-    return datetime.datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+    return datetime.datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
 def events(log_path, name: str, key: str | None = None) -> list[dict]:

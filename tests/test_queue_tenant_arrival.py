@@ -14,11 +14,11 @@ import asyncio
 import collections
 
 import pytest
-
 from busy_cpu import busy_cpu
+from queue_support import EchoEngine, client, harness, prefix  # noqa: F401 - fixtures
+
 from jaxserve.worker.limits import LimitsConfig, TenantLimit
 from jaxserve.worker.store import MemoryStore
-from queue_support import EchoEngine, client, harness, prefix  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 
