@@ -31,9 +31,11 @@ def _operands(rows: int, inner: int, tokens: int, seed: int = 0) -> tuple[np.nda
 
 
 @needs_kernel
-@pytest.mark.parametrize("tokens", [16, 32, 48, 64])
+@pytest.mark.parametrize("tokens", [16, 32, 48, 64, 80, 208, 512])
 @pytest.mark.parametrize(("rows", "inner"), [(1, 5), (37, 77), (1000, 512), (7, 1408)])
 def test_matches_a_float64_reference(rows, inner, tokens):
+    """(more than 64 tokens: x copied into 64-column panels, the last one
+    narrower at 80 and 208)"""
     w, x = _operands(rows, inner, tokens)
     out = np.asarray(_mm(w, x))
     ref = w.astype(np.float64) @ x.astype(np.float64)
@@ -53,6 +55,18 @@ def test_a_tokens_column_does_not_depend_on_the_rest_of_the_batch():
         cols = rng.choice(64, size=tokens, replace=False)
         part = np.asarray(_mm(w, np.ascontiguousarray(x[:, cols])))
         np.testing.assert_array_equal(part, full[:, cols])
+
+
+@needs_kernel
+def test_a_wide_batchs_columns_equal_the_same_columns_in_narrow_batches():
+    """Panels (more than 64 tokens) change where a column is read, not its
+    sum: every column of a 208-token product equals the same column in a
+    16- or 64-token one."""
+    w, x = _operands(100, 300, 208, seed=3)
+    wide = np.asarray(_mm(w, x))
+    for lo, width in ((0, 64), (64, 64), (192, 16), (128, 64)):
+        part = np.asarray(_mm(w, np.ascontiguousarray(x[:, lo : lo + width])))
+        np.testing.assert_array_equal(part, wide[:, lo : lo + width])
 
 
 @needs_kernel
@@ -123,8 +137,9 @@ def _prefill_step(vocab: int):
 @needs_kernel
 @pytest.mark.parametrize("family", list(mf.FAMILIES))
 def test_prefill_sized_programs_on_the_cpu_path_equal_the_reference_path(family, folders):
-    """Above MATMUL_MAX_TOKENS the CPU path projects keys and values
-    token-major (a second dot, no transpose): its hidden states for a
+    """Above MATMUL_QKV_MAX_TOKENS the CPU path projects keys and values
+    token-major (a second dot, no transpose; the other matrices take the
+    C++ matmul up to MATMUL_MAX_TOKENS): its hidden states for a
     128-token step equal those of the reference attention path (XLA's fused
     projection, the pure-JAX kernel) on the same cached prefix."""
     from test_last_layer_pruning import _filled_cache

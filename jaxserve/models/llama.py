@@ -255,7 +255,9 @@ class LlamaForCausalLM(nnx.Module):
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            if cpu_dense and not quant.is_quantized(w["wqkv"]) and _cpu_matmul(w["wqkv"], x) is None:
+            if cpu_dense and not quant.is_quantized(w["wqkv"]) and (
+                _cpu_matmul(w["wqkv"], x) is None or T > cpu_kernels.MATMUL_QKV_MAX_TOKENS
+            ):
                 # XLA's matmul here; it would transpose feature-major keys and
                 # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
                 # tokens), while a second dot leaves them token-major for free

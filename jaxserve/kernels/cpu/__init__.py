@@ -1,6 +1,6 @@
 """The CPU kernels, built on first use: paged attention
 (``paged_attention_cpu.cc``), and for decode steps the dense matmuls
-(``matvec_cpu.cc`` for 1-16 tokens, ``matmul_cpu.cc`` for 32-64) and the
+(``matvec_cpu.cc`` for 1-16 tokens, ``matmul_cpu.cc`` for 32-512) and the
 greedy pick (``vocab_argmax_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
@@ -70,14 +70,22 @@ SYMBOL_QMATMUL = "JaxserveQmatmulCpu"
 EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
 #: :func:`matmul_cpu` takes token counts that are a multiple of this
 MATMUL_TOKEN_MULTIPLE = 16
-#: the programs whose matmuls it takes (:func:`matmul_pays`): outside these
-#: token counts, and for more output rows (the vocabulary projection), XLA's
-#: own matmul measured as fast or faster (commits a08414a and 9489a6e: 32
-#: tokens 1.18x on an AVX-512 Intel machine, 0.89x on an AVX-512 EPYC, which
-#: took 48 up; an AVX2-only EPYC, fe11cca: 1.27x at 32 tokens, 1.08x at 64)
+#: the programs whose matmuls it takes (:func:`matmul_pays`): below 32
+#: tokens XLA's own matmul measured as fast or faster (commits a08414a and
+#: 9489a6e: 32 tokens 1.18x on an AVX-512 Intel machine, 0.89x on an AVX-512
+#: EPYC, which took 48 up; an AVX2-only EPYC, fe11cca: 1.27x at 32 tokens,
+#: 1.08x at 64). Up to 512 tokens (prefill-sized steps of the default 512-token
+#: budget) since wide inputs are copied into 64-column panels (matmul_cpu.cc):
+#: SmolLM2-135M's layer matrices on a 2-vCPU AVX-512 Xeon, 1.19x XLA's CPU
+#: time at 128 tokens, 1.16x at 512, 1.05x at 2048. Its vocabulary projection
+#: (49152 x 576) at 64 rows: 1.28x, so the row limit covers vocabularies.
 MATMUL_MIN_TOKENS = 32
-MATMUL_MAX_TOKENS = 64
-MATMUL_MAX_ROWS = 8192
+MATMUL_MAX_TOKENS = 512
+MATMUL_MAX_ROWS = 1 << 18
+#: the fused q/k/v projection takes it only up to here: its keys and values
+#: come out feature-major and need a transpose, which the model avoids in
+#: wider programs by projecting them token-major with XLA's dot (llama.py)
+MATMUL_QKV_MAX_TOKENS = 64
 #: the token counts :func:`matvec_cpu` computes
 MATVEC_KERNEL_TOKENS = (1, 2, 4, 8, 16, 32)
 #: the token counts the model gives it (:func:`matvec_pays`):
@@ -244,9 +252,8 @@ def matmul_pays(w: jax.Array, x: jax.Array) -> bool:
     """Whether the model should take :func:`matmul_cpu` for ``w @ x``: shapes
     it computes, with a token count in ``[MATMUL_MIN_TOKENS,
     MATMUL_MAX_TOKENS]`` and at most ``MATMUL_MAX_ROWS`` output rows, where
-    it measured faster than XLA's matmul (commit a08414a: fewer
-    tokens, and the vocabulary projection, are XLA's). Availability is
-    :func:`available`."""
+    it measured faster than XLA's matmul (see the constants; fewer tokens
+    are XLA's). Availability is :func:`available`."""
     T = x.shape[-1]
     return (
         _matmul_shapes_ok(w, x) and MATMUL_MIN_TOKENS <= T <= MATMUL_MAX_TOKENS
@@ -309,13 +316,16 @@ def qmatmul_serves(w, x: jax.Array) -> bool:
     )  # fmt: skip
 
 
-def qmatmul_cpu(w, x: jax.Array) -> jax.Array:
+def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     """``dequantize(w) @ x`` for a ``QuantizedWeight`` ``[O, I]`` and
     feature-major float inputs ``[I, T]``, float32 ``[O, T]``, from the C++
     kernel (``qmatmul_cpu.cc``): the activations quantized per token and
     block of 32 to int8, integer dots per block, as
-    ``jaxserve.models.quant.matmul`` computes them. Call :func:`available`
-    first."""
+    ``jaxserve.models.quant.matmul`` computes them. ``mode=1`` (only for
+    ``benchmarks/quant_kernel_ab.py``): at 1-16 tokens on a VNNI build and
+    an even number of blocks per row, float activations against weights
+    widened to float instead (the alternative the kernel was measured
+    against). Call :func:`available` first."""
     if not qmatmul_serves(w, x):
         raise ValueError(
             f"qmatmul_cpu takes a quantized [O, I] weight @ float [I, T], not "
@@ -324,7 +334,7 @@ def qmatmul_cpu(w, x: jax.Array) -> jax.Array:
     mins = w.scale if w.min is None else w.min
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_QMATMUL, out)(
-        w.q, w.scale, mins, x.astype(jnp.float32), kind=np.int32(_QUANT_KINDS[w.kind])
+        w.q, w.scale, mins, x.astype(jnp.float32), kind=np.int32(_QUANT_KINDS[w.kind]), mode=np.int32(mode)
     )
 
 
