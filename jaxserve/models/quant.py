@@ -208,6 +208,21 @@ def load_param(src: Any, parts: list[tuple[str, tuple[int, ...], Any]], kind: st
     return to_device(quantize(arr, kind))
 
 
+#: the matrices of ``jaxserve.models.llama`` that quantization stores as blocks
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def quantize_model(model: Any, kind: str) -> None:
+    """Quantize a loaded float model's matrices (the embedding, ``lm_head``
+    and every layer's :data:`MATRICES`) in place, one at a time, with
+    :func:`quantize`: what ``load_model(..., quantization=...)`` does as it
+    reads a float checkpoint, for a model already in memory (benchmarks)."""
+    params = [model.embed] + ([] if model.lm_head is None else [model.lm_head])
+    params += [getattr(layer, name) for layer in model.layers for name in MATRICES]
+    for p in params:
+        p.set_value(to_device(quantize(np.asarray(p[...], np.float32), kind)))
+
+
 def to_device(w: QuantizedWeight) -> QuantizedWeight:
     """The same weight with JAX arrays as leaves."""
     return jax.tree.map(jnp.asarray, w)
@@ -291,6 +306,6 @@ def reference_matmul(w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
 
 __all__ = [
     "GROUP", "KINDS", "QUANTIZATIONS", "QuantizedWeight", "check_quantization", "dequantize", "embed",
-    "from_gguf_blocks", "is_quantized", "load_param", "matmul", "quantize", "quantize_activations", "reference_matmul",
+    "from_gguf_blocks", "is_quantized", "load_param", "matmul", "quantize_model", "quantize", "quantize_activations", "reference_matmul",
     "to_device",
 ]  # fmt: skip

@@ -316,13 +316,16 @@ def qmatmul_serves(w, x: jax.Array) -> bool:
     )  # fmt: skip
 
 
-def qmatmul_cpu(w, x: jax.Array) -> jax.Array:
+def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     """``dequantize(w) @ x`` for a ``QuantizedWeight`` ``[O, I]`` and
     feature-major float inputs ``[I, T]``, float32 ``[O, T]``, from the C++
     kernel (``qmatmul_cpu.cc``): the activations quantized per token and
     block of 32 to int8, integer dots per block, as
-    ``jaxserve.models.quant.matmul`` computes them. Call :func:`available`
-    first."""
+    ``jaxserve.models.quant.matmul`` computes them. ``mode=1`` (only for
+    ``benchmarks/quant_kernel_ab.py``): at 1-16 tokens on a VNNI build and
+    an even number of blocks per row, float activations against weights
+    widened to float instead (the alternative the kernel was measured
+    against). Call :func:`available` first."""
     if not qmatmul_serves(w, x):
         raise ValueError(
             f"qmatmul_cpu takes a quantized [O, I] weight @ float [I, T], not "
@@ -331,7 +334,7 @@ def qmatmul_cpu(w, x: jax.Array) -> jax.Array:
     mins = w.scale if w.min is None else w.min
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[1]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_QMATMUL, out)(
-        w.q, w.scale, mins, x.astype(jnp.float32), kind=np.int32(_QUANT_KINDS[w.kind])
+        w.q, w.scale, mins, x.astype(jnp.float32), kind=np.int32(_QUANT_KINDS[w.kind]), mode=np.int32(mode)
     )
 
 

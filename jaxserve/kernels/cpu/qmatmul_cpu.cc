@@ -386,6 +386,60 @@ void PrefillRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, 
     if (t < Tp) PrefillTile<kind, 1, 1>(q, scale, mins, a, start, dxs, o, t, out);
   }
 }
+
+// The measured alternative at decode sizes (mode 1, benchmarks/quant_kernel_ab.py
+// only): float activations, each 16 weights widened to float and scaled by
+// their block's d (and min), one FMA per token.
+template <int32_t kind>
+inline void WidenWeights(const uint8_t* row, int64_t c, __m512 d0, __m512 d1, __m512 m0, __m512 m1, __m512 w[4]) {
+  __m128i b[4];
+  if (kind == kQ8_0) {
+    for (int s = 0; s < 4; ++s) b[s] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 64 + 16 * s));
+    for (int s = 0; s < 4; ++s) w[s] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b[s]));
+  } else {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c * 32 + 16 * h));
+      b[2 * h] = _mm_and_si128(p, mask);
+      b[2 * h + 1] = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
+    }
+    for (int s = 0; s < 4; ++s) w[s] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b[s]));
+    if (kind == kQ4_0)
+      for (int s = 0; s < 4; ++s) w[s] = _mm512_sub_ps(w[s], _mm512_set1_ps(8.0f));
+  }
+  for (int s = 0; s < 4; ++s) w[s] = _mm512_mul_ps(w[s], s < 2 ? d0 : d1);
+  if (kind == kQ4_1)
+    for (int s = 0; s < 4; ++s) w[s] = _mm512_add_ps(w[s], s < 2 ? m0 : m1);
+}
+
+template <int32_t kind, int GT>
+void FloatDecodeRow(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const float* xt, int64_t I,
+                    int64_t T, int64_t o, int64_t t0, float* out) {
+  const int64_t G = I / kGroup, row_bytes = kind == kQ8_0 ? I : I / 2;
+  const uint8_t* row = q + o * row_bytes;
+  __m512 acc[GT];
+  for (int t = 0; t < GT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < G / 2; ++c) {
+    const __m512 d0 = OneHalf(scale + o * G + 2 * c), d1 = OneHalf(scale + o * G + 2 * c + 1);
+    const __m512 m0 = kind == kQ4_1 ? OneHalf(mins + o * G + 2 * c) : d0;
+    const __m512 m1 = kind == kQ4_1 ? OneHalf(mins + o * G + 2 * c + 1) : d1;
+    __m512 w[4];
+    WidenWeights<kind>(row, c, d0, d1, m0, m1, w);
+    for (int t = 0; t < GT; ++t)
+      for (int s = 0; s < 4; ++s) acc[t] = _mm512_fmadd_ps(w[s], _mm512_loadu_ps(xt + (t0 + t) * I + c * 64 + 16 * s), acc[t]);
+  }
+  for (int t = 0; t < GT; ++t) out[o * T + t0 + t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+template <int32_t kind>
+void FloatDecodeRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const float* xt, int64_t I,
+                     int64_t T, float* out, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) {
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) FloatDecodeRow<kind, 4>(q, scale, mins, xt, I, T, o, t, out);
+    for (; t < T; ++t) FloatDecodeRow<kind, 1>(q, scale, mins, xt, I, T, o, t, out);
+  }
+}
 #endif  // JAXSERVE_QUANT_VNNI
 
 struct Job {
@@ -395,6 +449,8 @@ struct Job {
   float* out;
   int64_t O;
   bool prefill;
+  bool float_decode = false;  // mode 1 (see FloatDecodeRow)
+  std::vector<float> xt;      // mode 1: x token-major [T, I]
   Activations a;
 #if defined(JAXSERVE_QUANT_VNNI)
   DecodeTokenVectors dv;
@@ -408,7 +464,14 @@ struct Job {
   void RunItem(int64_t item) const {
     const int64_t o0 = item * rows_per_item, o1 = std::min(O, o0 + rows_per_item);
 #if defined(JAXSERVE_QUANT_VNNI)
-    if (prefill) {
+    if (float_decode) {
+      const int64_t I = a.I, T = a.T;
+      switch (kind) {
+        case kQ8_0: FloatDecodeRows<kQ8_0>(q, scale, mins, xt.data(), I, T, out, o0, o1); break;
+        case kQ4_0: FloatDecodeRows<kQ4_0>(q, scale, mins, xt.data(), I, T, out, o0, o1); break;
+        default: FloatDecodeRows<kQ4_1>(q, scale, mins, xt.data(), I, T, out, o0, o1); break;
+      }
+    } else if (prefill) {
       switch (kind) {
         case kQ8_0: PrefillRows<kQ8_0>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
         case kQ4_0: PrefillRows<kQ4_0>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
@@ -430,7 +493,7 @@ struct Job {
 };
 
 ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer mins,
-                       ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t kind) {
+                       ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out, int32_t kind, int32_t mode) {
   const auto qd = q.dimensions(), sd = scale.dimensions(), xd = x.dimensions(), od = out->dimensions();
   if (qd.size() != 2 || sd.size() != 2 || xd.size() != 2 || od.size() != 2) {
     return ffi::Error::InvalidArgument("qmatmul_cpu: q, scale, x and out need rank 2");
@@ -451,13 +514,25 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   job->out = out->typed_data();
   job->O = O;
   job->prefill = T > kDecodeMaxTokens;
-  QuantizeActivations(x.typed_data(), I, T, job->prefill, job->a);
 #if defined(JAXSERVE_QUANT_VNNI)
-  if (job->prefill)
-    BuildPrefillStarts(kind, job->a, job->start, job->dxs);
-  else
-    BuildDecodeVectors(kind, job->a, job->dv);
+  if (mode == 1 && !job->prefill && (I / kGroup) % 2 == 0) {  // the A/B alternative
+    job->float_decode = true;
+    job->a.I = I;
+    job->a.T = T;
+    job->xt.resize(static_cast<size_t>(T * I));
+    for (int64_t k = 0; k < I; ++k)
+      for (int64_t t = 0; t < T; ++t) job->xt[t * I + k] = x.typed_data()[k * T + t];
+  } else
 #endif
+  {
+    QuantizeActivations(x.typed_data(), I, T, job->prefill, job->a);
+#if defined(JAXSERVE_QUANT_VNNI)
+    if (job->prefill)
+      BuildPrefillStarts(kind, job->a, job->start, job->dxs);
+    else
+      BuildDecodeVectors(kind, job->a, job->dv);
+#endif
+  }
   // About 8 items per thread for balance, each a whole number of 12-row
   // pieces (both loops' row tiles divide it) of at least 48 rows.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -477,4 +552,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmatmulCpu, QmatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("kind"));
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("mode"));
