@@ -57,7 +57,7 @@ echo "== plan for the measured workload" >&2
 # --rps (the open loop's top rate) only sets how many workers it asks for.
 $JS plan --profile "$OUT/profile.json" --workload "$OUT/closed/loadtest.json" --rps "${RATES##*,}" \
   --ttft-target-s 0.5 | tee "$OUT/plan.txt" || true
-# The summaries that BENCHMARKS.md quotes, beside the ignored working folder.
+# The run's summaries, kept beside the ignored working folder.
 cp "$OUT/closed/loadtest.json" "$KEEP-closed.json"
 cp "$OUT/open/loadtest.json" "$KEEP-open.json" 2>/dev/null || true
 cp "$OUT/profile.json" "$KEEP-profile.json"
