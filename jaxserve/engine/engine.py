@@ -40,6 +40,7 @@ import structlog
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.cpu_threads import configure as configure_cpu_threads
 from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner, SeqWork
@@ -82,6 +83,8 @@ class Engine:
 
         logging.getLogger("jax").setLevel(logging.WARNING)
         self.args = args
+        # before anything starts JAX's backend: XLA's CPU pool sized to the usable CPUs
+        self.cpu_threads = configure_cpu_threads()
         enable_compilation_cache(args.compilation_cache_dir)
         folder = Path(resolve_model(args.model))
         self.model_path = folder
