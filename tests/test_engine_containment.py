@@ -29,12 +29,12 @@ def checkpoint(tmp_path_factory):
 
 def _engine(checkpoint, async_scheduling: bool) -> Engine:
     # The tests count steps (a fault is injected at step N, when every
-    # prompt has produced tokens), so the batch prompt cap beside
-    # interactive work is off: it follows the wall clock for two seconds
+    # prompt has produced tokens), so the batch prompt and step caps beside
+    # interactive work are off: they follow the wall clock for two seconds
     # after a test with interactive requests and would move those steps.
     engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=128,
                                max_model_len=64, block_size=16, async_scheduling=async_scheduling,
-                               interactive_batch_prefill_tokens=0))
+                               interactive_batch_prefill_tokens=0, interactive_step_tokens=0))
     engine.warmup()
     return engine
 

@@ -770,7 +770,7 @@ def test_interactive_cap_of_zero_means_no_cap():
 
 def test_batch_decodes_take_turns_within_the_step_cap_while_interactive_work_runs():
     clock = FakeClock()
-    s = make_capped(clock, max_num_seqs=6, interactive_batch_step_tokens=2)
+    s = make_capped(clock, max_num_seqs=6, interactive_step_tokens=3)
     for k in range(4):
         s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
     out, _ = step(s)  # no interactive work seen yet: every batch prompt at once
@@ -778,8 +778,8 @@ def test_batch_decodes_take_turns_within_the_step_cap_while_interactive_work_run
     s.add_request(req("i", 4, max_tokens=20, cls="interactive", arrival=4))
     out, _ = step(s)
     assert plan(out) == [("i", 0, 4, True)]  # its own step
-    # then two batch decodes a step, least recently served first; the
-    # interactive decode is not counted
+    # then three tokens a step: the interactive decode and two batch decodes,
+    # least recently served first
     out, _ = step(s)
     assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True)]
     out, _ = step(s)
@@ -787,14 +787,32 @@ def test_batch_decodes_take_turns_within_the_step_cap_while_interactive_work_run
     out, _ = step(s)
     assert plan(out) == [("i", 6, 1, True), ("d0", 3, 1, True), ("d1", 3, 1, True)]
     s.abort("i")
+    out, _ = step(s)  # interactive work seen just now: still capped; d1 was served last
+    assert plan(out) == [("d0", 4, 1, True), ("d2", 3, 1, True), ("d3", 3, 1, True)]
     clock.now += 2.0  # interactive_recent_s after the last interactive work
     out, _ = step(s)
-    assert plan(out) == [("d0", 4, 1, True), ("d1", 4, 1, True), ("d2", 3, 1, True), ("d3", 3, 1, True)]
+    assert plan(out) == [("d0", 5, 1, True), ("d1", 4, 1, True), ("d2", 4, 1, True), ("d3", 4, 1, True)]
+
+
+def test_interactive_decodes_are_never_cut_by_the_step_cap():
+    clock = FakeClock()
+    s = make_capped(clock, max_num_seqs=6, interactive_step_tokens=2)
+    s.add_request(req("d", 2, max_tokens=20, cls="batch", arrival=0))
+    step(s)
+    for k in range(3):
+        s.add_request(req(f"i{k}", 2, max_tokens=20, cls="interactive", arrival=1 + k))
+    step(s)  # the interactive prompts' own step
+    out, _ = step(s)
+    assert plan(out) == [("i0", 2, 1, True), ("i1", 2, 1, True), ("i2", 2, 1, True)]  # the batch decode waits
+    s.abort("i1")
+    s.abort("i2")
+    out, _ = step(s)
+    assert plan(out) == [("i0", 3, 1, True), ("d", 2, 1, True)]
 
 
 def test_batch_prompt_chunks_get_what_the_decodes_leave_of_the_step_cap():
     clock = FakeClock()
-    s = make_capped(clock, max_num_seqs=6, interactive_batch_step_tokens=4)
+    s = make_capped(clock, max_num_seqs=6, interactive_step_tokens=5)
     for k in range(3):
         s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
     step(s)
@@ -802,14 +820,14 @@ def test_batch_prompt_chunks_get_what_the_decodes_leave_of_the_step_cap():
     step(s)  # i's own step
     s.add_request(req("p", 10, cls="batch", arrival=4))
     out, _ = step(s)
-    # three decodes, then one prompt token: four batch tokens in all (the
-    # prompt cap alone, 6, would have given p six)
+    # four decodes, then one prompt token: five tokens in all (the prompt
+    # cap alone, 6, would have given p six)
     assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True), ("d2", 2, 1, True),
                          ("p", 0, 1, False)]
 
 
 def test_the_step_cap_leaves_batch_only_serving_alone():
-    s = make_capped(FakeClock(), max_num_seqs=6, interactive_batch_step_tokens=2)
+    s = make_capped(FakeClock(), max_num_seqs=6, interactive_step_tokens=2)
     for k in range(4):
         s.add_request(req(f"d{k}", 2, max_tokens=20, cls="batch", arrival=k))
     step(s)
@@ -817,8 +835,8 @@ def test_the_step_cap_leaves_batch_only_serving_alone():
     assert plan(out) == [(f"d{k}", 2, 1, True) for k in range(4)]
 
 
-@pytest.mark.parametrize("field,value", [("interactive_batch_step_tokens", -1),
-                                         ("interactive_batch_step_tokens", 2.5),
+@pytest.mark.parametrize("field,value", [("interactive_step_tokens", -1),
+                                         ("interactive_step_tokens", 2.5),
                                          ("interactive_batch_prefill_tokens", -1),
                                          ("interactive_batch_prefill_tokens", 1.5),
                                          ("interactive_recent_s", -0.1),

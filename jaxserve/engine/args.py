@@ -71,13 +71,16 @@ class EngineArgs:
       (loaded p90 36-67 ms against 40-130 ms uncapped, on two machines) for
       0-4% of the batch jobs done while interactive jobs run; 16 cost about
       a tenth of the batch work.
-    - ``interactive_batch_step_tokens``: at the same times, the batch
-      tokens of one step, decodes included (``SchedulerConfig``; 0: no
-      cap). The prompt cap alone leaves a step of every running batch
-      decode, and on a deep model that step is as long as an interactive
-      prompt's own (SmolLM2-135M, 30 layers: 24 batch decodes), so the rest
-      of it was most of a loaded first token's extra wait; the decodes
-      beyond the cap take turns.
+    - ``interactive_step_tokens``: at the same times, the tokens of a step
+      that carries batch work, decodes included, interactive ones never cut
+      (``SchedulerConfig``; 0: no cap). The prompt cap alone leaves a step
+      of every running batch decode, and on a deep model that step is as
+      long as an interactive prompt's own or longer (SmolLM2-135M, 30
+      layers: 24 batch decodes and 32 prompt tokens, the 64-token bucket),
+      so the rest of it was most of a loaded first token's extra wait; the
+      batch decodes beyond the cap take turns. 16 is the runner's token
+      bucket of a short chat prompt, so the step in flight costs at most
+      what the arriving prompt's own step does.
     - ``tensor_parallel_size``: devices one engine shards the model and the
       KV cache over (attention heads, kv heads and the MLP, Megatron style;
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
@@ -103,7 +106,7 @@ class EngineArgs:
     interactive_prefill_alone: bool = True
     interactive_batch_prefill_tokens: int = 32
     interactive_recent_s: float = 2.0
-    interactive_batch_step_tokens: int = 0
+    interactive_step_tokens: int = 16
     seed: int = 0
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True

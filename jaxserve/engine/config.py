@@ -63,11 +63,14 @@ class SchedulerConfig:
       and the steps that carry batch prompt chunks are the long ones, so
       this bounds that wait; batch decodes are never held back by it, and
       batch-only serving is untouched.
-    - ``interactive_batch_step_tokens``: at the same times, the batch tokens
-      of one step, decodes and prompt chunks together, are at most this
-      many (0: no cap). An interactive prompt that arrives waits for the
-      rest of the step in flight, and a step of many batch decodes is long
-      (each sequence's row costs about what a prompt token does); the batch
+    - ``interactive_step_tokens``: at the same times, a step that carries
+      batch work carries at most this many tokens in all, decodes and
+      prompt chunks, interactive and batch (0: no cap). Interactive tokens
+      are never cut; batch tokens get what they leave. An interactive
+      prompt that arrives waits for the rest of the step in flight, and a
+      step of many batch decodes is long (each sequence's row costs about
+      what a prompt token does; the runner pads a step to its token
+      bucket, so a cap at a bucket size is the one that pays); the batch
       decodes beyond the cap wait a step, served least recently first, so
       each advances in turn.
     """
@@ -86,7 +89,7 @@ class SchedulerConfig:
     interactive_prefill_alone: bool = True
     interactive_batch_prefill_tokens: int = 0
     interactive_recent_s: float = 2.0
-    interactive_batch_step_tokens: int = 0
+    interactive_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -106,7 +109,7 @@ class SchedulerConfig:
         _require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _require_int("max_num_waiting", self.max_num_waiting, 0)
         _require_int("interactive_batch_prefill_tokens", self.interactive_batch_prefill_tokens, 0)
-        _require_int("interactive_batch_step_tokens", self.interactive_batch_step_tokens, 0)
+        _require_int("interactive_step_tokens", self.interactive_step_tokens, 0)
         recent = self.interactive_recent_s
         if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 <= recent < float("inf"):
             raise ValueError(f"interactive_recent_s must be a finite number of seconds >= 0, got {recent!r}")

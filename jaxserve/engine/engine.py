@@ -125,7 +125,7 @@ class Engine:
             interactive_prefill_alone=args.interactive_prefill_alone,
             interactive_batch_prefill_tokens=args.interactive_batch_prefill_tokens,
             interactive_recent_s=args.interactive_recent_s,
-            interactive_batch_step_tokens=args.interactive_batch_step_tokens,
+            interactive_step_tokens=args.interactive_step_tokens,
         )
         self.allocator = BlockAllocator(
             self.num_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching

@@ -30,9 +30,10 @@ One step, in order:
    and admissions together get at most ``interactive_batch_prefill_tokens``
    of the step: an arriving interactive prompt waits for the step in
    flight, and batch prompt tokens are what make a step long. With
-   ``interactive_batch_step_tokens`` set, the batch tokens of a step,
-   decodes included, are bounded too at such times: the batch decodes
-   beyond it wait a step, those served least recently going first.
+   ``interactive_step_tokens`` set, a step's tokens, decodes included, are
+   bounded too at such times (interactive tokens are never cut; batch
+   tokens get what they leave): the batch decodes beyond it wait a step,
+   those served least recently going first.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -338,14 +339,15 @@ class Scheduler:
         # batch admissions, so an interactive prefill never waits behind a
         # batch prefill chunk for the step's token budget.
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-        # While interactive work is about, one step's batch tokens (decodes
-        # and prompt chunks) are bounded (SchedulerConfig.
-        # interactive_batch_step_tokens): the step in flight is what an
-        # arriving interactive prompt waits for. The batch decodes that do
-        # not fit wait one step, least recently served first next time.
-        step_cap = cfg.interactive_batch_step_tokens if interactive_about else 0
+        # While interactive work is about, a step with batch work is bounded
+        # (SchedulerConfig.interactive_step_tokens): the step in flight is
+        # what an arriving interactive prompt waits for. Batch tokens get
+        # what the interactive ones leave; the batch decodes that do not
+        # fit wait one step, least recently served first next time.
+        step_cap = cfg.interactive_step_tokens if interactive_about else 0
         if step_cap:
-            decodes = self._batch_decodes_within(decodes, step_cap)
+            n_interactive = sum(1 for r in decodes if r.request_class == RequestClass.INTERACTIVE)
+            decodes = self._batch_decodes_within(decodes, max(0, step_cap - n_interactive))
         # A step that starts an interactive prompt is that prompt's own
         # (SchedulerConfig.interactive_prefill_alone): batch decodes wait.
         alone = cfg.interactive_prefill_alone and self._interactive_prompt_pending(interactive)
@@ -365,8 +367,7 @@ class Scheduler:
         if cap and interactive_about:
             budget = min(budget, cap)  # the batch prompt tokens' share: nothing else follows them
         if step_cap:
-            batch_tokens = sum(n for r, n, _ in planned.values() if r.request_class != RequestClass.INTERACTIVE)
-            budget = min(budget, step_cap - batch_tokens)
+            budget = min(budget, step_cap - sum(n for _, n, _ in planned.values()))
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
