@@ -8,15 +8,15 @@ Quality is not a speed: nothing alternates, the figures are computed once.
 - ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 against f32:
   greedy agreement, largest logprob difference, perplexity).
 
-How the suite runs them: ``SCRIPT --json-out FILE`` (or ``--out FILE``,
-whichever its ``--help`` names; plus ``--script-arg`` values), else
-``SCRIPT`` alone, reading the newest JSON file it wrote under
-``benchmarks/results/`` (a name starting with the script's stem, dashes or
-underscores). The figures: for ``accuracy``, the accuracy of the default
-method and of the plain, chat, calibrated and few-shot methods, and the
-largest log-likelihood difference from transformers
-(:func:`accuracy_figures`); otherwise the JSON's ``headline``, a list of
-``{"what", "value", "unit", "label"?, "goal"?, "goal_value"?,
+How the suite runs them: ``classify_accuracy.py --out FILE`` and
+``quant_quality.py --output-dir DIR`` (plus ``--script-arg`` values), into
+the run's working folder, then reads the JSON report. The figures: for
+``accuracy``, the accuracy of the default method and of the plain, chat,
+calibrated and few-shot methods, and the largest log-likelihood difference
+from transformers (:func:`accuracy_figures`); for ``quant-quality``, int8's
+and int4's greedy agreement with f32 and their perplexity against f32's
+(:func:`quant_figures`); for a report of another shape, its ``headline``, a
+list of ``{"what", "value", "unit", "label"?, "goal"?, "goal_value"?,
 "higher_is_better"?}`` or a mapping of name to number, failing that the
 numbers of its ``summary``.
 """
@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from ..record import RESULTS, Figure, Stat
+from ..record import Figure, Stat
 
 BENCH = Path(__file__).resolve().parents[2]
 
@@ -85,30 +83,52 @@ def accuracy_figures(data: dict[str, Any], source: str) -> list[Figure]:
     return out
 
 
-def _newest_output(stem: str, since: float) -> Path | None:
-    pattern = re.compile(rf"^{re.escape(stem).replace('_', '[-_]')}", re.I)
-    found = [p for p in RESULTS.rglob("*.json") if pattern.match(p.name) and p.stat().st_mtime >= since]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def run_script(script: Path, extra: list[str], ctx: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
+    """``quant_quality.py``'s report: agreement and perplexity of int8 and int4 against f32."""
+    res = data.get("results") or {}
+    if "f32" not in res:
+        return headline_figures(data, source)
+    f32 = res["f32"]
+    model = Path(str(data.get("model") or "")).name or "smollm2-135m"
+    goals = {"int8": (0.90, 1.02), "int4": (None, 1.10)}
+    out = []
+    for kind in ("int8", "int4"):
+        r = res.get(kind)
+        if r is None:
+            continue
+        agree_goal, ppl_goal = goals[kind]
+        f = Figure(f"greedy tokens equal to f32's over fixed prompts ({r.get('positions')} positions), {model}, {data.get('path')}",
+                   Stat(f"jaxserve {kind}", "%", [round(100 * r["greedy_agreement"], 1)]),
+                   note=f"(largest per-token logprob difference {r['max_token_logprob_diff']:.3g})")
+        if agree_goal is not None:
+            f.goal, f.goal_value = f">= {100 * agree_goal:.0f} %", 100 * agree_goal
+        out.append(f)
+        out.append(Figure(f"perplexity on benchmarks/data/perplexity.txt ({r.get('perplexity_tokens')} tokens), {model}",
+                          Stat(f"jaxserve {kind}", "", [round(r["perplexity"], 4)]),
+                          Stat("jaxserve f32", "", [round(f32["perplexity"], 4)]),
+                          [round(r["perplexity"] / f32["perplexity"], 4)], goal=f"<= {ppl_goal}x", goal_ratio=ppl_goal,
+                          higher_is_better=False, compare_swing=False))
+    return out
+
+
+def run_script(script: Path, extra: list[str], ctx: Any, out_flag: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run ``script`` with its report sent into the run's working folder
+    (``out_flag``: ``--out`` names a file, ``--output-dir`` a folder)."""
     if not script.is_file():
         raise SystemExit(f"{script} does not exist yet")
-    helptext = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True).stdout
-    out = ctx.tmp / f"{script.stem}.json"
-    cmd = [sys.executable, str(script), *extra]
-    for flag in ("--json-out", "--out"):
-        if flag in helptext and flag not in extra:
-            cmd += [flag, str(out)]
-            break
-    since = time.time()
+    out_dir = ctx.tmp / f"{script.stem}-out"
+    out_dir.mkdir(exist_ok=True)
+    target = out_dir / f"{script.stem}.json" if out_flag == "--out" else out_dir
+    cmd = [sys.executable, str(script), *extra, out_flag, str(target)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH.parent)
-    path = out if out.exists() else _newest_output(script.stem, since)
+    found = sorted(out_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
     run = {"command": " ".join(cmd), "returncode": proc.returncode, "stdout_tail": proc.stdout[-3000:],
-           "stderr_tail": proc.stderr[-3000:], "output": str(path) if path else None}
-    if proc.returncode != 0 or path is None:
+           "stderr_tail": proc.stderr[-3000:], "output": str(found[-1]) if found else None}
+    if proc.returncode != 0 or not found:
         raise SystemExit(f"{script.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(path.read_text()), run
+    return json.loads(found[-1].read_text()), run
 
 
 class ExternalScenario:
@@ -117,8 +137,9 @@ class ExternalScenario:
     DEFAULT_ROUNDS = 1
     DEFAULT_WARMUP_ROUNDS = 0
 
-    def __init__(self, name: str, script: str, description: str, extract: Any = headline_figures) -> None:
+    def __init__(self, name: str, script: str, description: str, extract: Any, out_flag: str) -> None:
         self.NAME, self.script, self.DESCRIPTION, self.extract = name, BENCH / script, description, extract
+        self.out_flag = out_flag
         self.COMMAND = f".venv/bin/python benchmarks/suite.py run {name}"
         self.__doc__ = f"{name}: {description}\n\n" + (__doc__ or "")
 
@@ -127,15 +148,16 @@ class ExternalScenario:
                        help=f"an argument passed on to {self.script.name} (repeatable)")
 
     def run(self, args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
-        data, run = run_script(self.script, list(args.script_arg), ctx)
+        data, run = run_script(self.script, list(args.script_arg), ctx, self.out_flag)
         figs = self.extract(data, self.script.stem.replace("_", " "))
         return figs, [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}], \
             {"script": str(self.script.relative_to(BENCH.parent)), "script_args": args.script_arg,
-             "script_result": data.get("headline") or data.get("summary")}
+             "script_report": data}
 
 
 ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
                             "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M",
-                            accuracy_figures)
+                            accuracy_figures, "--out")
 QUANT_QUALITY = ExternalScenario("quant-quality", "quant_quality.py",
-                                 "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity")
+                                 "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity",
+                                 quant_figures, "--output-dir")
