@@ -29,9 +29,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import machine, table  # noqa: E402
-from bench.record import Result  # noqa: E402
-from bench.scenarios import SCENARIOS  # noqa: E402
+from bench import machine, table
+from bench.record import Result
+from bench.scenarios import SCENARIOS
 
 
 def run(args: argparse.Namespace) -> int:

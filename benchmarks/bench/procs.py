@@ -83,7 +83,7 @@ class Paused:
     def __init__(self, pids: list[int]) -> None:
         self.pids = pids
 
-    def __enter__(self) -> "Paused":
+    def __enter__(self) -> Paused:
         for pid in self.pids:
             signal_tree(pid, signal.SIGSTOP)
         return self

@@ -102,7 +102,7 @@ class Figure:
         return out
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "Figure":
+    def from_json(d: dict[str, Any]) -> Figure:
         keys = {f.name for f in dataclasses.fields(Figure)}
         kw = {k: v for k, v in d.items() if k in keys}
         kw["system"] = Stat(**d["system"])
@@ -136,7 +136,7 @@ class Result:
         return path
 
     @staticmethod
-    def load(path: Path) -> "Result":
+    def load(path: Path) -> Result:
         d = json.loads(path.read_text())
         if d.get("schema") != SCHEMA:
             raise ValueError(f"{path}: schema {d.get('schema')!r}, expected {SCHEMA!r}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from .procs import Paused
 from .record import Figure, Stat

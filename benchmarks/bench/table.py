@@ -8,8 +8,8 @@ saying so, with the command that produces it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from . import machine as machine_mod
 from .record import Figure, Result, latest_results

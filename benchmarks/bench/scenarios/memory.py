@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _answer(prefix: str, n: int) -> int:
     import queue_common as qc  # benchmarks/ is on sys.path (suite.py)
+
     from jaxserve.client import AsyncClient
 
     client = await AsyncClient(qc.AMQP_URL, prefix=prefix, name="bench-memory").connect()
