@@ -282,7 +282,7 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
     for (int64_t t = 0; t < T; ++t) job->xt[t * job->ldx + k] = xs[k * T + t];
   // About 8 items per thread for balance, each a whole number of 4-row tiles
   // of at least 32 rows.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = jaxserve_cpu::Workers(pool);
   job->rows_per_item = std::max<int64_t>(32, (job->O / (8 * threads) + 3) / 4 * 4);
   job->items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
   jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);

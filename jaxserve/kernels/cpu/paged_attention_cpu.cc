@@ -367,7 +367,7 @@ struct Job {
 // Runs a prepared job on the calling thread and the pool's.
 void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
   job->items = job->s.T * job->s.KVH;
-  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(pool.num_threads() - 1, job->items / 8));
+  const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(jaxserve_cpu::Workers(pool) - 1, job->items / 8));
   job->chunk = std::max<int64_t>(1, job->items / (8 * (helpers + 1)));
   if (job->feature_major) {  // whole tiles of tokens per chunk, so each tile's queries are read once
     const int64_t tile = Job::kTile * job->s.KVH;

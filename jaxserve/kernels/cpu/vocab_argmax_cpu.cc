@@ -79,7 +79,7 @@ ffi::Error VocabArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, f
   job->x = logits.typed_data();
   job->V = ld[0];
   job->R = ld[1];
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = jaxserve_cpu::Workers(pool);
   // a few parts per thread for balance, each at least 1024 rows
   job->parts = std::max<int64_t>(1, std::min<int64_t>(4 * threads, job->V / 1024));
   job->partial.resize(job->parts);
