@@ -3,6 +3,8 @@
 #
 #   ./dev.sh demo     set up, start RabbitMQ if needed, run the main demo
 #   ./dev.sh test     set up (with test extras) and run the whole test suite
+#   ./dev.sh check    set up (with test extras), then ruff check, ruff format
+#                     --check and mypy (configured in pyproject.toml)
 #   ./dev.sh setup    only the set-up
 #
 # Set-up is idempotent and quick on a second run: it creates .venv with the
@@ -129,6 +131,14 @@ shift || true
 case "$cmd" in
   setup)
     setup_venv test ;;
+  check)
+    setup_venv test
+    log "ruff check"
+    "$VENV/bin/ruff" check .
+    log "ruff format --check"
+    "$VENV/bin/ruff" format --check .
+    log "mypy"
+    exec "$VENV/bin/mypy" ;;
   test)
     setup_venv test
     ensure_rabbitmq
@@ -140,5 +150,5 @@ case "$cmd" in
     ensure_rabbitmq
     exec "$VENV/bin/python" -m jaxserve.demo "$@" ;;
   *)
-    sed -n '2,12p' "$0"; exit 2 ;;
+    sed -n '2,14p' "$0"; exit 2 ;;
 esac
