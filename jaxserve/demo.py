@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     amqp_url = os.environ.get("JAXSERVE_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
     env = {**os.environ, "JAXSERVE_AMQP_URL": amqp_url, "JAXSERVE_PREFIX": PREFIX}
     if args.model == DEFAULT_MODEL:
-        print("jaxserve demo: a worker serves `smollm2-135m`, SmolLM2-135M-Instruct read from its GGUF file.\n",
-              flush=True)
+        print(
+            "jaxserve demo: a worker serves `smollm2-135m`, SmolLM2-135M-Instruct read from its GGUF file.\n",
+            flush=True,
+        )
     else:
         print(f"jaxserve demo: a worker serves `{args.model}`.\n", flush=True)
     print("1. starting a worker (it compiles every shape bucket before it consumes a job) ...", flush=True)
@@ -110,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                         },
                     }
                     f.write(orjson.dumps(body) + b"\n")
-            print(f"2. jaxserve batch {src.name} -o {out.name}  (48 questions, OpenAI Batch API lines; "
-                  "identical greedy requests are computed once)", flush=True)
+            print(
+                f"2. jaxserve batch {src.name} -o {out.name}  (48 questions, OpenAI Batch API lines; "
+                "identical greedy requests are computed once)",
+                flush=True,
+            )
             subprocess.run(_cli("batch", str(src), "-o", str(out)), env=env, check=True)
             lines = [orjson.loads(raw) for raw in out.read_bytes().splitlines() if raw.strip()]
             by_id = {line.get("custom_id"): line for line in lines}
@@ -121,11 +126,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {question}\n      -> {answer.strip()}", flush=True)
             print(flush=True)
 
-        print(f"3. jaxserve submit --queue interactive --stream --chat \"{CHAT_PROMPT}\"", flush=True)
+        print(f'3. jaxserve submit --queue interactive --stream --chat "{CHAT_PROMPT}"', flush=True)
         subprocess.run(
-            _cli("submit", "--queue", "interactive", "--stream", "--chat", "--max-tokens", "96",
-                 "--temperature", "0", CHAT_PROMPT),
-            env=env, check=True,
+            _cli(
+                "submit",
+                "--queue",
+                "interactive",
+                "--stream",
+                "--chat",
+                "--max-tokens",
+                "96",
+                "--temperature",
+                "0",
+                CHAT_PROMPT,
+            ),
+            env=env,
+            check=True,
         )
         print("\n4. jaxserve status", flush=True)
         subprocess.run(_cli("status"), env=env, check=True)

@@ -30,12 +30,13 @@ import errno
 import socketserver
 import threading
 import time
-from typing import Any, Callable, Iterable, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
-HealthCheck = Callable[[], Union[bool, tuple[bool, str]]]
+HealthCheck = Callable[[], bool | tuple[bool, str]]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -49,78 +50,175 @@ class EngineMetrics:
         self.model_name = model_name
         r = self.registry
         labels = ["model_name"]
-        self.num_requests_running = Gauge("jaxserve_num_requests_running", "Requests in the running batch", labels, registry=r)
-        self.num_requests_waiting = Gauge("jaxserve_num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_cache_usage_perc = Gauge("jaxserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
-        self.num_preemptions = Counter("jaxserve_num_preemptions", "Requests preempted to free KV blocks", labels, registry=r)
-        self.prefix_cache_queries = Counter("jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
-        self.prefix_cache_hits = Counter("jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.num_requests_running = Gauge(
+            "jaxserve_num_requests_running", "Requests in the running batch", labels, registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "jaxserve_num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r
+        )
+        self.kv_cache_usage_perc = Gauge(
+            "jaxserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r
+        )
+        self.num_preemptions = Counter(
+            "jaxserve_num_preemptions", "Requests preempted to free KV blocks", labels, registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
+        )
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", labels, registry=r)
         self.engine_steps = Counter("jaxserve_engine_steps", "Engine iterations", labels, registry=r)
         # Latencies, by queue class (interactive | batch). The worker observes
         # them per job (observe_job, observe_tokens): it knows the class.
         qlabels = ["model_name", "queue"]
-        self.ttft = Histogram("jaxserve_time_to_first_token_seconds", "Receipt to first token", qlabels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("jaxserve_inter_token_latency_seconds", "Time between two tokens, one observation per token",
-                             qlabels, buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxserve_e2e_request_latency_seconds", "Receipt to final result", qlabels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("jaxserve_request_queue_time_seconds", "Engine arrival to first scheduled (engine wait)",
-                                    qlabels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.broker_wait = Histogram("jaxserve_broker_wait_seconds", "Publish (producer timestamp) to receipt by the worker",
-                                     qlabels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("jaxserve_request_prefill_time_seconds", "First scheduled to first token",
-                                      qlabels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("jaxserve_request_decode_time_seconds", "First token to finish", qlabels,
-                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "jaxserve_time_to_first_token_seconds",
+            "Receipt to first token",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "jaxserve_inter_token_latency_seconds",
+            "Time between two tokens, one observation per token",
+            qlabels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "jaxserve_e2e_request_latency_seconds",
+            "Receipt to final result",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "jaxserve_request_queue_time_seconds",
+            "Engine arrival to first scheduled (engine wait)",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.broker_wait = Histogram(
+            "jaxserve_broker_wait_seconds",
+            "Publish (producer timestamp) to receipt by the worker",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "jaxserve_request_prefill_time_seconds",
+            "First scheduled to first token",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "jaxserve_request_decode_time_seconds",
+            "First token to finish",
+            qlabels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         # The worker's own health and the broker as it sees it.
-        self.rejections = Counter("jaxserve_rejections", "Jobs refused at admission, by error code, reason and tenant",
-                                  ["model_name", "queue", "code", "reason", "tenant"], registry=r)
-        self.requeues = Counter("jaxserve_requeues", "Jobs given back to the broker, by reason", ["model_name", "queue", "reason"],
-                                registry=r)
-        self.reconnects = Counter("jaxserve_reconnects", "AMQP reconnections, by connection", ["model_name", "connection"],
-                                  registry=r)
+        self.rejections = Counter(
+            "jaxserve_rejections",
+            "Jobs refused at admission, by error code, reason and tenant",
+            ["model_name", "queue", "code", "reason", "tenant"],
+            registry=r,
+        )
+        self.requeues = Counter(
+            "jaxserve_requeues",
+            "Jobs given back to the broker, by reason",
+            ["model_name", "queue", "reason"],
+            registry=r,
+        )
+        self.reconnects = Counter(
+            "jaxserve_reconnects", "AMQP reconnections, by connection", ["model_name", "connection"], registry=r
+        )
         self.step_errors = Counter("jaxserve_engine_step_errors", "Engine steps that raised", labels, registry=r)
-        self.queue_depth = Gauge("jaxserve_queue_depth", "Ready messages in a queue (interactive, batch, dead, results)",
-                                 ["model_name", "queue"], registry=r)
-        self.queue_consumers = Gauge("jaxserve_queue_consumers", "Consumers of a queue", ["model_name", "queue"], registry=r)
+        self.queue_depth = Gauge(
+            "jaxserve_queue_depth",
+            "Ready messages in a queue (interactive, batch, dead, results)",
+            ["model_name", "queue"],
+            registry=r,
+        )
+        self.queue_consumers = Gauge(
+            "jaxserve_queue_consumers", "Consumers of a queue", ["model_name", "queue"], registry=r
+        )
         self.kv_cache_bytes = Gauge("jaxserve_kv_cache_bytes", "Bytes of the KV cache", labels, registry=r)
-        self.model_load_seconds = Gauge("jaxserve_model_load_seconds", "Seconds to build the engine (load the model)", labels,
-                                        registry=r)
-        self.warmup_seconds = Gauge("jaxserve_warmup_seconds", "Seconds to compile every shape bucket", labels, registry=r)
+        self.model_load_seconds = Gauge(
+            "jaxserve_model_load_seconds", "Seconds to build the engine (load the model)", labels, registry=r
+        )
+        self.warmup_seconds = Gauge(
+            "jaxserve_warmup_seconds", "Seconds to compile every shape bucket", labels, registry=r
+        )
         # 0 while the idempotency store does not answer: the worker then takes
         # no jobs and /readyz says "store unavailable" (worker.store_health)
-        self.store_up = Gauge("jaxserve_store_up", "1 while the idempotency store answers, 0 during an outage", labels,
-                              registry=r)
+        self.store_up = Gauge(
+            "jaxserve_store_up", "1 while the idempotency store answers, 0 during an outage", labels, registry=r
+        )
         self.store_up.labels(model_name).set(1)
         ProcessCollector(namespace="jaxserve", registry=r)  # jaxserve_process_resident_memory_bytes, cpu, fds
         for q in ("interactive", "batch"):  # series present from start-up, at zero
-            for h in (self.ttft, self.itl, self.e2e, self.queue_time, self.broker_wait, self.prefill_time, self.decode_time):
+            for h in (
+                self.ttft,
+                self.itl,
+                self.e2e,
+                self.queue_time,
+                self.broker_wait,
+                self.prefill_time,
+                self.decode_time,
+            ):
                 h.labels(model_name, q)
             self.requeues.labels(model_name, q, "drain")
             for code in ("overloaded", "rate_limited"):
                 self.rejections.labels(model_name, q, code, "none", "default")
         for c in ("interactive", "batch", "control", "publish"):
             self.reconnects.labels(model_name, c)
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage_perc, self.num_preemptions,
-                       self.prefix_cache_queries, self.prefix_cache_hits, self.prompt_tokens, self.generation_tokens,
-                       self.engine_steps, self.step_errors, self.kv_cache_bytes, self.model_load_seconds,
-                       self.warmup_seconds):  # fmt: skip
+        for metric in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage_perc,
+            self.num_preemptions,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.engine_steps,
+            self.step_errors,
+            self.kv_cache_bytes,
+            self.model_load_seconds,
+            self.warmup_seconds,
+        ):
             metric.labels(model_name)
-        self.request_success = Counter("jaxserve_request_success", "Finished requests by finish reason",
-                                       ["model_name", "finished_reason"], registry=r)
-        self.jobs = Counter("jaxserve_jobs", "Queue jobs by queue and outcome (ok, error code, replayed)",
-                            ["model_name", "queue", "outcome"], registry=r)
+        self.request_success = Counter(
+            "jaxserve_request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.jobs = Counter(
+            "jaxserve_jobs",
+            "Queue jobs by queue and outcome (ok, error code, replayed)",
+            ["model_name", "queue", "outcome"],
+            registry=r,
+        )
         m = model_name
         self._step_children = {
-            "running": self.num_requests_running.labels(m), "waiting": self.num_requests_waiting.labels(m),
-            "kv_usage": self.kv_cache_usage_perc.labels(m), "preemptions": self.num_preemptions.labels(m),
-            "prefix_queries": self.prefix_cache_queries.labels(m), "prefix_hits": self.prefix_cache_hits.labels(m),
-            "steps": self.engine_steps.labels(m), "generation": self.generation_tokens.labels(m),
+            "running": self.num_requests_running.labels(m),
+            "waiting": self.num_requests_waiting.labels(m),
+            "kv_usage": self.kv_cache_usage_perc.labels(m),
+            "preemptions": self.num_preemptions.labels(m),
+            "prefix_queries": self.prefix_cache_queries.labels(m),
+            "prefix_hits": self.prefix_cache_hits.labels(m),
+            "steps": self.engine_steps.labels(m),
+            "generation": self.generation_tokens.labels(m),
             "prompt": self.prompt_tokens.labels(m),
-        }  # fmt: skip
+        }
         self._itl_children = {q: self.itl.labels(m, q) for q in ("interactive", "batch")}
         self._last_stats = None
         self._ready_check: HealthCheck | None = None
@@ -188,8 +286,9 @@ class EngineMetrics:
         for _ in range(n):
             h.observe(gap_s / n)
 
-    def observe_job(self, queue: str, *, e2e: float, ttft: float | None, broker_wait: float | None,
-                    engine: dict[str, float] | None) -> None:  # fmt: skip
+    def observe_job(
+        self, queue: str, *, e2e: float, ttft: float | None, broker_wait: float | None, engine: dict[str, float] | None
+    ) -> None:
         """A finished job's latencies; ``engine``: the engine's timestamps of
         its request (arrival, first_scheduled, first_token, finished)."""
         m = self.model_name
@@ -234,7 +333,7 @@ class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # one access line per scrape/probe would drown the worker's log
 
 

@@ -190,7 +190,11 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     available = list_presets()
     listing = ", ".join(available) if available else "(none)"
     looks_like_path = os.sep in raw or raw.startswith((".", "~")) or raw.lower().endswith(".gguf")
-    what = f"{'file' if raw.lower().endswith('.gguf') else 'folder'} {raw!r} does not exist" if looks_like_path else f"unknown model {raw!r}"
+    what = (
+        f"{'file' if raw.lower().endswith('.gguf') else 'folder'} {raw!r} does not exist"
+        if looks_like_path
+        else f"unknown model {raw!r}"
+    )
     raise UnknownModelError(
         f"{what}: it is neither an existing model folder nor a preset name. "
         f"Available presets (in {presets_dir()}): {listing}. "
@@ -318,9 +322,7 @@ def preset_hash(preset_path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def materialize_preset(
-    preset: str | os.PathLike[str], cache: str | os.PathLike[str] | None = None
-) -> Path:
+def materialize_preset(preset: str | os.PathLike[str], cache: str | os.PathLike[str] | None = None) -> Path:
     """Build (once) and return the model folder for a preset name or preset file."""
     preset_path = Path(preset)
     if not preset_path.is_file():

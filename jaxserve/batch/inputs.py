@@ -23,8 +23,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import orjson
 
@@ -81,7 +82,12 @@ def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | None, str | None, 
             reader = csv.DictReader(f)
             for i, row in enumerate(reader, 2):  # line 1 is the header
                 if None in row:
-                    yield i, None, f"row has {len(row) - 1 + len(row[None])} fields, the header {len(reader.fieldnames or [])}", b""
+                    yield (
+                        i,
+                        None,
+                        f"row has {len(row) - 1 + len(row[None])} fields, the header {len(reader.fieldnames or [])}",
+                        b"",
+                    )
                     continue
                 yield i, dict(row), None, orjson.dumps(row, option=orjson.OPT_SORT_KEYS)
         return
@@ -122,10 +128,24 @@ def read_items(path: str | Path, opts: InputOptions) -> tuple[str, list[BatchIte
     seen: dict[str, int] = {}
     for lineno, rec, err, raw in _rows(path):
         if err is not None:
-            items.append(BatchItem(lineno, f"line-{lineno}", f"{batch_id}:line-{lineno}", None, None, ("invalid_request", f"line {lineno}: {err}"), named=False))
+            items.append(
+                BatchItem(
+                    lineno,
+                    f"line-{lineno}",
+                    f"{batch_id}:line-{lineno}",
+                    None,
+                    None,
+                    ("invalid_request", f"line {lineno}: {err}"),
+                    named=False,
+                )
+            )
             continue
         assert rec is not None
-        if template is None and path.suffix.lower() in (".csv", ".parquet") and not ({"prompt", "messages"} & rec.keys()):
+        if (
+            template is None
+            and path.suffix.lower() in (".csv", ".parquet")
+            and not ({"prompt", "messages"} & rec.keys())
+        ):
             # every row would fail the same way: say so once, with the fix
             example = next((k for k in ("text", "document", "content", "body") if k in rec), next(iter(rec), "text"))
             raise InputError(
@@ -142,7 +162,11 @@ def read_items(path: str | Path, opts: InputOptions) -> tuple[str, list[BatchIte
             continue
         if custom_id in seen:
             msg = f"line {lineno}: custom_id {custom_id!r} was already used on line {seen[custom_id]} (it must be unique in a file)"
-            items.append(BatchItem(lineno, custom_id, f"{batch_id}:{custom_id}#dup{lineno}", None, endpoint, ("invalid_request", msg)))
+            items.append(
+                BatchItem(
+                    lineno, custom_id, f"{batch_id}:{custom_id}#dup{lineno}", None, endpoint, ("invalid_request", msg)
+                )
+            )
             continue
         seen[custom_id] = lineno
         items.append(BatchItem(lineno, custom_id, f"{batch_id}:{custom_id}", body, endpoint))
@@ -170,7 +194,9 @@ def _template(text: str) -> Any:
     return env.from_string(text)
 
 
-def _interpret(rec: dict[str, Any], raw: bytes, opts: InputOptions, template: Any) -> tuple[str, dict[str, Any], str | None]:
+def _interpret(
+    rec: dict[str, Any], raw: bytes, opts: InputOptions, template: Any
+) -> tuple[str, dict[str, Any], str | None]:
     if _is_openai(rec):
         return _openai_line(rec, opts)
     if template is not None:
@@ -184,7 +210,11 @@ def _interpret(rec: dict[str, Any], raw: bytes, opts: InputOptions, template: An
             raise _LineError("invalid_request", f"the row has no value in the id column {opts.id_column!r}")
     else:
         body = {k: v for k, v in rec.items() if k not in ("id", "message_id", "custom_id")}
-        cid = rec.get(opts.id_column) if opts.id_column else (rec.get("id") or rec.get("message_id") or rec.get("custom_id"))
+        cid = (
+            rec.get(opts.id_column)
+            if opts.id_column
+            else (rec.get("id") or rec.get("message_id") or rec.get("custom_id"))
+        )
         body.pop("stream", None)
         if opts.id_column:
             body.pop(opts.id_column, None)
@@ -254,7 +284,7 @@ def content_free(template_text: str) -> str:
         template_text = Path(template_text[1:]).read_text(encoding="utf-8")
     env = jinja2.Environment(autoescape=False, keep_trailing_newline=True)
     names = jinja2.meta.find_undeclared_variables(env.parse(template_text))
-    return env.from_string(template_text).render(**{name: "N/A" for name in names})
+    return env.from_string(template_text).render(**dict.fromkeys(names, "N/A"))
 
 
 def read_few_shot(path: str | Path, template: str | None, labels: list[str] | None) -> list[dict[str, str]]:
@@ -274,16 +304,22 @@ def read_few_shot(path: str | Path, template: str | None, labels: list[str] | No
             if not isinstance(rec, dict) or not isinstance(rec.get("label"), str):
                 raise InputError(f"{path} line {lineno}: a few-shot example needs a string 'label' field")
             if labels is not None and rec["label"] not in labels:
-                raise InputError(f"{path} line {lineno}: label {rec['label']!r} is not one of --labels {','.join(labels)}")
+                raise InputError(
+                    f"{path} line {lineno}: label {rec['label']!r} is not one of --labels {','.join(labels)}"
+                )
             if tmpl is not None:
                 try:
                     text = tmpl.render(**rec)
                 except Exception as exc:  # noqa: BLE001 - jinja2's errors name the missing field
-                    raise InputError(f"{path} line {lineno}: the template cannot be filled from this example: {exc}") from None
+                    raise InputError(
+                        f"{path} line {lineno}: the template cannot be filled from this example: {exc}"
+                    ) from None
             elif isinstance(rec.get("text"), str):
                 text = rec["text"]
             else:
-                raise InputError(f"{path} line {lineno}: a few-shot example needs a string 'text' field (or give --template)")
+                raise InputError(
+                    f"{path} line {lineno}: a few-shot example needs a string 'text' field (or give --template)"
+                )
             out.append({"text": text, "label": rec["label"]})
     if not out:
         raise InputError(f"{path}: no few-shot examples")
@@ -301,6 +337,13 @@ def is_deterministic(body: dict[str, Any]) -> bool:
 
 
 __all__ = [
-    "BatchItem", "InputError", "InputOptions", "canonical", "content_free", "file_identity", "is_deterministic",
-    "read_few_shot", "read_items",
-]  # fmt: skip
+    "BatchItem",
+    "InputError",
+    "InputOptions",
+    "canonical",
+    "content_free",
+    "file_identity",
+    "is_deterministic",
+    "read_few_shot",
+    "read_items",
+]

@@ -42,7 +42,12 @@ def response_body(result: dict[str, Any], endpoint: str, model: str, created: in
     finish = result.get("finish_reason") or "stop"
     logprobs = result.get("logprobs")
     if endpoint == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
         if "parsed" in result:
             choice["message"]["parsed"] = result["parsed"]
         body = {"id": f"chatcmpl-{_hex()}", "object": "chat.completion"}
@@ -71,13 +76,22 @@ def output_line(custom_id: str, result: dict[str, Any], endpoint: str, model: st
     return {
         "id": f"batch_req_{_hex()}",
         "custom_id": custom_id,
-        "response": {"status_code": 200, "request_id": f"req_{_hex(32)}", "body": response_body(result, endpoint, model)},
+        "response": {
+            "status_code": 200,
+            "request_id": f"req_{_hex(32)}",
+            "body": response_body(result, endpoint, model),
+        },
         "error": None,
     }
 
 
 def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
-    return {"id": f"batch_req_{_hex()}", "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+    return {
+        "id": f"batch_req_{_hex()}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def line_outcome(line: dict[str, Any]) -> tuple[str | None, str | None]:

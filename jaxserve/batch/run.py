@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import hashlib
 import os
 import sys
@@ -231,7 +232,7 @@ async def _run(
             try:
                 await asyncio.wait_for(window.acquire(), 1.0)
                 return True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if idle():
                     return False
 
@@ -247,14 +248,16 @@ async def _run(
     try:
         for item in publish:
             if not await take_slot():
-                print(f"no result for {settings.idle_timeout:g}s with {settings.max_in_flight} jobs in flight; giving up", file=sys.stderr)
+                print(
+                    f"no result for {settings.idle_timeout:g}s with {settings.max_in_flight} jobs in flight; giving up",
+                    file=sys.stderr,
+                )
                 break
             if item.key not in pending:  # answered by a leftover reply already
                 window.release()
                 continue
-            body = item.body
             await retry_with_backoff(
-                lambda: client.publish(body, key=item.key, queue=settings.queue, expect_reply=False),
+                functools.partial(client.publish, item.body, key=item.key, queue=settings.queue, expect_reply=False),
                 attempts=30,
                 max_delay=5.0,
                 retry_on=(QueueFull,),
@@ -262,7 +265,7 @@ async def _run(
         while not all_done.is_set():
             try:
                 await asyncio.wait_for(all_done.wait(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if idle():
                     break
     finally:

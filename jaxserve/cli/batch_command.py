@@ -27,15 +27,23 @@ def _labels(value: str | None) -> list[str] | None:
 
 
 def _label_defaults(
-    labels: list[str] | None, template: str | None, chat: bool, label_prompt: str | None, normalization: str | None,
-    calibrate: bool | None, calibration_input: str | None, few_shot_path: str | None,
-) -> dict[str, Any]:  # fmt: skip
+    labels: list[str] | None,
+    template: str | None,
+    chat: bool,
+    label_prompt: str | None,
+    normalization: str | None,
+    calibrate: bool | None,
+    calibration_input: str | None,
+    few_shot_path: str | None,
+) -> dict[str, Any]:
     """The label-scoring fields every labelled line gets unless it sets its
     own: the CLI's defaults (the measured best method) or the flags."""
     from jaxserve.batch.inputs import content_free, read_few_shot
 
     if chat and label_prompt == "plain":
-        raise click.BadParameter("--chat sends each row as a chat message, which is scored in the chat form; drop --label-prompt plain")
+        raise click.BadParameter(
+            "--chat sends each row as a chat message, which is scored in the chat form; drop --label-prompt plain"
+        )
     if calibration_input is not None and calibrate is False:
         raise click.BadParameter("--calibration-input is used with --calibrate")
     out: dict[str, Any] = {
@@ -74,7 +82,9 @@ def _output_constraint(json_schema_path: str | None, choices: str | None, labels
     try:
         schema = json.loads(Path(json_schema_path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"{json_schema_path}: not a readable JSON file ({exc})", param_hint="--json-schema") from None
+        raise click.BadParameter(
+            f"{json_schema_path}: not a readable JSON file ({exc})", param_hint="--json-schema"
+        ) from None
     if not isinstance(schema, dict):
         raise click.BadParameter(f"{json_schema_path}: a JSON Schema is an object", param_hint="--json-schema")
     try:
@@ -83,58 +93,166 @@ def _output_constraint(json_schema_path: str | None, choices: str | None, labels
     except ValueError as exc:
         error = str(exc)
     if error and not error.startswith("WARNING"):
-        raise click.BadParameter(f"{json_schema_path}: the schema is refused: {error.strip()}", param_hint="--json-schema")
+        raise click.BadParameter(
+            f"{json_schema_path}: the schema is refused: {error.strip()}", param_hint="--json-schema"
+        )
     name = "".join(c if c.isalnum() or c in "_-" else "_" for c in Path(json_schema_path).stem)[:64] or "schema"
     return {"response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}
 
 
 @click.command("batch")
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False))
-@click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
-              help="OUT.jsonl: one line per request, appended; a rerun resumes it.")
-@click.option("--amqp-url", envvar="JAXSERVE_AMQP_URL", default=DEFAULT_AMQP_URL, show_default=True, help="RabbitMQ URL (env JAXSERVE_AMQP_URL).")
-@click.option("--prefix", envvar="JAXSERVE_PREFIX", default=DEFAULT_PREFIX, show_default=True, help="Name prefix of queues (env JAXSERVE_PREFIX).")
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="OUT.jsonl: one line per request, appended; a rerun resumes it.",
+)
+@click.option(
+    "--amqp-url",
+    envvar="JAXSERVE_AMQP_URL",
+    default=DEFAULT_AMQP_URL,
+    show_default=True,
+    help="RabbitMQ URL (env JAXSERVE_AMQP_URL).",
+)
+@click.option(
+    "--prefix",
+    envvar="JAXSERVE_PREFIX",
+    default=DEFAULT_PREFIX,
+    show_default=True,
+    help="Name prefix of queues (env JAXSERVE_PREFIX).",
+)
 @click.option("--queue", type=click.Choice(["interactive", "batch"]), default="batch", show_default=True)
-@click.option("--max-in-flight", type=click.IntRange(min=1), default=512, show_default=True, help="Jobs published but not answered yet.")
-@click.option("--idle-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
-              help="Give up when no result arrives for this long (exit status 2).")
+@click.option(
+    "--max-in-flight",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Jobs published but not answered yet.",
+)
+@click.option(
+    "--idle-timeout",
+    type=click.FloatRange(min=0.1),
+    default=600.0,
+    show_default=True,
+    help="Give up when no result arrives for this long (exit status 2).",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
-@click.option("--format", "out_format", type=click.Choice(["auto", "openai", "jaxserve"]), default="auto", show_default=True,
-              help="Output lines: OpenAI Batch lines (auto: for OpenAI Batch input) or jaxserve result messages.")
-@click.option("--template", default=None, metavar="TEXT|@FILE",
-              help="Jinja2 template filling each row's prompt from its fields (CSV, Parquet, JSONL rows).")
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["auto", "openai", "jaxserve"]),
+    default="auto",
+    show_default=True,
+    help="Output lines: OpenAI Batch lines (auto: for OpenAI Batch input) or jaxserve result messages.",
+)
+@click.option(
+    "--template",
+    default=None,
+    metavar="TEXT|@FILE",
+    help="Jinja2 template filling each row's prompt from its fields (CSV, Parquet, JSONL rows).",
+)
 @click.option("--chat", is_flag=True, help="Send the filled template as one user message (the model's chat template).")
 @click.option("--id-column", default=None, help="The row field holding each row's id (custom_id).")
 @click.option("--batch-id", default=None, help="Scope of the keys (default: a hash of INPUT's content).")
-@click.option("--labels", "labels", default=None, metavar="A,B,C", help="Score these labels for every row instead of generating.")
-@click.option("--label-normalization", type=click.Choice(["sum", "mean", "first"]), default=None,
-              help="With --labels: sum (default), mean per token, or the first token alone.")
-@click.option("--label-prompt", type=click.Choice(["chat", "plain"]), default=None,
-              help=f"With --labels: score each label as the assistant's answer in the model's chat template (chat) or as a "
-              f"continuation of the prompt text (plain). Default {DEFAULT_LABEL_PROMPT}; --chat implies chat.")
-@click.option("--calibrate/--no-calibrate", default=None,
-              help=f"With --labels: subtract each label's score on a content-free input (the template filled with N/A) "
-              f"before the softmax. Default {'on' if DEFAULT_CALIBRATE else 'off'}.")
-@click.option("--calibration-input", default=None, metavar="TEXT",
-              help="With --calibrate: the content-free input (default: the template filled with N/A, else N/A).")
-@click.option("--few-shot", "few_shot_path", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="With --labels: worked examples (JSONL with a label field; filled through --template like the rows, else their text field).")
-@click.option("--served-model-name", default=None, help="The model name requests use in body.model, written in OpenAI output bodies.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for rows that set none.")
-@click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None, help="Default temperature for rows that set none.")
+@click.option(
+    "--labels", "labels", default=None, metavar="A,B,C", help="Score these labels for every row instead of generating."
+)
+@click.option(
+    "--label-normalization",
+    type=click.Choice(["sum", "mean", "first"]),
+    default=None,
+    help="With --labels: sum (default), mean per token, or the first token alone.",
+)
+@click.option(
+    "--label-prompt",
+    type=click.Choice(["chat", "plain"]),
+    default=None,
+    help=f"With --labels: score each label as the assistant's answer in the model's chat template (chat) or as a "
+    f"continuation of the prompt text (plain). Default {DEFAULT_LABEL_PROMPT}; --chat implies chat.",
+)
+@click.option(
+    "--calibrate/--no-calibrate",
+    default=None,
+    help=f"With --labels: subtract each label's score on a content-free input (the template filled with N/A) "
+    f"before the softmax. Default {'on' if DEFAULT_CALIBRATE else 'off'}.",
+)
+@click.option(
+    "--calibration-input",
+    default=None,
+    metavar="TEXT",
+    help="With --calibrate: the content-free input (default: the template filled with N/A, else N/A).",
+)
+@click.option(
+    "--few-shot",
+    "few_shot_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="With --labels: worked examples (JSONL with a label field; filled through --template like the rows, else their text field).",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="The model name requests use in body.model, written in OpenAI output bodies.",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for rows that set none."
+)
+@click.option(
+    "--temperature", type=click.FloatRange(0.0, 2.0), default=None, help="Default temperature for rows that set none."
+)
 @click.option("--seed", type=int, default=None, help="Default seed for rows that set none.")
-@click.option("--json-schema", "json_schema_path", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
-              help="Every row's output is JSON following this JSON Schema (enforced token by token); lines keep the parsed JSON next to the text.")
-@click.option("--choices", default=None, metavar="A,B,C", help="Every row's output is exactly one of these strings (constrained generation).")
-@click.option("--cache/--no-cache", default=True, show_default=True, help="Let the workers answer deterministic rows from their response cache.")
+@click.option(
+    "--json-schema",
+    "json_schema_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    metavar="FILE",
+    help="Every row's output is JSON following this JSON Schema (enforced token by token); lines keep the parsed JSON next to the text.",
+)
+@click.option(
+    "--choices",
+    default=None,
+    metavar="A,B,C",
+    help="Every row's output is exactly one of these strings (constrained generation).",
+)
+@click.option(
+    "--cache/--no-cache",
+    default=True,
+    show_default=True,
+    help="Let the workers answer deterministic rows from their response cache.",
+)
 def batch(
-    input_path: str, output_path: str, amqp_url: str, prefix: str, queue: str, max_in_flight: int,
-    idle_timeout: float, progress: bool, out_format: str, template: str | None, chat: bool,
-    id_column: str | None, batch_id: str | None, labels: str | None, label_normalization: str | None,
-    served_model_name: str | None, max_tokens: int | None, temperature: float | None, seed: int | None, cache: bool,
-    label_prompt: str | None = None, calibrate: bool | None = None, calibration_input: str | None = None,
-    few_shot_path: str | None = None, json_schema_path: str | None = None, choices: str | None = None,
-) -> None:  # fmt: skip
+    input_path: str,
+    output_path: str,
+    amqp_url: str,
+    prefix: str,
+    queue: str,
+    max_in_flight: int,
+    idle_timeout: float,
+    progress: bool,
+    out_format: str,
+    template: str | None,
+    chat: bool,
+    id_column: str | None,
+    batch_id: str | None,
+    labels: str | None,
+    label_normalization: str | None,
+    served_model_name: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    seed: int | None,
+    cache: bool,
+    label_prompt: str | None = None,
+    calibrate: bool | None = None,
+    calibration_input: str | None = None,
+    few_shot_path: str | None = None,
+    json_schema_path: str | None = None,
+    choices: str | None = None,
+) -> None:
     """Run every line or row of INPUT (.jsonl, .csv, .parquet) as a job and
     write one output line per request to OUT.
 
@@ -152,9 +270,14 @@ def batch(
     label_list = _labels(labels)
     defaults.update(_output_constraint(json_schema_path, choices, label_list))
     opts = InputOptions(
-        template=template, chat=chat, id_column=id_column, batch_id=batch_id,
-        labels=label_list, served_model_name=served_model_name, defaults=defaults,
-    )  # fmt: skip
+        template=template,
+        chat=chat,
+        id_column=id_column,
+        batch_id=batch_id,
+        labels=label_list,
+        served_model_name=served_model_name,
+        defaults=defaults,
+    )
     try:
         opts.label_defaults = _label_defaults(
             label_list, template, chat, label_prompt, label_normalization, calibrate, calibration_input, few_shot_path
@@ -166,9 +289,15 @@ def batch(
 
     check_broker(amqp_url)  # one line, not a traceback, when the broker is down
     settings = BatchSettings(
-        amqp_url=amqp_url, prefix=prefix, queue=queue, max_in_flight=max_in_flight, idle_timeout=idle_timeout,
-        progress=progress, out_format=out_format, served_model_name=served_model_name,
-    )  # fmt: skip
+        amqp_url=amqp_url,
+        prefix=prefix,
+        queue=queue,
+        max_in_flight=max_in_flight,
+        idle_timeout=idle_timeout,
+        progress=progress,
+        out_format=out_format,
+        served_model_name=served_model_name,
+    )
     from jaxserve.client import QueueError
 
     with broker_errors(amqp_url, mute=False):

@@ -21,18 +21,39 @@ def bench() -> None:
 @click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
-              help="Default: the number of prompts (at most 256).")
+@click.option(
+    "--max-num-seqs", type=click.IntRange(min=1), default=None, help="Default: the number of prompts (at most 256)."
+)
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
-@click.option("--quantization", type=click.Choice(["int8", "int4"]), default=None,
-              help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).")
+@click.option(
+    "--quantization",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Devices to shard the model over (must divide its kv heads).")
-def offline(model, num_prompts, input_len, output_len, max_num_seqs, max_num_batched_tokens, dtype, quantization, seed,
-            as_json, tensor_parallel_size) -> None:
+@click.option(
+    "--tensor-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Devices to shard the model over (must divide its kv heads).",
+)
+def offline(
+    model,
+    num_prompts,
+    input_len,
+    output_len,
+    max_num_seqs,
+    max_num_batched_tokens,
+    dtype,
+    quantization,
+    seed,
+    as_json,
+    tensor_parallel_size,
+) -> None:
     """Run NUM_PROMPTS prompts of INPUT_LEN random token ids to exactly
     OUTPUT_LEN new tokens each (EOS ignored, greedy), after a warm-up, and
     report output tokens per second."""

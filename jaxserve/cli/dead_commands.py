@@ -34,7 +34,8 @@ import dataclasses
 import datetime as dt
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -76,7 +77,7 @@ def _text(value: Any) -> str | None:
 def _epoch(value: Any) -> float | None:
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=dt.timezone.utc)
+            value = value.replace(tzinfo=dt.UTC)
         return value.timestamp()
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -117,7 +118,7 @@ class DeadLetter:
         return None if self.died_at is None else max(0.0, now - self.died_at)
 
     @classmethod
-    def from_message(cls, message: Any) -> "DeadLetter":
+    def from_message(cls, message: Any) -> DeadLetter:
         headers = message.headers or {}
         deaths = [
             Death(
@@ -133,7 +134,10 @@ class DeadLetter:
         reason = _text(headers.get("x-first-death-reason"))
         saved = _saved_death(headers)
         if not deaths and saved is not None:
-            deaths = [Death(d.get("queue"), d.get("reason"), int(d.get("count") or 1), d.get("time")) for d in saved.get("deaths", [])]
+            deaths = [
+                Death(d.get("queue"), d.get("reason"), int(d.get("count") or 1), d.get("time"))
+                for d in saved.get("deaths", [])
+            ]
         if queue is None:
             queue = (saved or {}).get("queue") or (deaths[-1].queue if deaths else None)
         if reason is None:
@@ -252,12 +256,16 @@ async def sweep(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str |
         try:
             dead = await ch.declare_queue(topo.dead, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity:
-            raise click.ClickException(f"no queue {topo.dead!r}: has a worker with prefix {prefix!r} ever run?") from None
+            raise click.ClickException(
+                f"no queue {topo.dead!r}: has a worker with prefix {prefix!r} ever run?"
+            ) from None
         pending = int(dead.declaration_result.message_count or 0)
         exchange = ch.default_exchange
 
         async def publish(message: Any, routing_key: str) -> None:
-            await asyncio.wait_for(exchange.publish(message, routing_key=routing_key, mandatory=True), CONFIRM_TIMEOUT_S)
+            await asyncio.wait_for(
+                exchange.publish(message, routing_key=routing_key, mandatory=True), CONFIRM_TIMEOUT_S
+            )
 
         for _ in range(pending):
             message = await dead.get(no_ack=False, fail=False)
@@ -268,8 +276,10 @@ async def sweep(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str |
             target = choose(letter)
             if target is not None:
                 try:
-                    await publish(copy_message(message, _requeue_headers(message.headers or {}), login_user=user), target)
-                except (aio_pika.exceptions.PublishError, aiormq.exceptions.DeliveryError, asyncio.TimeoutError) as exc:
+                    await publish(
+                        copy_message(message, _requeue_headers(message.headers or {}), login_user=user), target
+                    )
+                except (TimeoutError, aio_pika.exceptions.PublishError, aiormq.exceptions.DeliveryError) as exc:
                     report.failed.append((letter, _why(exc, target)))
                     target = None
                 else:
@@ -301,10 +311,18 @@ def _why(exc: BaseException, target: str) -> str:
 
 # --------------------------------------------------------------- commands
 _amqp_option = click.option(
-    "--amqp-url", envvar="JAXSERVE_AMQP_URL", default=DEFAULT_AMQP_URL, show_default=True, help="RabbitMQ URL (env JAXSERVE_AMQP_URL)."
+    "--amqp-url",
+    envvar="JAXSERVE_AMQP_URL",
+    default=DEFAULT_AMQP_URL,
+    show_default=True,
+    help="RabbitMQ URL (env JAXSERVE_AMQP_URL).",
 )
 _prefix_option = click.option(
-    "--prefix", envvar="JAXSERVE_PREFIX", default=DEFAULT_PREFIX, show_default=True, help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX)."
+    "--prefix",
+    envvar="JAXSERVE_PREFIX",
+    default=DEFAULT_PREFIX,
+    show_default=True,
+    help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX).",
 )
 
 
@@ -366,7 +384,10 @@ def list_command(amqp_url: str, prefix: str, as_json: bool, limit: int) -> None:
             f"{letter.count:>5d} {_age(letter.age_s(now)):>8s}  {_deaths_text(letter)}"
         )
     shown = len(letters)
-    click.echo(f"{len(report.seen)} dead letter(s) in {prefix}.dead" + (f" ({shown} shown)" if shown < len(report.seen) else ""))
+    click.echo(
+        f"{len(report.seen)} dead letter(s) in {prefix}.dead"
+        + (f" ({shown} shown)" if shown < len(report.seen) else "")
+    )
 
 
 @dead.command("show")
@@ -416,9 +437,14 @@ def requeue_command(key: str | None, all_: bool, amqp_url: str, prefix: str) -> 
     for letter, why in report.failed:
         click.echo(f"kept {letter.key} in {dead_queue}: {why}", err=True)
     for letter in failed_unknown:
-        click.echo(f"kept {letter.key} in {dead_queue}: its original queue is not recorded (no x-death / x-first-death-queue)", err=True)
+        click.echo(
+            f"kept {letter.key} in {dead_queue}: its original queue is not recorded (no x-death / x-first-death-queue)",
+            err=True,
+        )
     if key is not None and not report.requeued and not report.failed and not failed_unknown:
         raise click.ClickException(f"no dead letter with key {key!r} in {dead_queue} ({len(report.seen)} there)")
-    click.echo(f"{len(report.requeued)} requeued, {len(report.seen) - len(report.requeued)} left in {dead_queue}", err=True)
+    click.echo(
+        f"{len(report.requeued)} requeued, {len(report.seen) - len(report.requeued)} left in {dead_queue}", err=True
+    )
     if report.failed or failed_unknown:
         sys.exit(1)

@@ -25,7 +25,7 @@ import errno
 import logging
 import socket
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import click
 
@@ -119,13 +119,15 @@ def check_broker(amqp_url: str, timeout: float = 15.0) -> None:
     import aio_pika
 
     async def probe() -> None:
-        conn = await asyncio.wait_for(aio_pika.connect(amqp_url, client_properties={"connection_name": "jaxserve-check"}), timeout)
+        conn = await asyncio.wait_for(
+            aio_pika.connect(amqp_url, client_properties={"connection_name": "jaxserve-check"}), timeout
+        )
         await conn.close()
 
     with broker_errors(amqp_url):
         try:
             asyncio.run(probe())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise click.ClickException(
                 f"cannot reach RabbitMQ at {redact_url(amqp_url)} (no answer within {timeout:g}s); "
                 "start it or point --amqp-url / JAXSERVE_AMQP_URL at it"
@@ -141,7 +143,9 @@ def check_port_free(port: int, addr: str = "0.0.0.0", what: str = "--metrics-por
         sock.bind((addr, port))
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
-            raise click.ClickException(f"{what} {port} is already in use on {addr}; pick another port or stop what holds it") from None
+            raise click.ClickException(
+                f"{what} {port} is already in use on {addr}; pick another port or stop what holds it"
+            ) from None
         raise click.ClickException(f"cannot listen on {addr}:{port} for {what}: {_reason(exc)}") from None
     finally:
         sock.close()
@@ -161,7 +165,9 @@ def worker_errors(amqp_url: str, log_format: str = "console") -> Iterator[None]:
             try:
                 yield
             except MetricsPortInUse as exc:
-                raise click.ClickException(f"{exc.strerror}; pick another --metrics-port or stop what holds it") from None
+                raise click.ClickException(
+                    f"{exc.strerror}; pick another --metrics-port or stop what holds it"
+                ) from None
             except TopologyMismatch as exc:
                 raise click.ClickException(str(exc)) from None
     except click.ClickException as exc:

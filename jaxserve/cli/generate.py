@@ -13,22 +13,43 @@ from jaxserve.cli.errors import user_errors
 @click.command()
 @click.option("--model", default="tiny", show_default=True, help="Preset name or checkpoint folder.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-              help="0 is greedy.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
-@click.option("--quantization", type=click.Choice(["int8", "int4"]), default=None,
-              help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).")
+@click.option(
+    "--quantization",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
+)
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
-@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Devices to shard the model over (must divide its kv heads).")
+@click.option(
+    "--tensor-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Devices to shard the model over (must divide its kv heads).",
+)
 @click.argument("prompt")
-def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, quantization, chat, as_json, tensor_parallel_size,
-             prompt) -> None:
+def generate(
+    model,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    stop,
+    dtype,
+    quantization,
+    chat,
+    as_json,
+    tensor_parallel_size,
+    prompt,
+) -> None:
     """Generate a completion for PROMPT and print it."""
     from jaxserve.engine.llm import LLM
     from jaxserve.worker.logs import configure_logging
@@ -37,8 +58,13 @@ def generate(model, max_tokens, temperature, top_p, top_k, seed, stop, dtype, qu
     from jaxserve.engine.types import SamplingParams
 
     with user_errors():
-        llm = LLM(model, dtype=None if dtype == "auto" else dtype, quantization=quantization, max_num_seqs=1,
-                  tensor_parallel_size=tensor_parallel_size)
+        llm = LLM(
+            model,
+            dtype=None if dtype == "auto" else dtype,
+            quantization=quantization,
+            max_num_seqs=1,
+            tensor_parallel_size=tensor_parallel_size,
+        )
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )

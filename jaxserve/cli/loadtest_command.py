@@ -20,7 +20,9 @@ def _levels(text: str | None, what: str, integer: bool) -> list[float] | None:
     try:
         values = [int(x) if integer else float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated {'integers' if integer else 'numbers'}, got {text!r}", param_hint=what) from None
+        raise click.BadParameter(
+            f"expected comma-separated {'integers' if integer else 'numbers'}, got {text!r}", param_hint=what
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise click.BadParameter(f"every level must be > 0, got {text!r}", param_hint=what)
     return values
@@ -38,44 +40,133 @@ def _range(value: str, what: str):
 @click.command("loadtest")
 @_amqp_option
 @_prefix_option
-@click.option("--concurrency", default=None, metavar="N,N,...",
-              help="Closed loop: levels of concurrent clients, each sending one job at a time (default 1,4,8).")
-@click.option("--rate", default=None, metavar="R,R,...", help="Open loop instead: levels of Poisson arrival rates (jobs/s).")
-@click.option("--duration", type=click.FloatRange(min=0.1), default=30.0, show_default=True, help="Seconds of sending per level.")
-@click.option("--output", "-o", "output", type=click.Path(file_okay=False), required=True,
-              help="Folder for loadtest.json, loadtest-jobs.jsonl, loadtest-config.json and loadtest.png.")
+@click.option(
+    "--concurrency",
+    default=None,
+    metavar="N,N,...",
+    help="Closed loop: levels of concurrent clients, each sending one job at a time (default 1,4,8).",
+)
+@click.option(
+    "--rate", default=None, metavar="R,R,...", help="Open loop instead: levels of Poisson arrival rates (jobs/s)."
+)
+@click.option(
+    "--duration", type=click.FloatRange(min=0.1), default=30.0, show_default=True, help="Seconds of sending per level."
+)
+@click.option(
+    "--output",
+    "-o",
+    "output",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="Folder for loadtest.json, loadtest-jobs.jsonl, loadtest-config.json and loadtest.png.",
+)
 @click.option("--mix", default="chat=0.8,summarize=0.2", show_default=True, help="Job kinds and their weights.")
-@click.option("--chat-prompt-words", default="3-12", show_default=True, help="chat: words in the user message (N or LOW-HIGH).")
+@click.option(
+    "--chat-prompt-words", default="3-12", show_default=True, help="chat: words in the user message (N or LOW-HIGH)."
+)
 @click.option("--chat-max-tokens", default="16-32", show_default=True, help="chat: max_tokens (N or LOW-HIGH).")
-@click.option("--summary-prompt-words", default="150-300", show_default=True, help="summarize: words of text in the prompt.")
+@click.option(
+    "--summary-prompt-words", default="150-300", show_default=True, help="summarize: words of text in the prompt."
+)
 @click.option("--summary-max-tokens", default="64-128", show_default=True, help="summarize: max_tokens.")
-@click.option("--summary-stream/--no-summary-stream", default=False, show_default=True, help="Stream summarize jobs too.")
-@click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=None, help="Every job's temperature (default: the worker's).")
+@click.option(
+    "--summary-stream/--no-summary-stream", default=False, show_default=True, help="Stream summarize jobs too."
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0.0, 2.0),
+    default=None,
+    help="Every job's temperature (default: the worker's).",
+)
 @click.option("--model", default=None, help="Model name the jobs ask for (default: none, any).")
 @click.option("--tenant", default=None, help="Every job's tenant (the worker's --limits apply per tenant).")
-@click.option("--cancel-share", type=click.FloatRange(0.0, 1.0), default=0.05, show_default=True,
-              help="Share of all jobs cancelled after their first chunk (taken from the streaming jobs).")
-@click.option("--settle", type=click.FloatRange(min=0.0), default=2.0, show_default=True, help="Seconds between levels.")
-@click.option("--job-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True, help="Seconds a job may take.")
-@click.option("--reject-backoff", type=click.FloatRange(min=0.0), default=0.1, show_default=True,
-              help="Closed loop: seconds a client waits after a rejection (or the rejection's retry_after_s, if longer).")
-@click.option("--max-retry-after", type=click.FloatRange(min=0.0), default=5.0, show_default=True,
-              help="Closed loop: most seconds of a retry_after_s a client honours.")
-@click.option("--max-in-flight", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Open loop: arrivals beyond this many jobs in flight are dropped (counted).")
-@click.option("--capacity-check/--no-capacity-check", default=True, show_default=True,
-              help="After each level: wait for the queues to drain, then send a probe of short jobs at once.")
-@click.option("--probe-jobs", type=click.IntRange(min=1), default=None, help="Probe size (default: the level's concurrency, 2-8).")
-@click.option("--broker-details/--no-broker-details", default=None,
-              help="Also check unacknowledged messages with rabbitmqctl (default: when on PATH).")
+@click.option(
+    "--cancel-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.05,
+    show_default=True,
+    help="Share of all jobs cancelled after their first chunk (taken from the streaming jobs).",
+)
+@click.option(
+    "--settle", type=click.FloatRange(min=0.0), default=2.0, show_default=True, help="Seconds between levels."
+)
+@click.option(
+    "--job-timeout", type=click.FloatRange(min=0.1), default=120.0, show_default=True, help="Seconds a job may take."
+)
+@click.option(
+    "--reject-backoff",
+    type=click.FloatRange(min=0.0),
+    default=0.1,
+    show_default=True,
+    help="Closed loop: seconds a client waits after a rejection (or the rejection's retry_after_s, if longer).",
+)
+@click.option(
+    "--max-retry-after",
+    type=click.FloatRange(min=0.0),
+    default=5.0,
+    show_default=True,
+    help="Closed loop: most seconds of a retry_after_s a client honours.",
+)
+@click.option(
+    "--max-in-flight",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Open loop: arrivals beyond this many jobs in flight are dropped (counted).",
+)
+@click.option(
+    "--capacity-check/--no-capacity-check",
+    default=True,
+    show_default=True,
+    help="After each level: wait for the queues to drain, then send a probe of short jobs at once.",
+)
+@click.option(
+    "--probe-jobs", type=click.IntRange(min=1), default=None, help="Probe size (default: the level's concurrency, 2-8)."
+)
+@click.option(
+    "--broker-details/--no-broker-details",
+    default=None,
+    help="Also check unacknowledged messages with rabbitmqctl (default: when on PATH).",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--progress/--no-progress", default=True, show_default=True)
-@click.option("--plot/--no-plot", default=True, show_default=True, help="Write loadtest.png (needs matplotlib: the loadtest extra).")
+@click.option(
+    "--plot/--no-plot",
+    default=True,
+    show_default=True,
+    help="Write loadtest.png (needs matplotlib: the loadtest extra).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print loadtest.json to stdout instead of the table.")
-def loadtest(amqp_url, prefix, concurrency, rate, duration, output, mix, chat_prompt_words, chat_max_tokens,
-             summary_prompt_words, summary_max_tokens, summary_stream, temperature, model, tenant, cancel_share, settle,
-             job_timeout, reject_backoff, max_retry_after, max_in_flight, capacity_check, probe_jobs, broker_details, seed, progress,
-             plot, as_json) -> None:  # fmt: skip
+def loadtest(
+    amqp_url,
+    prefix,
+    concurrency,
+    rate,
+    duration,
+    output,
+    mix,
+    chat_prompt_words,
+    chat_max_tokens,
+    summary_prompt_words,
+    summary_max_tokens,
+    summary_stream,
+    temperature,
+    model,
+    tenant,
+    cancel_share,
+    settle,
+    job_timeout,
+    reject_backoff,
+    max_retry_after,
+    max_in_flight,
+    capacity_check,
+    probe_jobs,
+    broker_details,
+    seed,
+    progress,
+    plot,
+    as_json,
+) -> None:
     """Load-test the worker(s) serving PREFIX, one level after another.
 
     Default workload: 80 % short chat jobs (interactive queue, streamed, a
@@ -111,16 +202,32 @@ def loadtest(amqp_url, prefix, concurrency, rate, duration, output, mix, chat_pr
         summary_stream=summary_stream,
     )
     try:
-        workload = Workload(kinds, weights, seed=seed, cancel_share=cancel_share,
-                            extra_params={"temperature": temperature, "model": model, "tenant": tenant})  # fmt: skip
+        workload = Workload(
+            kinds,
+            weights,
+            seed=seed,
+            cancel_share=cancel_share,
+            extra_params={"temperature": temperature, "model": model, "tenant": tenant},
+        )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--mix") from None
     cfg = RunConfig(
-        amqp_url=amqp_url, prefix=prefix, mode="closed" if closed else "open", levels=levels, duration_s=duration,
-        settle_s=settle, job_timeout_s=job_timeout, reject_backoff_s=reject_backoff, max_retry_after_s=max_retry_after, max_in_flight=max_in_flight,
-        check_capacity=capacity_check, probe_jobs=probe_jobs, broker_details=broker_details,
-        progress=progress, seed=seed,
-    )  # fmt: skip
+        amqp_url=amqp_url,
+        prefix=prefix,
+        mode="closed" if closed else "open",
+        levels=levels,
+        duration_s=duration,
+        settle_s=settle,
+        job_timeout_s=job_timeout,
+        reject_backoff_s=reject_backoff,
+        max_retry_after_s=max_retry_after,
+        max_in_flight=max_in_flight,
+        check_capacity=capacity_check,
+        probe_jobs=probe_jobs,
+        broker_details=broker_details,
+        progress=progress,
+        seed=seed,
+    )
     started = time.time()
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +269,9 @@ def loadtest(amqp_url, prefix, concurrency, rate, duration, output, mix, chat_pr
         from jaxserve.loadtest.report import level_label
 
         click.echo(
-            "capacity did not come back after " + ", ".join(level_label(e) for e in lost)
-            + " (see capacity in loadtest.json)", err=True,
-        )  # fmt: skip
+            "capacity did not come back after "
+            + ", ".join(level_label(e) for e in lost)
+            + " (see capacity in loadtest.json)",
+            err=True,
+        )
         sys.exit(3)

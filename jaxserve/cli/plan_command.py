@@ -8,15 +8,31 @@ import sys
 
 import click
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
     """``"8GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise click.BadParameter(f"expected a size such as 8GiB, 512MiB or a number of bytes, got {text!r}", param_hint="--kv-memory")
+        raise click.BadParameter(
+            f"expected a size such as 8GiB, 512MiB or a number of bytes, got {text!r}", param_hint="--kv-memory"
+        )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -31,44 +47,155 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 @click.command("plan")
-@click.option("--measure", is_flag=True, help="Measure MODEL's prefill and decode rates with the real engine and write a profile.")
+@click.option(
+    "--measure", is_flag=True, help="Measure MODEL's prefill and decode rates with the real engine and write a profile."
+)
 @click.option("--model", default="tiny", show_default=True, help="--measure: preset name or checkpoint folder.")
-@click.option("--output", "-o", "output", type=click.Path(dir_okay=False), default=None, help="--measure: the profile JSON to write.")
+@click.option(
+    "--output",
+    "-o",
+    "output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="--measure: the profile JSON to write.",
+)
 @click.option("--chunks", default="64,128,256,512", show_default=True, help="--measure: prefill chunk sizes (tokens).")
 @click.option("--batches", default="1,4,16,32", show_default=True, help="--measure: decode batch sizes.")
-@click.option("--contexts", default="128,1024", show_default=True, help="--measure: context lengths (prompt tokens) of the decode batches.")
-@click.option("--decode-steps", type=click.IntRange(min=1), default=16, show_default=True, help="--measure: decode steps timed per batch.")
-@click.option("--temperature", type=click.FloatRange(0.0, 2.0), default=1.0, show_default=True,
-              help="--measure: sampling temperature (a job's default is 1; 0 is the much faster greedy path).")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="--measure: runs per size (median).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="--measure: default the checkpoint's.")
-@click.option("--measure-max-model-len", type=click.IntRange(min=2), default=None,
-              help="--measure: the engine's max_model_len (default: the model's, as a worker has it).")
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Profile JSON (from --measure) to plan with.")
-@click.option("--workload", "workload_file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Workload as JSON or YAML (or a loadtest.json: its measured token counts); flags override it.")
+@click.option(
+    "--contexts",
+    default="128,1024",
+    show_default=True,
+    help="--measure: context lengths (prompt tokens) of the decode batches.",
+)
+@click.option(
+    "--decode-steps",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="--measure: decode steps timed per batch.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(0.0, 2.0),
+    default=1.0,
+    show_default=True,
+    help="--measure: sampling temperature (a job's default is 1; 0 is the much faster greedy path).",
+)
+@click.option(
+    "--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="--measure: runs per size (median)."
+)
+@click.option(
+    "--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="--measure: default the checkpoint's."
+)
+@click.option(
+    "--measure-max-model-len",
+    type=click.IntRange(min=2),
+    default=None,
+    help="--measure: the engine's max_model_len (default: the model's, as a worker has it).",
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Profile JSON (from --measure) to plan with.",
+)
+@click.option(
+    "--workload",
+    "workload_file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Workload as JSON or YAML (or a loadtest.json: its measured token counts); flags override it.",
+)
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True), default=None, help="Mean arrival rate, jobs/s.")
-@click.option("--burst", type=click.IntRange(min=1), default=None, help="Jobs arriving at once that must meet the TTFT target (default 1).")
+@click.option(
+    "--burst",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Jobs arriving at once that must meet the TTFT target (default 1).",
+)
 @click.option("--prompt-tokens", default=None, metavar="mean:N,p95:M", help="Prompt length distribution.")
 @click.option("--output-tokens", default=None, metavar="mean:N,p95:M", help="Output length distribution.")
-@click.option("--ttft-target-s", type=click.FloatRange(min=0, min_open=True), default=None, help="p95 time to first token target.")
-@click.option("--itl-target-s", type=click.FloatRange(min=0, min_open=True), default=None, help="Inter-token latency target.")
-@click.option("--headroom", type=click.FloatRange(0.0, 1.0, max_open=True), default=None, help="Capacity kept free (default 0.3).")
-@click.option("--kv-memory", default=None, metavar="SIZE", help="KV cache memory per worker (default: device memory x --memory-fraction - weights).")
+@click.option(
+    "--ttft-target-s", type=click.FloatRange(min=0, min_open=True), default=None, help="p95 time to first token target."
+)
+@click.option(
+    "--itl-target-s", type=click.FloatRange(min=0, min_open=True), default=None, help="Inter-token latency target."
+)
+@click.option(
+    "--headroom", type=click.FloatRange(0.0, 1.0, max_open=True), default=None, help="Capacity kept free (default 0.3)."
+)
+@click.option(
+    "--kv-memory",
+    default=None,
+    metavar="SIZE",
+    help="KV cache memory per worker (default: device memory x --memory-fraction - weights).",
+)
 @click.option("--memory-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.9, show_default=True)
-@click.option("--chunk", type=click.IntRange(min=1), default=None, help="Prefill chunk / step budget (default: the profile's fastest).")
-@click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="The workers' max_model_len (default: the model's).")
-@click.option("--scaleout", "scaleout_file", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="A benchmarks/scaleout.py result: caps workers per broker, adds the event-loop and broker budgets.")
-@click.option("--scaleout-efficiency", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.75, show_default=True,
-              help="Scale-out efficiency a broker's workers must keep.")
-@click.option("--broker-cores", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Cores one job queue's broker process can use.")
+@click.option(
+    "--chunk",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prefill chunk / step budget (default: the profile's fastest).",
+)
+@click.option(
+    "--max-model-len",
+    type=click.IntRange(min=2),
+    default=None,
+    help="The workers' max_model_len (default: the model's).",
+)
+@click.option(
+    "--scaleout",
+    "scaleout_file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="A benchmarks/scaleout.py result: caps workers per broker, adds the event-loop and broker budgets.",
+)
+@click.option(
+    "--scaleout-efficiency",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.75,
+    show_default=True,
+    help="Scale-out efficiency a broker's workers must keep.",
+)
+@click.option(
+    "--broker-cores",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Cores one job queue's broker process can use.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine output.")
-def plan(measure, model, output, chunks, batches, contexts, decode_steps, temperature, repeats, dtype, measure_max_model_len, profile_path, workload_file,
-         rps, burst, prompt_tokens, output_tokens, ttft_target_s, itl_target_s, headroom, kv_memory, memory_fraction,
-         chunk, max_model_len, scaleout_file, scaleout_efficiency, broker_cores, as_json) -> None:  # fmt: skip
+def plan(
+    measure,
+    model,
+    output,
+    chunks,
+    batches,
+    contexts,
+    decode_steps,
+    temperature,
+    repeats,
+    dtype,
+    measure_max_model_len,
+    profile_path,
+    workload_file,
+    rps,
+    burst,
+    prompt_tokens,
+    output_tokens,
+    ttft_target_s,
+    itl_target_s,
+    headroom,
+    kv_memory,
+    memory_fraction,
+    chunk,
+    max_model_len,
+    scaleout_file,
+    scaleout_efficiency,
+    broker_cores,
+    as_json,
+) -> None:
     """Number of workers, max_num_seqs and KV memory per worker for a workload.
 
     \b
@@ -81,29 +208,61 @@ def plan(measure, model, output, chunks, batches, contexts, decode_steps, temper
     --scaleout). Exit status 2 when no number of workers can meet the targets.
     """
     if measure:
-        _measure(model, output, chunks, batches, contexts, decode_steps, temperature, repeats, dtype, measure_max_model_len, as_json)
+        _measure(
+            model,
+            output,
+            chunks,
+            batches,
+            contexts,
+            decode_steps,
+            temperature,
+            repeats,
+            dtype,
+            measure_max_model_len,
+            as_json,
+        )
         return
     from jaxserve.planning import (
-        PlanInfeasible, PlanOptions, Profile, ProfileError, ScaleoutError, WorkloadError, build_workload, load_limits,
-        make_plan, read_workload_file,
-    )  # fmt: skip
+        PlanInfeasible,
+        PlanOptions,
+        Profile,
+        ProfileError,
+        ScaleoutError,
+        WorkloadError,
+        build_workload,
+        load_limits,
+        make_plan,
+        read_workload_file,
+    )
 
     if profile_path is None:
-        raise click.UsageError("give --profile PROFILE.json (write one with: jaxserve plan --measure --model M --output PROFILE.json)")
+        raise click.UsageError(
+            "give --profile PROFILE.json (write one with: jaxserve plan --measure --model M --output PROFILE.json)"
+        )
     try:
         profile = Profile.load(profile_path)
         fields = read_workload_file(workload_file) if workload_file else None
         workload = build_workload(
-            fields, rps=rps, burst=burst, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-            ttft_target_s=ttft_target_s, itl_target_s=itl_target_s, headroom=headroom,
-        )  # fmt: skip
+            fields,
+            rps=rps,
+            burst=burst,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            ttft_target_s=ttft_target_s,
+            itl_target_s=itl_target_s,
+            headroom=headroom,
+        )
         limits = load_limits(scaleout_file, efficiency=scaleout_efficiency) if scaleout_file else None
     except (ProfileError, WorkloadError, ScaleoutError) as exc:
         raise click.ClickException(str(exc)) from None
     options = PlanOptions(
-        kv_memory_bytes=parse_size(kv_memory) if kv_memory is not None else None, memory_fraction=memory_fraction,
-        chunk=chunk, max_model_len=max_model_len, scaleout=limits, broker_cores=broker_cores,
-    )  # fmt: skip
+        kv_memory_bytes=parse_size(kv_memory) if kv_memory is not None else None,
+        memory_fraction=memory_fraction,
+        chunk=chunk,
+        max_model_len=max_model_len,
+        scaleout=limits,
+        broker_cores=broker_cores,
+    )
     try:
         result = make_plan(workload, profile, options)
     except PlanInfeasible as exc:
@@ -118,7 +277,9 @@ def plan(measure, model, output, chunks, batches, contexts, decode_steps, temper
         click.echo(result.text())
 
 
-def _measure(model, output, chunks, batches, contexts, decode_steps, temperature, repeats, dtype, max_model_len, as_json) -> None:
+def _measure(
+    model, output, chunks, batches, contexts, decode_steps, temperature, repeats, dtype, max_model_len, as_json
+) -> None:
     from jaxserve.cli.errors import user_errors
     from jaxserve.planning.profile import measure
     from jaxserve.worker.logs import configure_logging
@@ -129,16 +290,24 @@ def _measure(model, output, chunks, batches, contexts, decode_steps, temperature
     with user_errors():
         try:
             profile = measure(
-                model, chunks=_ints(chunks, "--chunks"), batches=_ints(batches, "--batches"),
-                contexts=_ints(contexts, "--contexts"), decode_steps=decode_steps, repeats=repeats,
-                temperature=temperature, dtype=dtype, max_model_len=max_model_len,
+                model,
+                chunks=_ints(chunks, "--chunks"),
+                batches=_ints(batches, "--batches"),
+                contexts=_ints(contexts, "--contexts"),
+                decode_steps=decode_steps,
+                repeats=repeats,
+                temperature=temperature,
+                dtype=dtype,
+                max_model_len=max_model_len,
                 progress=None if as_json else (lambda msg: click.echo(msg, err=True)),
-            )  # fmt: skip
+            )
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
     path = profile.save(output)
     if as_json:
         click.echo(json.dumps(profile.to_dict(), indent=2))
     else:
-        click.echo(f"wrote {path}: KV {profile.kv_bytes_per_token} B/token, block {profile.block_size}, "
-                   f"best prefill chunk {profile.best_chunk}, decode saturates at batch {profile.saturation_batch()}")  # fmt: skip
+        click.echo(
+            f"wrote {path}: KV {profile.kv_bytes_per_token} B/token, block {profile.block_size}, "
+            f"best prefill chunk {profile.best_chunk}, decode saturates at batch {profile.saturation_batch()}"
+        )

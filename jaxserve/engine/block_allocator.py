@@ -48,7 +48,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import heapq
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

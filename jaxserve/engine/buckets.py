@@ -33,7 +33,7 @@ class Buckets:
     @classmethod
     def build(
         cls, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8, single_token: bool = False
-    ) -> "Buckets":
+    ) -> Buckets:
         """Powers of two from ``min_tokens`` up to the maxima. ``single_token``
         adds a 1-token bucket below them: one sequence decoding then runs a
         program of one token instead of ``min_tokens``, which pays where the

@@ -101,9 +101,7 @@ def _backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def configure(
-    environ: dict[str, str] | None = None, *, root: Path = CGROUP_ROOT
-) -> CpuThreads:
+def configure(environ: dict[str, str] | None = None, *, root: Path = CGROUP_ROOT) -> CpuThreads:
     """Set ``PJRT_NPROC`` (in ``environ``, default ``os.environ``) for the
     CPUs this process may use, unless it is set already or JAX's backend is
     up. Idempotent; called by :class:`jaxserve.engine.engine.Engine` before it
@@ -117,9 +115,7 @@ def configure(
         try:
             threads = int(value)
         except ValueError:
-            raise ValueError(
-                f"{ENV} must be a whole number of threads, got {value!r}"
-            ) from None
+            raise ValueError(f"{ENV} must be a whole number of threads, got {value!r}") from None
         if threads < 0:
             raise ValueError(f"{ENV} must be a whole number of threads, got {value!r}")
         return CpuThreads(cpus, threads, "environment")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.engine import scoring
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.types import RequestError, RequestOutput, SamplingParams
-
 
 #: Token budget per step when the caller gives none. Offline runs want
 #: throughput, not inter-token latency: a bigger budget finishes the prefill of
@@ -59,8 +58,12 @@ class LLM:
                 self.engine.add_request(request_id, prompt, p)
             except RequestError as exc:
                 done[request_id] = RequestOutput(
-                    request_id=request_id, new_token_ids=[], new_text="", finished=True,
-                    finish_reason="error", error=exc,
+                    request_id=request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="error",
+                    error=exc,
                 )
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -80,7 +83,9 @@ class LLM:
         (its tokens encoded alone, without special tokens), in the labels'
         order; :func:`jaxserve.engine.scoring.best` picks the winner. A
         prompt the engine refuses yields its :class:`RequestError`."""
-        per_prompt = [list(labels)] * len(prompts) if labels and isinstance(labels[0], str) else [list(x) for x in labels]
+        per_prompt = (
+            [list(labels)] * len(prompts) if labels and isinstance(labels[0], str) else [list(x) for x in labels]
+        )
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(per_prompt)} label lists")
         tok = self.engine.tokenizer

@@ -13,7 +13,7 @@ the final text (OpenAI semantics).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.engine.types import FinishReason, SamplingParams
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxserve.engine.block_allocator import BlockHash, hash_block_tokens
 from jaxserve.engine.types import FinishReason, RequestClass, RequestError, SamplingParams
-
 
 #: Stand-in for a sampled token whose value is still on the device (the
 #: engine plans the next step before fetching the previous one's tokens).
@@ -124,7 +123,7 @@ class Request:
         self.score_targets: list[int] = []
         #: a prefill-only request's forks: they continue its computed tokens,
         #: sharing its full blocks and a copy of its partial last block
-        self.fork_children: list["Request"] = []
+        self.fork_children: list[Request] = []
 
         # Filled by the scheduler.
         self.seq_no = -1  # admission order, a tie-breaker after arrival_time

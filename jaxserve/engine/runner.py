@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,13 @@ from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import (
-    SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, mask_words, sample_with_top,
-)  # fmt: skip
+    SamplingTensors,
+    argmax,
+    chosen_logprobs,
+    host_sampling_tensors,
+    mask_words,
+    sample_with_top,
+)
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
@@ -297,9 +303,15 @@ class ModelRunner:
         f32, i32 = jnp.float32, jnp.int32
         vec = lambda dt: jax.ShapeDtypeStruct((num_seqs,), dt)  # noqa: E731
         return SamplingTensors(
-            temperature=vec(f32), top_k=vec(i32), top_p=vec(f32), min_p=vec(f32),
-            seed=vec(jnp.uint32), output_index=vec(i32), repetition_penalty=vec(f32),
-            frequency_penalty=vec(f32), presence_penalty=vec(f32),
+            temperature=vec(f32),
+            top_k=vec(i32),
+            top_p=vec(f32),
+            min_p=vec(f32),
+            seed=vec(jnp.uint32),
+            output_index=vec(i32),
+            repetition_penalty=vec(f32),
+            frequency_penalty=vec(f32),
+            presence_penalty=vec(f32),
             history=jax.ShapeDtypeStruct((num_seqs, self.max_model_len), i32),
             num_prompt=vec(i32),
             token_mask=jax.ShapeDtypeStruct((num_seqs, self.num_mask_words), i32),
@@ -320,7 +332,9 @@ class ModelRunner:
         out_shardings = {}
         if sharded:  # the donated cache comes back as it went in
             out_shardings["out_shardings"] = (
-                self._replicated, jax.tree.map(lambda x: x.sharding, self.kv_cache), self._replicated
+                self._replicated,
+                jax.tree.map(lambda x: x.sharding, self.kv_cache),
+                self._replicated,
             )
         forward = jax.jit(self._forward_fn, donate_argnums=(1,), **out_shardings)
         for t in self.buckets.tokens:
@@ -336,7 +350,9 @@ class ModelRunner:
         pairs = jax.ShapeDtypeStruct((self.max_num_seqs,), i32)
         if self._copy is None:
             count = jax.ShapeDtypeStruct((), i32)
-            self._copy = jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs, count).compile()
+            self._copy = (
+                jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs, count).compile()
+            )
         for s in self.buckets.seqs:
             if s not in self._score:
                 rows = jax.ShapeDtypeStruct((s,), i32)
@@ -415,9 +431,7 @@ class ModelRunner:
         short = np.flatnonzero(num_blocks * bs < ctx)
         if short.size:
             row = int(short[0])
-            raise ValueError(
-                f"sequence {row} has {num_blocks[row]} blocks for {ctx[row]} tokens (block size {bs})"
-            )
+            raise ValueError(f"sequence {row} has {num_blocks[row]} blocks for {ctx[row]} tokens (block size {bs})")
         # Padding tokens (past num_tokens) write into block 0 and belong to the
         # extra last row, whose context is empty: they attend to nothing.
         input_ids = np.zeros(t_bucket, np.int32)
@@ -444,7 +458,9 @@ class ModelRunner:
         sampling_rows = [w.sampling for w in work if w.sampling is not None]
         logits_rows = [int(e) - 1 for w, e in zip(work, ends) if w.sampling is not None]
         # Score rows follow the sampling rows: each scoring chunk's last tokens.
-        score_rows = [int(e) - len(w.score_targets) + j for w, e in zip(work, ends) for j in range(len(w.score_targets))]
+        score_rows = [
+            int(e) - len(w.score_targets) + j for w, e in zip(work, ends) for j in range(len(w.score_targets))
+        ]
         score_targets = [t for w in work for t in w.score_targets]
         if len(logits_rows) + len(score_rows) > self.max_num_seqs:
             raise ValueError(
@@ -479,9 +495,12 @@ class ModelRunner:
             scores.copy_to_host_async()
         if not sampling_rows:
             return StepResult(
-                tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32), num_sampled=0,
-                scores=scores, num_scores=len(score_rows),
-            )  # fmt: skip
+                tokens=np.zeros(0, np.int32),
+                logprobs=np.zeros(0, np.float32),
+                num_sampled=0,
+                scores=scores,
+                num_scores=len(score_rows),
+            )
         if in_forward:
             fwd_tokens.copy_to_host_async()
             zeros = np.zeros(len(sampling_rows), np.float32)
@@ -501,9 +520,13 @@ class ModelRunner:
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepResult(
-            tokens=tokens, logprobs=logprobs, num_sampled=len(sampling_rows), scores=scores, num_scores=len(score_rows),
+            tokens=tokens,
+            logprobs=logprobs,
+            num_sampled=len(sampling_rows),
+            scores=scores,
+            num_scores=len(score_rows),
             **top,
-        )  # fmt: skip
+        )
 
     def _block_major_plan(
         self, block_tables: np.ndarray, rows: int, counts: np.ndarray
@@ -567,6 +590,8 @@ def _is_plain_greedy(row: dict) -> bool:
     # constrained row (``mask``) or one reporting alternatives
     # (``top_logprobs``) needs the sampling program.
     return (
-        row["temperature"] == 0 and row.get("history") is None and row.get("mask") is None
+        row["temperature"] == 0
+        and row.get("history") is None
+        and row.get("mask") is None
         and not row.get("top_logprobs")
-    )  # fmt: skip
+    )

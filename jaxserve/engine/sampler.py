@@ -219,13 +219,9 @@ def sample_with_top(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, j
 def _sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array, jax.Array]:
     logits = logits.astype(jnp.float32)
     raw_logits = logits
-    needs_penalty = jnp.any(
-        (t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0)
-    )
+    needs_penalty = jnp.any((t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0) | (t.presence_penalty != 0.0))
     logits = jax.lax.cond(needs_penalty, _apply_penalties, lambda x, _: x, logits, t)
-    logits = jax.lax.cond(
-        jnp.any(t.masked), lambda x: apply_token_mask(x, t.token_mask, t.masked), lambda x: x, logits
-    )
+    logits = jax.lax.cond(jnp.any(t.masked), lambda x: apply_token_mask(x, t.token_mask, t.masked), lambda x: x, logits)
     needs_sampling = jnp.any(t.temperature > 0)
     tokens = jax.lax.cond(
         needs_sampling,
@@ -304,8 +300,15 @@ def host_sampling_tensors(
             out["token_mask"][i] = mask
             out["masked"][i] = True
         for name in (
-            "temperature", "top_k", "top_p", "min_p", "seed", "output_index",
-            "repetition_penalty", "frequency_penalty", "presence_penalty",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "seed",
+            "output_index",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
         ):
             out[name][i] = row[name]
         history = row.get("history")

@@ -34,8 +34,8 @@ import collections
 import dataclasses
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -167,7 +167,7 @@ class StructuredBackend:
                 self._cache.popitem(last=False)
         return matcher
 
-    def fill_masks(self, items: Sequence[tuple["Constraint", Sequence[int]]]) -> np.ndarray:
+    def fill_masks(self, items: Sequence[tuple[Constraint, Sequence[int]]]) -> np.ndarray:
         """The masks of a step's constrained rows at once: ``[len(items),
         num_words]`` int32, row ``i`` for ``items[i] = (constraint, its
         request's output so far)``. Each matcher first catches up with its
@@ -200,7 +200,7 @@ class StructuredBackend:
             out[i, words:] = 0
         return out
 
-    def start(self, spec: StructuredOutput) -> "Constraint":
+    def start(self, spec: StructuredOutput) -> Constraint:
         """A request's constraint (its own copy of the compiled matcher)."""
         return Constraint(self.compile(spec), self.num_words, self._tokenizer_words)
 

@@ -11,7 +11,8 @@ import dataclasses
 import enum
 import math
 import numbers
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 #: Largest value an int32 device array holds (``max_tokens``, ``top_k``).
 INT32_MAX = 2**31 - 1
@@ -32,7 +33,7 @@ class RequestClass(enum.IntEnum):
     BATCH = 1
 
     @classmethod
-    def parse(cls, value: "str | int | RequestClass") -> "RequestClass":
+    def parse(cls, value: str | int | RequestClass) -> RequestClass:
         if isinstance(value, RequestClass):
             return value
         if isinstance(value, str):
@@ -99,10 +100,19 @@ class StructuredOutput:
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
-            raise RequestError("invalid_request", f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+            raise RequestError(
+                "invalid_request", f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
+            )
         if self.kind == "choice":
-            if not isinstance(self.value, tuple) or not self.value or not all(isinstance(c, str) and c for c in self.value):
-                raise RequestError("invalid_request", f"guided_choice must be a non-empty list of non-empty strings, got {self.value!r}")
+            if (
+                not isinstance(self.value, tuple)
+                or not self.value
+                or not all(isinstance(c, str) and c for c in self.value)
+            ):
+                raise RequestError(
+                    "invalid_request",
+                    f"guided_choice must be a non-empty list of non-empty strings, got {self.value!r}",
+                )
         elif not isinstance(self.value, str):
             raise RequestError("invalid_request", f"structured output {self.kind} needs a string, got {self.value!r}")
 

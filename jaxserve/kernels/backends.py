@@ -44,10 +44,10 @@ from typing import Literal
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.paged_attention import paged_attention, write_kv
 from jaxserve.kernels import cpu as cpu_kernel
 from jaxserve.kernels import pallas_attention as pallas
+from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.paged_attention import paged_attention, write_kv
 
 BACKENDS = ("auto", "reference", "pallas", "cpu")
 #: the mesh axis tensor parallelism shards heads over
@@ -168,12 +168,27 @@ def attend(
         )
     if impl.kernel == "tpu" and impl.ragged:
         return pallas.tpu_ragged_attention(
-            q, k_cache, v_cache, meta, positions, scale=scale, sliding_window=sliding_window,
-            cache_dtype=cache_dtype, interpret=impl.interpret,
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            positions,
+            scale=scale,
+            sliding_window=sliding_window,
+            cache_dtype=cache_dtype,
+            interpret=impl.interpret,
         )
     return paged_attention(
-        q, k_cache, v_cache, meta, positions, block_size=block_size, scale=scale, sliding_window=sliding_window,
-        cache_dtype=cache_dtype, layout=impl.layout,
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        positions,
+        block_size=block_size,
+        scale=scale,
+        sliding_window=sliding_window,
+        cache_dtype=cache_dtype,
+        layout=impl.layout,
     )
 
 
@@ -231,13 +246,27 @@ def write_and_attend(
         )
         if query_rope is not None:
             out = cpu_kernel.paged_attention_cpu_fm(
-                q, *query_rope, k_cache, v_cache, query_meta, query_positions, scale=scale,
+                q,
+                *query_rope,
+                k_cache,
+                v_cache,
+                query_meta,
+                query_positions,
+                scale=scale,
                 sliding_window=sliding_window,
-            )  # fmt: skip
+            )
         else:
             out = attend(
-                impl, q, k_cache, v_cache, query_meta, query_positions, block_size=block_size, scale=scale,
-                sliding_window=sliding_window, cache_dtype=cache_dtype,
+                impl,
+                q,
+                k_cache,
+                v_cache,
+                query_meta,
+                query_positions,
+                block_size=block_size,
+                scale=scale,
+                sliding_window=sliding_window,
+                cache_dtype=cache_dtype,
             )
         return k_cache, v_cache, out
 
@@ -255,5 +284,13 @@ def write_and_attend(
     return sharded(q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
 
 
-__all__ = ["AttentionImpl", "BACKENDS", "REFERENCE", "TP_AXIS", "attend", "cache_spec", "select_attention",
-           "write_and_attend"]
+__all__ = [
+    "AttentionImpl",
+    "BACKENDS",
+    "REFERENCE",
+    "TP_AXIS",
+    "attend",
+    "cache_spec",
+    "select_attention",
+    "write_and_attend",
+]

@@ -214,7 +214,7 @@ class KVCache:
         """Logical element dtype (``k[i].dtype`` is the storage dtype)."""
         return logical_dtype(self.k[0], self.dtype_name)
 
-    def replace(self, k, v) -> "KVCache":
+    def replace(self, k, v) -> KVCache:
         return dataclasses.replace(self, k=k, v=v)
 
     @classmethod
@@ -229,7 +229,7 @@ class KVCache:
         *,
         sharding: jax.sharding.Sharding | None = None,
         layout: str = "blocks",
-    ) -> "KVCache":
+    ) -> KVCache:
         """Zero-filled cache of ``num_blocks`` blocks (block 0 included);
         ``sharding`` places every layer's arrays (tensor parallelism shards
         them on the kv-heads axis, ``jaxserve.models.sharding``)."""
@@ -252,7 +252,7 @@ class KVCache:
         dtype=jnp.float32,
         *,
         layout: str = "blocks",
-    ) -> "KVCache":
+    ) -> KVCache:
         """Shape-only cache (``jax.ShapeDtypeStruct`` leaves) for ``jit(...).lower``."""
         k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim, layout)
         st = storage_dtype(dtype, layout)
@@ -265,7 +265,7 @@ class KVCache:
         )
 
     @classmethod
-    def from_stacked(cls, k: jax.Array, v: jax.Array, block_size: int, dtype=None) -> "KVCache":
+    def from_stacked(cls, k: jax.Array, v: jax.Array, block_size: int, dtype=None) -> KVCache:
         """From stacked ``[layers, ...]`` storage arrays (``cache_shapes``)."""
         name = None if dtype is None else jnp.dtype(dtype).name
         return cls(k=k, v=v, block_size=block_size, dtype_name=name)

@@ -227,13 +227,30 @@ def paged_attention(
     )
     if block_major_possible:
         gathered = functools.partial(
-            paged_attention, q, k_cache, v_cache, dataclasses.replace(meta, block_owner=None), positions,
-            block_size=block_size, scale=scale, sliding_window=sliding_window, chunk_tokens=chunk_tokens,
-            cache_dtype=cache_dtype, query_tile=query_tile, straggler_group=straggler_group,
+            paged_attention,
+            q,
+            k_cache,
+            v_cache,
+            dataclasses.replace(meta, block_owner=None),
+            positions,
+            block_size=block_size,
+            scale=scale,
+            sliding_window=sliding_window,
+            chunk_tokens=chunk_tokens,
+            cache_dtype=cache_dtype,
+            query_tile=query_tile,
+            straggler_group=straggler_group,
         )
         major = functools.partial(
-            _block_major_decode, qs=qs, k_cache=k_cache, v_cache=v_cache, meta=meta, limit=limit, lower=lower,
-            block_size=block_size, cdtype=cdtype,
+            _block_major_decode,
+            qs=qs,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            meta=meta,
+            limit=limit,
+            lower=lower,
+            block_size=block_size,
+            cdtype=cdtype,
         )
         out = jax.lax.cond(meta.block_major, major, lambda: gathered().reshape(T, kvh, G, D).astype(jnp.float32))
         return out.reshape(T, H, D).astype(q.dtype)
@@ -308,9 +325,7 @@ def paged_attention(
     choice = jnp.int32(len(tiles))  # per-token
     for i in reversed(range(len(tiles))):
         choice = jnp.where(fits[i], i, choice)
-    branches = [
-        (lambda _, Qt=Qt, sp=sp: two_pass(Qt, *sp)) for Qt, sp in zip(tiles, splits)
-    ] + [per_token]
+    branches = [(lambda _, Qt=Qt, sp=sp: two_pass(Qt, *sp)) for Qt, sp in zip(tiles, splits)] + [per_token]
     out = jax.lax.switch(choice, branches, None)
     return out.reshape(T, H, D).astype(q.dtype)
 

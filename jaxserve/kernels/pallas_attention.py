@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

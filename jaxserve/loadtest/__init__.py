@@ -12,6 +12,15 @@ from jaxserve.loadtest.runner import JobRecord, LoadTest, LoadTestError, RunConf
 from jaxserve.loadtest.workload import IntRange, JobKind, JobSpec, Workload, default_kinds, parse_mix
 
 __all__ = [
-    "IntRange", "JobKind", "JobRecord", "JobSpec", "LoadTest", "LoadTestError", "RunConfig", "Workload",
-    "default_kinds", "itl_samples", "parse_mix",
-]  # fmt: skip
+    "IntRange",
+    "JobKind",
+    "JobRecord",
+    "JobSpec",
+    "LoadTest",
+    "LoadTestError",
+    "RunConfig",
+    "Workload",
+    "default_kinds",
+    "itl_samples",
+    "parse_mix",
+]

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ def summarize_level(
     """One entry of ``loadtest.json``."""
     ok = [r for r in records if r.status == "ok"]
     streamed_ok = [r for r in ok if r.stream]
-    rejections = collections.Counter({QUEUE_FULL: 0, **{c: 0 for c in REJECT_CODES}})
+    rejections = collections.Counter({QUEUE_FULL: 0, **dict.fromkeys(REJECT_CODES, 0)})
     errors: collections.Counter = collections.Counter()
     for r in records:
         if r.status == "rejected":
@@ -128,7 +129,11 @@ def summarize_level(
             "completed": len(ks),
             "rejected": sum(r.status == "rejected" for r in rs),
             "cancelled": sum(r.status == "cancelled" for r in rs),
-            **{k: v for k, v in percentiles((r.ttft_s for r in ks if r.stream), "ttft").items() if k in ("ttft_p50_s", "ttft_p95_s")},
+            **{
+                k: v
+                for k, v in percentiles((r.ttft_s for r in ks if r.stream), "ttft").items()
+                if k in ("ttft_p50_s", "ttft_p95_s")
+            },
             **{k: v for k, v in percentiles((r.e2e_s for r in ks), "e2e").items() if k in ("e2e_p50_s", "e2e_p95_s")},
             "output_tokens_min": min(kt) if kt else None,
             "output_tokens_max": max(kt) if kt else None,
@@ -194,8 +199,13 @@ def plot(levels: list[dict[str, Any]], path: str | Path, title: str = "jaxserve 
     first = next((i for i, e in enumerate(levels) if e.get("rejections_begin")), None)
     if first is not None:
         e = levels[first]
-        ax.axvline(x[first], color="tab:red", linestyle="--", linewidth=1,
-                   label=f"rejections begin ({level_label(e)}: {e['rejected']} rejected)")  # fmt: skip
+        ax.axvline(
+            x[first],
+            color="tab:red",
+            linestyle="--",
+            linewidth=1,
+            label=f"rejections begin ({level_label(e)}: {e['rejected']} rejected)",
+        )
         for key, _, _ in series:
             if e.get(key) is not None:
                 ax.plot([x[first]], [e[key]], "o", markersize=13, markerfacecolor="none", markeredgecolor="tab:red")
@@ -212,8 +222,9 @@ def plot(levels: list[dict[str, Any]], path: str | Path, title: str = "jaxserve 
     return path
 
 
-def write_outputs(levels: list[dict[str, Any]], jobs: list[dict[str, Any]], out_dir: str | Path, *, title: str,
-                  with_plot: bool = True) -> dict[str, Path]:  # fmt: skip
+def write_outputs(
+    levels: list[dict[str, Any]], jobs: list[dict[str, Any]], out_dir: str | Path, *, title: str, with_plot: bool = True
+) -> dict[str, Path]:
     """``loadtest.json`` (the levels), ``loadtest-jobs.jsonl`` (every job)
     and ``loadtest.png`` (unless ``with_plot`` is false) under ``out_dir``."""
     out = Path(out_dir)

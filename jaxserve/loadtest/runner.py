@@ -46,7 +46,8 @@ import shutil
 import subprocess
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -157,7 +158,9 @@ class _Level:
 class LoadTest:
     """Runs the levels of one load test against ``prefix``'s worker(s)."""
 
-    def __init__(self, cfg: RunConfig, workload: Workload, *, on_level: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, workload: Workload, *, on_level: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         self.cfg = cfg
         self.workload = workload
         self.on_level = on_level
@@ -170,7 +173,9 @@ class LoadTest:
         from jaxserve.client import AsyncClient
         from jaxserve.loadtest.report import summarize_level
 
-        self.client = await AsyncClient(self.cfg.amqp_url, prefix=self.cfg.prefix, name=f"jaxserve-loadtest-{self.run_id}").connect()
+        self.client = await AsyncClient(
+            self.cfg.amqp_url, prefix=self.cfg.prefix, name=f"jaxserve-loadtest-{self.run_id}"
+        ).connect()
         results: list[dict[str, Any]] = []
         try:
             await self._preflight()
@@ -185,10 +190,14 @@ class LoadTest:
                 capacity = await self._check_capacity(level) if self.cfg.check_capacity else None
                 key = "concurrency" if self.cfg.mode == "closed" else "rate"
                 entry = summarize_level(
-                    level.records, mode=self.cfg.mode, level={key: int(value) if key == "concurrency" else value},
-                    duration_s=self.cfg.duration_s, elapsed_s=elapsed,
-                    capacity=capacity, client_dropped=level.client_dropped,
-                )  # fmt: skip
+                    level.records,
+                    mode=self.cfg.mode,
+                    level={key: int(value) if key == "concurrency" else value},
+                    duration_s=self.cfg.duration_s,
+                    elapsed_s=elapsed,
+                    capacity=capacity,
+                    client_dropped=level.client_dropped,
+                )
                 results.append(entry)
                 self.jobs.extend({"level": number, **r.to_dict()} for r in level.records)
                 if self.on_level is not None:
@@ -229,8 +238,11 @@ class LoadTest:
         try:
             out = subprocess.run(
                 ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"],
-                capture_output=True, text=True, timeout=30, check=True,
-            ).stdout  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         topo = self.client.topo
@@ -273,7 +285,9 @@ class LoadTest:
                 if rec.status != "rejected" or time.monotonic() >= probe_deadline:
                     return rec
                 rejected_codes.add(rec.code or "")
-                await asyncio.sleep(max(self.cfg.reject_backoff_s, min(rec.retry_after_s or 0.0, self.cfg.max_retry_after_s)))
+                await asyncio.sleep(
+                    max(self.cfg.reject_backoff_s, min(rec.retry_after_s or 0.0, self.cfg.max_retry_after_s))
+                )
 
         recs = await asyncio.gather(*(probe(spec) for spec in probes))
         ok = sum(r.status == "ok" for r in recs)
@@ -297,8 +311,13 @@ class LoadTest:
             from tqdm import tqdm
 
             label = f"c={int(level.value)}" if self.cfg.mode == "closed" else f"{level.value:g}/s"
-            bar = tqdm(total=round(self.cfg.duration_s, 1), desc=f"level {level.number + 1}/{len(self.cfg.levels)} {label}",
-                       unit="s", leave=True, bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f}s{postfix}")  # fmt: skip
+            bar = tqdm(
+                total=round(self.cfg.duration_s, 1),
+                desc=f"level {level.number + 1}/{len(self.cfg.levels)} {label}",
+                unit="s",
+                leave=True,
+                bar_format="{l_bar}{bar}| {n:.1f}/{total:.1f}s{postfix}",
+            )
         ticker = asyncio.create_task(self._tick(level, bar)) if bar is not None else None
         try:
             if self.cfg.mode == "closed":
@@ -320,9 +339,12 @@ class LoadTest:
         recs = level.records
         bar.n = round(min(level.rel(time.monotonic()), self.cfg.duration_s), 1)
         bar.set_postfix(
-            ok=sum(r.status == "ok" for r in recs), rejected=sum(r.status == "rejected" for r in recs),
-            cancelled=sum(r.status == "cancelled" for r in recs), in_flight=level.in_flight, refresh=False,
-        )  # fmt: skip
+            ok=sum(r.status == "ok" for r in recs),
+            rejected=sum(r.status == "rejected" for r in recs),
+            cancelled=sum(r.status == "cancelled" for r in recs),
+            in_flight=level.in_flight,
+            refresh=False,
+        )
         bar.refresh()
 
     async def _tick(self, level: _Level, bar: Any) -> None:
@@ -374,7 +396,9 @@ class LoadTest:
         tag = "p" if probe else "j"
         key = f"lt-{self.run_id}-{level.number}-{tag}{spec.index}"
         t0 = time.monotonic()
-        rec = JobRecord(spec.index, key, spec.kind, spec.queue, spec.stream, spec.cancel and not probe, level.rel(t0), probe=probe)
+        rec = JobRecord(
+            spec.index, key, spec.kind, spec.queue, spec.stream, spec.cancel and not probe, level.rel(t0), probe=probe
+        )
         if not probe:
             level.records.append(rec)
         level.in_flight += 1
@@ -383,7 +407,9 @@ class LoadTest:
         result = None
         try:
             if spec.stream:
-                stream = await client.stream(**text_kw, queue=spec.queue, key=key, timeout=self.cfg.job_timeout_s, **body)
+                stream = await client.stream(
+                    **text_kw, queue=spec.queue, key=key, timeout=self.cfg.job_timeout_s, **body
+                )
                 rec.publish_s = time.monotonic() - t0
                 chunk_times: list[float] = []
                 try:
@@ -418,7 +444,7 @@ class LoadTest:
         except NoRoute as exc:
             rec.status, rec.code = "error", "no_route"
             raise LoadTestError(str(exc)) from None
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             rec.status, rec.code = "timeout", "timeout"
             client._futures.pop(key, None)
         finally:

@@ -70,7 +70,7 @@ class IntRange:
             raise ValueError(f"a range needs 1 <= low <= high, got {self.lo}-{self.hi}")
 
     @classmethod
-    def parse(cls, text: str | int | "IntRange") -> "IntRange":
+    def parse(cls, text: str | int | IntRange) -> IntRange:
         if isinstance(text, IntRange):
             return text
         if isinstance(text, int):
@@ -154,9 +154,14 @@ def default_kinds(
             "chat", "interactive", True, True, IntRange.parse(chat_prompt_words), IntRange.parse(chat_max_tokens)
         ),
         "summarize": JobKind(
-            "summarize", "batch", summary_stream, False, IntRange.parse(summary_prompt_words),
-            IntRange.parse(summary_max_tokens), instruction="Summarize the following text in a few sentences.\n\n",
-        ),  # fmt: skip
+            "summarize",
+            "batch",
+            summary_stream,
+            False,
+            IntRange.parse(summary_prompt_words),
+            IntRange.parse(summary_max_tokens),
+            instruction="Summarize the following text in a few sentences.\n\n",
+        ),
     }
 
 
@@ -198,9 +203,12 @@ class Workload:
             "mix": {n: round(float(w), 6) for n, w in zip(self.names, self.weights)},
             "kinds": {
                 n: {
-                    "queue": k.queue, "stream": k.stream, "chat": k.chat,
-                    "prompt_words": str(k.prompt_words), "max_tokens": str(k.max_tokens),
-                }  # fmt: skip
+                    "queue": k.queue,
+                    "stream": k.stream,
+                    "chat": k.chat,
+                    "prompt_words": str(k.prompt_words),
+                    "max_tokens": str(k.max_tokens),
+                }
                 for n, k in self.kinds.items()
                 if n in self.names
             },
@@ -227,7 +235,9 @@ class Workload:
             if kind.stream:
                 self._streamed += 1
                 n = self._streamed
-                cancel = math.floor(n * self.stream_cancel_rate + 1e-9) > math.floor((n - 1) * self.stream_cancel_rate + 1e-9)
+                cancel = math.floor(n * self.stream_cancel_rate + 1e-9) > math.floor(
+                    (n - 1) * self.stream_cancel_rate + 1e-9
+                )
         body: dict[str, Any] = {"messages": [{"role": "user", "content": text}]} if kind.chat else {"prompt": text}
         body.update(self.extra_params)
         body["max_tokens"] = max_tokens

@@ -7,7 +7,7 @@ Public API::
     fn, state = make_forward(loaded.model)                         # pure fn for jax.jit
 """
 
-from jaxserve.models.config import ModelConfig, RopeConfig, SUPPORTED_ARCHITECTURES
+from jaxserve.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.functional import make_forward, make_logits, make_step, split_model
 from jaxserve.models.greedy import greedy_generate

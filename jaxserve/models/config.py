@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxserve.models.errors import ModelLoadError
 
@@ -110,7 +111,7 @@ class ModelConfig:
 
     # parsing -------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
         arch = _architecture(d, source)
         model_type = SUPPORTED_ARCHITECTURES[arch]
 
@@ -183,7 +184,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ModelLoadError(f"config file not found: {path}")
@@ -197,7 +198,7 @@ class ModelConfig:
         return cls.from_dict(d, source=path)
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike) -> "ModelConfig":
+    def from_folder(cls, folder: str | os.PathLike) -> ModelConfig:
         return cls.from_json_file(os.path.join(os.fspath(folder), "config.json"))
 
 
@@ -210,9 +211,7 @@ def _architecture(d: Mapping[str, Any], source: str) -> str:
         for a in archs:
             if a in SUPPORTED_ARCHITECTURES:
                 return a
-        raise ModelLoadError(
-            f"{source}: unsupported architecture {', '.join(map(str, archs))}; supported: {supported}"
-        )
+        raise ModelLoadError(f"{source}: unsupported architecture {', '.join(map(str, archs))}; supported: {supported}")
     mt = d.get("model_type")
     if mt in _MODEL_TYPE_TO_ARCH:
         return _MODEL_TYPE_TO_ARCH[mt]

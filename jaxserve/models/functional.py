@@ -19,7 +19,7 @@ use the returned (new) ``kv_cache``: the donated input is invalid afterwards.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from flax import nnx

@@ -58,7 +58,17 @@ _PERMUTED = frozenset({"llama"})
 
 #: tensor types jaxserve reads (each one is covered by tests/test_gguf.py)
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
 )
 
 # Hugging Face name (per layer ``{i}``) -> GGUF name
@@ -92,7 +102,7 @@ def hf_to_gguf_name(name: str) -> str | None:
         return _GLOBAL_NAMES[name]
     prefix = "model.layers."
     if name.startswith(prefix):
-        index, _, rest = name[len(prefix):].partition(".")
+        index, _, rest = name[len(prefix) :].partition(".")
         if index.isdigit() and rest in _LAYER_NAMES:
             return f"blk.{index}.{_LAYER_NAMES[rest]}"
     return None
@@ -267,9 +277,7 @@ def check_architecture(metadata: Mapping[str, Any], path: str) -> str:
     """The Hugging Face architecture for the file's ``general.architecture``."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     return ARCHITECTURES[arch]
 
 
@@ -316,8 +324,7 @@ def hf_config(
         )
     if "rope_freqs.weight" in names:
         raise ModelLoadError(
-            f"{path}: tensor rope_freqs.weight (per-frequency rope factors, as Llama 3.1+ files carry) "
-            "is not supported"
+            f"{path}: tensor rope_freqs.weight (per-frequency rope factors, as Llama 3.1+ files carry) is not supported"
         )
     rope_scaling = None
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")

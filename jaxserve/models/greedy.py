@@ -9,7 +9,7 @@ calls reuse compilations through ``jaxserve.models.functional.jit_step``.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,9 +49,7 @@ def greedy_generate(
     total = n + max_new_tokens
     M = _pow2(-(-total // block_size))
     graphdef, state = nnx.split(model)
-    cache = KVCache.create(
-        cfg.num_hidden_layers, M + 1, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype
-    )
+    cache = KVCache.create(cfg.num_hidden_layers, M + 1, block_size, cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     table = np.arange(1, M + 1, dtype=np.int32)[None, :]
 
     def slots(pos: np.ndarray) -> np.ndarray:

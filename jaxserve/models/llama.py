@@ -255,8 +255,10 @@ class LlamaForCausalLM(nnx.Module):
         for i, block in enumerate(self.layers):
             w = block.arrays()
             x = rms_norm(h, w["input_norm"], eps, axis=0)
-            if cpu_dense and not quant.is_quantized(w["wqkv"]) and (
-                _cpu_matmul(w["wqkv"], x) is None or T > cpu_kernels.MATMUL_QKV_MAX_TOKENS
+            if (
+                cpu_dense
+                and not quant.is_quantized(w["wqkv"])
+                and (_cpu_matmul(w["wqkv"], x) is None or T > cpu_kernels.MATMUL_QKV_MAX_TOKENS)
             ):
                 # XLA's matmul here; it would transpose feature-major keys and
                 # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
@@ -275,9 +277,13 @@ class LlamaForCausalLM(nnx.Module):
                 q_positions, q_cos, q_sin = positions[output_rows], cos[output_rows], sin[output_rows]
                 # (no block-major plan: that is for steps of one token per sequence)
                 q_meta = dataclasses.replace(
-                    meta, token_seq=meta.token_seq[output_rows], slot_mapping=meta.slot_mapping[output_rows],
-                    block_owner=None, block_index=None, block_major=None,
-                )  # fmt: skip
+                    meta,
+                    token_seq=meta.token_seq[output_rows],
+                    slot_mapping=meta.slot_mapping[output_rows],
+                    block_owner=None,
+                    block_index=None,
+                    block_major=None,
+                )
             if fused_rope:  # the kernel rotates and scales q as it reads it
                 q, q_rope = q_rows, (q_cos, q_sin)
             else:
@@ -348,6 +354,11 @@ class LlamaForCausalLM(nnx.Module):
         """A zeroed cache matching this model (cache dtype defaults to the weight dtype)."""
         c = self.config
         return KVCache.create(
-            c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim, dtype or self.dtype,
+            c.num_hidden_layers,
+            num_blocks,
+            block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype or self.dtype,
             layout=self.attention.layout,
         )

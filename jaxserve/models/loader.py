@@ -82,8 +82,7 @@ class _TensorSource:
             weight_map = None
         else:
             raise ModelLoadError(
-                f"no weights in {folder}: expected {SINGLE_FILE}, {INDEX_FILE} (sharded safetensors) "
-                "or one .gguf file"
+                f"no weights in {folder}: expected {SINGLE_FILE}, {INDEX_FILE} (sharded safetensors) or one .gguf file"
             )
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
@@ -123,9 +122,7 @@ class _TensorSource:
             raise ModelLoadError(f"missing tensor {name} in checkpoint")
         found = self.shape(name)
         if found != tuple(expected_shape):
-            raise ModelLoadError(
-                f"tensor {name} has shape {list(found)}, expected {list(expected_shape)}"
-            )
+            raise ModelLoadError(f"tensor {name} has shape {list(found)}, expected {list(expected_shape)}")
         with jax.default_device(self._cpu):
             arr = self._handles[self._where[name]].get_tensor(name)
         return np.asarray(arr)
@@ -134,9 +131,7 @@ class _TensorSource:
 def open_tensor_source(folder: str) -> Any:
     """The folder's safetensors, else its one ``*.gguf`` file (a
     :class:`GGUFCheckpoint`, which answers the same calls)."""
-    if not os.path.isfile(os.path.join(folder, SINGLE_FILE)) and not os.path.isfile(
-        os.path.join(folder, INDEX_FILE)
-    ):
+    if not os.path.isfile(os.path.join(folder, SINGLE_FILE)) and not os.path.isfile(os.path.join(folder, INDEX_FILE)):
         from pathlib import Path
 
         from jaxserve.models.gguf_file import GGUFCheckpoint
@@ -174,7 +169,13 @@ def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str |
             want = jnp.dtype(jnp.float32) if quantization else _checkpoint_dtype(src, embed_name)
         np_dtype = np.dtype(want)  # ml_dtypes bfloat16 or float32
         model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=want, rngs=nnx.Rngs(0)))
-        _fill(model, config, src, np_dtype, quant.QUANTIZATIONS[quant.check_quantization(quantization)] if quantization else None)
+        _fill(
+            model,
+            config,
+            src,
+            np_dtype,
+            quant.QUANTIZATIONS[quant.check_quantization(quantization)] if quantization else None,
+        )
     finally:
         src.close()
     return LoadedModel(config=config, model=model, folder=folder)
@@ -183,9 +184,7 @@ def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str |
 Part = tuple[str, tuple[int, ...], slice]
 
 
-def param_value(
-    src: Any, shape: tuple[int, ...], parts: list[Part], np_dtype: np.dtype
-) -> np.ndarray:
+def param_value(src: Any, shape: tuple[int, ...], parts: list[Part], np_dtype: np.dtype) -> np.ndarray:
     """The host value of one parameter of ``shape``: each part is (HF tensor
     name, its HF shape, the rows of the parameter it fills); q/k/v and
     gate/up are fused by filling their rows of one array."""
@@ -198,7 +197,9 @@ def param_value(
     return out
 
 
-def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype, qkind: str | None = None) -> None:
+def _fill(
+    model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype, qkind: str | None = None
+) -> None:
     E, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
     H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qs, kvs = H * D, KVH * D
@@ -271,4 +272,3 @@ def _fill(model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype:
 
 
 __all__ = ["LoadedModel", "load_model", "ModelLoadError"]
-

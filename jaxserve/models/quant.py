@@ -81,9 +81,11 @@ class QuantizedWeight:
         leaves = [self.q, self.scale] + ([] if self.min is None else [self.min])
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
 
-    def rows(self, index) -> "QuantizedWeight":
+    def rows(self, index) -> QuantizedWeight:
         """The weight of the output rows ``index`` (a slice or an index array)."""
-        return QuantizedWeight(self.q[index], self.scale[index], None if self.min is None else self.min[index], self.kind)
+        return QuantizedWeight(
+            self.q[index], self.scale[index], None if self.min is None else self.min[index], self.kind
+        )
 
 
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["q", "scale", "min"], meta_fields=["kind"])
@@ -147,7 +149,9 @@ def quantize(w: np.ndarray, kind: str) -> QuantizedWeight:
         lo, hi = b.min(axis=-1), b.max(axis=-1)
         d = _f16((hi - lo) / 15.0)
         m = _f16(lo)
-        n = np.clip(np.rint((b - m.astype(np.float32)[..., None]) * _safe_inverse(d.astype(np.float32))[..., None]), 0, 15)
+        n = np.clip(
+            np.rint((b - m.astype(np.float32)[..., None]) * _safe_inverse(d.astype(np.float32))[..., None]), 0, 15
+        )
         return QuantizedWeight(pack_nibbles(n), d, m, kind)
     raise ValueError(f"unknown quantized weight kind {kind!r}; one of {', '.join(KINDS)}")
 
@@ -262,9 +266,7 @@ def matmul(w: QuantizedWeight, x: jax.Array) -> jax.Array:
     else:
         wq = unpack_nibbles(w.q).astype(jnp.int8)
     # [G, O, 32] x [G, T, 32] -> [G, O, T] int32 (batch over blocks)
-    acc = jax.lax.dot_general(
-        wq, xq, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32
-    )
+    acc = jax.lax.dot_general(wq, xq, (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.int32)
     if w.kind == "q4_0":
         acc = acc - 8 * sx.T[:, None, :]
     scaled = acc.astype(jnp.float32) * (w.scale.astype(jnp.float32).T[:, :, None] * dx.T[:, None, :])
@@ -305,7 +307,20 @@ def reference_matmul(w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
 
 
 __all__ = [
-    "GROUP", "KINDS", "QUANTIZATIONS", "QuantizedWeight", "check_quantization", "dequantize", "embed",
-    "from_gguf_blocks", "is_quantized", "load_param", "matmul", "quantize_model", "quantize", "quantize_activations", "reference_matmul",
+    "GROUP",
+    "KINDS",
+    "QUANTIZATIONS",
+    "QuantizedWeight",
+    "check_quantization",
+    "dequantize",
+    "embed",
+    "from_gguf_blocks",
+    "is_quantized",
+    "load_param",
+    "matmul",
+    "quantize_model",
+    "quantize",
+    "quantize_activations",
+    "reference_matmul",
     "to_device",
-]  # fmt: skip
+]

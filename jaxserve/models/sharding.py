@@ -35,9 +35,10 @@ the next step for bigger models).
 
 from __future__ import annotations
 
-import numpy as np
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels.backends import TP_AXIS
 from jaxserve.models.config import ModelConfig
@@ -60,9 +61,7 @@ def check_tensor_parallel(config: ModelConfig, size: int, num_devices: int | Non
             f"tensor_parallel_size={size} does not divide num_attention_heads={config.num_attention_heads}"
         )
     if config.intermediate_size % size:
-        raise ValueError(
-            f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}"
-        )
+        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
     if num_devices is None:
         num_devices = jax.device_count()
     if size > num_devices:

@@ -15,7 +15,20 @@ from jaxserve.planning.scaleout import ScaleoutError, ScaleoutLimits, limits_fro
 from jaxserve.planning.workload import PlanWorkload, TokenDist, WorkloadError, build_workload, read_workload_file
 
 __all__ = [
-    "BUDGETS", "Plan", "PlanInfeasible", "PlanOptions", "PlanWorkload", "Profile", "ProfileError", "ScaleoutError",
-    "ScaleoutLimits", "TokenDist", "WorkloadError", "build_workload", "limits_from_results", "load_limits",
-    "make_plan", "read_workload_file",
-]  # fmt: skip
+    "BUDGETS",
+    "Plan",
+    "PlanInfeasible",
+    "PlanOptions",
+    "PlanWorkload",
+    "Profile",
+    "ProfileError",
+    "ScaleoutError",
+    "ScaleoutLimits",
+    "TokenDist",
+    "WorkloadError",
+    "build_workload",
+    "limits_from_results",
+    "load_limits",
+    "make_plan",
+    "read_workload_file",
+]

@@ -121,11 +121,14 @@ class Plan:
             "budgets_workers": self.budgets,
             "derived": self.derived,
             "workload": {
-                "rps": w.rps, "burst": w.burst,
+                "rps": w.rps,
+                "burst": w.burst,
                 "prompt_tokens": {"mean": w.prompt_tokens.mean, "p95": w.prompt_tokens.p95},
                 "output_tokens": {"mean": w.output_tokens.mean, "p95": w.output_tokens.p95},
-                "ttft_target_s": w.ttft_target_s, "itl_target_s": w.itl_target_s, "headroom": w.headroom,
-            },  # fmt: skip
+                "ttft_target_s": w.ttft_target_s,
+                "itl_target_s": w.itl_target_s,
+                "headroom": w.headroom,
+            },
             "profile": {"model": self.profile.model, "machine": self.profile.meta.get("machine")},
             "lines": self.lines,
         }
@@ -172,36 +175,51 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
     lam = float(w.rps)
     Lp, Lp95 = w.prompt_tokens.mean, w.prompt_tokens.p95
     Lo, Lo95 = w.output_tokens.mean, w.output_tokens.p95
-    say(f"workload: lam = {_g(lam)} jobs/s, burst {w.burst}; prompt tokens {w.prompt_tokens}; output tokens {w.output_tokens}")
-    say(f"          headroom {_g(w.headroom)} -> usable U = 1 - {_g(w.headroom)} = {_g(U)}; "
+    say(
+        f"workload: lam = {_g(lam)} jobs/s, burst {w.burst}; prompt tokens {w.prompt_tokens}; output tokens {w.output_tokens}"
+    )
+    say(
+        f"          headroom {_g(w.headroom)} -> usable U = 1 - {_g(w.headroom)} = {_g(U)}; "
         f"TTFT target {'-' if w.ttft_target_s is None else _g(w.ttft_target_s) + ' s'}; "
-        f"ITL target {'-' if w.itl_target_s is None else _g(w.itl_target_s) + ' s'}")  # fmt: skip
+        f"ITL target {'-' if w.itl_target_s is None else _g(w.itl_target_s) + ' s'}"
+    )
     machine = profile.meta.get("machine") or {}
     method = profile.meta.get("method") or {}
-    say(f"profile:  {profile.model} on {machine.get('backend', '?')} ({machine.get('device_kind') or machine.get('cpu_model') or '?'}); "
+    say(
+        f"profile:  {profile.model} on {machine.get('backend', '?')} ({machine.get('device_kind') or machine.get('cpu_model') or '?'}); "
         f"KV {profile.kv_bytes_per_token} B/token, blocks of {profile.block_size} tokens = {profile.block_bytes} B"
-        + (f"; sampled at temperature {method['temperature']}" if "temperature" in method else ""))  # fmt: skip
+        + (f"; sampled at temperature {method['temperature']}" if "temperature" in method else "")
+    )
 
     # ---------------------------------------------------------- prefill rate
     C = int(opt.chunk or profile.best_chunk)
     P = profile.prefill_rate(C)
     measured = "measured" if C in profile.prefill else "interpolated"
-    say(f"prefill:  C = {C}-token chunks, P = {_g(P)} tokens/s ({measured}; measured: "
-        + ", ".join(f"{c}: {_g(r)}" for c, r in sorted(profile.prefill.items())) + ")")
+    say(
+        f"prefill:  C = {C}-token chunks, P = {_g(P)} tokens/s ({measured}; measured: "
+        + ", ".join(f"{c}: {_g(r)}" for c, r in sorted(profile.prefill.items()))
+        + ")"
+    )
 
     # ------------------------------------------------------ sequences / worker
     ctx95 = Lp95 + Lo95
     b_sat = profile.saturation_batch(ctx95)
-    say(f"decode:   at the p95 sequence length Lp95 + Lo95 = {_g(ctx95)} tokens (measured contexts "
-        + ", ".join(str(c) for c in profile.contexts) + "): "
-        + ", ".join(f"D({b}) = {_g(profile.decode_rate(b, ctx95))} (ITL {_g(profile.itl(b, ctx95))} s)" for b in profile.batches))  # fmt: skip
+    say(
+        f"decode:   at the p95 sequence length Lp95 + Lo95 = {_g(ctx95)} tokens (measured contexts "
+        + ", ".join(str(c) for c in profile.contexts)
+        + "): "
+        + ", ".join(
+            f"D({b}) = {_g(profile.decode_rate(b, ctx95))} (ITL {_g(profile.itl(b, ctx95))} s)" for b in profile.batches
+        )
+    )
     say(f"          b_sat = {b_sat} (the measured batch with the highest D)")
     b_itl: int | None = None
     if w.itl_target_s is not None:
         itl1 = profile.itl(1, ctx95)
         if itl1 > w.itl_target_s + _EPS:
             raise PlanInfeasible(
-                "ITL", f"one sequence alone decodes at ITL(1) = {_g(itl1)} s > the target {_g(w.itl_target_s)} s on this profile"
+                "ITL",
+                f"one sequence alone decodes at ITL(1) = {_g(itl1)} s > the target {_g(w.itl_target_s)} s on this profile",
             )
         for b in range(1, b_sat + 1):
             if profile.itl(b, ctx95) > w.itl_target_s + _EPS:
@@ -210,15 +228,18 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
         if b_itl is None:
             say(f"ITL:      ITL(b) <= {_g(w.itl_target_s)} s for every b <= b_sat: no ITL limit below b_sat")
         else:
-            say(f"ITL:      ITL({b_itl}) = {_g(profile.itl(b_itl, ctx95))} s <= {_g(w.itl_target_s)} s < ITL({b_itl + 1}) = "
-                f"{_g(profile.itl(b_itl + 1, ctx95))} s -> b_itl = {b_itl}")  # fmt: skip
+            say(
+                f"ITL:      ITL({b_itl}) = {_g(profile.itl(b_itl, ctx95))} s <= {_g(w.itl_target_s)} s < ITL({b_itl + 1}) = "
+                f"{_g(profile.itl(b_itl + 1, ctx95))} s -> b_itl = {b_itl}"
+            )
 
     block = profile.block_size
     blocks_seq = math.ceil(ctx95 / block - _EPS)
     mml = int(opt.max_model_len or profile.max_model_len or math.ceil(ctx95))
     if ctx95 > mml:
         raise PlanInfeasible(
-            "KV memory", f"a p95 request ({_g(Lp95)} + {_g(Lo95)} = {_g(ctx95)} tokens) exceeds max_model_len {mml}: raise --max-model-len"
+            "KV memory",
+            f"a p95 request ({_g(Lp95)} + {_g(Lo95)} = {_g(ctx95)} tokens) exceeds max_model_len {mml}: raise --max-model-len",
         )
     blocks_mml = math.ceil(mml / block)
     if opt.kv_memory_bytes is not None:
@@ -226,8 +247,10 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
         say(f"KV:       memory per worker M = {M} B (given)")
     elif profile.device_memory_bytes:
         M = int(profile.device_memory_bytes * opt.memory_fraction) - int(profile.weight_bytes)
-        say(f"KV:       memory per worker M = {profile.device_memory_bytes} B x {_g(opt.memory_fraction)} - "
-            f"{profile.weight_bytes} B weights = {M} B")  # fmt: skip
+        say(
+            f"KV:       memory per worker M = {profile.device_memory_bytes} B x {_g(opt.memory_fraction)} - "
+            f"{profile.weight_bytes} B weights = {M} B"
+        )
     else:
         raise PlanInfeasible("KV memory", "the profile has no device memory: give --kv-memory")
     budget_blocks = M // profile.block_bytes
@@ -239,7 +262,9 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
             f"give more --kv-memory or a smaller --max-model-len",
         )
     b_kv = (budget_blocks - 1) // blocks_seq
-    say(f"          a p95 sequence: {_g(Lp95)} + {_g(Lo95)} = {_g(ctx95)} tokens = ceil({_g(ctx95)} / {block}) = {blocks_seq} blocks")
+    say(
+        f"          a p95 sequence: {_g(Lp95)} + {_g(Lo95)} = {_g(ctx95)} tokens = ceil({_g(ctx95)} / {block}) = {blocks_seq} blocks"
+    )
     say(f"          b_kv = floor(({budget_blocks} - 1) / {blocks_seq}) = {b_kv}")
     if b_kv < 1:
         raise PlanInfeasible("KV memory", f"M = {M} B does not hold one p95 sequence ({blocks_seq} blocks)")
@@ -251,8 +276,13 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
     limiter = next(name for name, b in candidates if b == b_star)
     D = profile.decode_rate(b_star, ctx95)
     itl_star = b_star / D
-    say("max_num_seqs b* = min(" + ", ".join(f"{'b_sat' if n == 'decode compute' else 'b_itl' if n == 'ITL' else 'b_kv'} {b}" for n, b in candidates)
-        + f") = {b_star} (set by {limiter}); D(b*) = {_g(D)} tokens/s, ITL(b*) = {b_star} / {_g(D)} = {_g(itl_star)} s")  # fmt: skip
+    say(
+        "max_num_seqs b* = min("
+        + ", ".join(
+            f"{'b_sat' if n == 'decode compute' else 'b_itl' if n == 'ITL' else 'b_kv'} {b}" for n, b in candidates
+        )
+        + f") = {b_star} (set by {limiter}); D(b*) = {_g(D)} tokens/s, ITL(b*) = {b_star} / {_g(D)} = {_g(itl_star)} s"
+    )
 
     # ---------------------------------------------------------------- compute
     s_p = Lp / P
@@ -261,10 +291,14 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
     W_p = lam * s_p / U
     W_d = lam * s_d / U
     W_c = W_p + W_d
-    say(f"compute:  per job prefill Lp / P = {_g(Lp)} / {_g(P)} = {_g(s_p)} s, decode Lo / D(b*) = {_g(Lo)} / {_g(D)} = {_g(s_d)} s, "
-        f"total s = {_g(s)} worker-s")  # fmt: skip
-    say(f"          workers >= lam x s / U = {_g(lam)} x {_g(s)} / {_g(U)} = {_g(W_c)} "
-        f"(prefill {_g(W_p)} + decode {_g(W_d)})")  # fmt: skip
+    say(
+        f"compute:  per job prefill Lp / P = {_g(Lp)} / {_g(P)} = {_g(s_p)} s, decode Lo / D(b*) = {_g(Lo)} / {_g(D)} = {_g(s_d)} s, "
+        f"total s = {_g(s)} worker-s"
+    )
+    say(
+        f"          workers >= lam x s / U = {_g(lam)} x {_g(s)} / {_g(U)} = {_g(W_c)} "
+        f"(prefill {_g(W_p)} + decode {_g(W_d)})"
+    )
 
     # ------------------------------------------------------------------- TTFT
     W_t: float | None = None
@@ -280,17 +314,23 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
                 f"> the target {_g(w.ttft_target_s)} s on this profile",
             )
         W_t = w.burst / k
-        say(f"TTFT:     a p95 prompt's prefill Lp95 / P = {_g(Lp95)} / {_g(P)} = {_g(t_prompt)} s after a step of {_g(itl_star)} s")
-        say(f"          k = floor(({_g(w.ttft_target_s)} - {_g(itl_star)}) / {_g(t_prompt)}) = {k} burst prompts per worker; "
-            f"workers >= burst / k = {w.burst} / {k} = {_g(W_t)}")  # fmt: skip
+        say(
+            f"TTFT:     a p95 prompt's prefill Lp95 / P = {_g(Lp95)} / {_g(P)} = {_g(t_prompt)} s after a step of {_g(itl_star)} s"
+        )
+        say(
+            f"          k = floor(({_g(w.ttft_target_s)} - {_g(itl_star)}) / {_g(t_prompt)}) = {k} burst prompts per worker; "
+            f"workers >= burst / k = {w.burst} / {k} = {_g(W_t)}"
+        )
 
     # ------------------------------------------------------------- queue path
     W_l: float | None = None
     sc = opt.scaleout
     if sc is not None and sc.loop_cpu_s_per_job:
         W_l = lam * sc.loop_cpu_s_per_job / U
-        say(f"loop:     event-loop CPU {_g(sc.loop_cpu_s_per_job * 1e3)} ms/job (scale-out run): "
-            f"workers >= {_g(lam)} x {_g(sc.loop_cpu_s_per_job)} / {_g(U)} = {_g(W_l)}")  # fmt: skip
+        say(
+            f"loop:     event-loop CPU {_g(sc.loop_cpu_s_per_job * 1e3)} ms/job (scale-out run): "
+            f"workers >= {_g(lam)} x {_g(sc.loop_cpu_s_per_job)} / {_g(U)} = {_g(W_l)}"
+        )
 
     raw: dict[str, float | None] = {"compute": W_c, "TTFT": W_t, "worker event loop": W_l}
     workers = max([1] + [_ceil(v) for v in raw.values() if v is not None])
@@ -299,14 +339,19 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
         binding = "prefill compute" if s_p >= s_d else limiter
     else:
         binding = top
-    say("workers = max(1, " + ", ".join(f"ceil({_g(v)}) {n}" for n, v in raw.items() if v is not None)
-        + f") = {workers}; binding: {binding}")  # fmt: skip
+    say(
+        "workers = max(1, "
+        + ", ".join(f"ceil({_g(v)}) {n}" for n, v in raw.items() if v is not None)
+        + f") = {workers}; binding: {binding}"
+    )
 
     # ------------------------------------------------------------ per worker
     kv_blocks = max(b_star * blocks_seq, blocks_mml) + 1
     kv_bytes = kv_blocks * profile.block_bytes
-    say(f"KV/worker: max(b* x {blocks_seq} = {b_star * blocks_seq}, {blocks_mml} for max_model_len {mml}) + 1 = {kv_blocks} blocks x "
-        f"{profile.block_bytes} B = {kv_bytes} B ({_mib(kv_bytes)})")  # fmt: skip
+    say(
+        f"KV/worker: max(b* x {blocks_seq} = {b_star * blocks_seq}, {blocks_mml} for max_model_len {mml}) + 1 = {kv_blocks} blocks x "
+        f"{profile.block_bytes} B = {kv_bytes} B ({_mib(kv_bytes)})"
+    )
     max_batched = max(C, b_star)
     cap_compute = 1.0 / s
     cap = cap_compute
@@ -314,24 +359,32 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
         cap = min(cap, 1.0 / sc.loop_cpu_s_per_job)  # type: ignore[union-attr]
     t_job = itl_star + s_p + Lo * itl_star
     in_flight = lam / workers * t_job
-    say(f"capacity: one worker completes 1 / s = {_g(cap_compute)} jobs/s at 100 % ({_g(cap_compute * Lo)} output tokens/s), "
-        f"{_g(cap * U)} jobs/s at U" + ("" if cap == cap_compute else f" (event loop: {_g(cap)} jobs/s at 100 %)"))  # fmt: skip
-    say(f"          a job takes about ITL(b*) + Lp / P + Lo x ITL(b*) = {_g(t_job)} s; in flight per worker "
-        f"lam / workers x that = {_g(in_flight)} of {b_star} sequences")  # fmt: skip
+    say(
+        f"capacity: one worker completes 1 / s = {_g(cap_compute)} jobs/s at 100 % ({_g(cap_compute * Lo)} output tokens/s), "
+        f"{_g(cap * U)} jobs/s at U" + ("" if cap == cap_compute else f" (event loop: {_g(cap)} jobs/s at 100 %)")
+    )
+    say(
+        f"          a job takes about ITL(b*) + Lp / P + Lo x ITL(b*) = {_g(t_job)} s; in flight per worker "
+        f"lam / workers x that = {_g(in_flight)} of {b_star} sequences"
+    )
 
     brokers: int | None = None
     derived_broker: dict[str, Any] = {}
     if sc is not None:
         by_workers = _ceil(workers / sc.workers_per_broker)
         brokers = by_workers
-        say(f"brokers:  {sc.workers_per_broker} workers per broker (scale-out efficiency >= {_g(sc.efficiency)}): "
-            f"ceil({workers} / {sc.workers_per_broker}) = {by_workers}")  # fmt: skip
+        say(
+            f"brokers:  {sc.workers_per_broker} workers per broker (scale-out efficiency >= {_g(sc.efficiency)}): "
+            f"ceil({workers} / {sc.workers_per_broker}) = {by_workers}"
+        )
         if sc.broker_jobs_per_s_per_core:
             limit = sc.broker_jobs_per_s_per_core * opt.broker_cores
             by_rate = _ceil(lam / (U * limit))
             brokers = max(by_workers, by_rate)
-            say(f"          a broker carries {_g(sc.broker_jobs_per_s_per_core)} jobs/s per core x {_g(opt.broker_cores)} core(s) "
-                f"= {_g(limit)} jobs/s: ceil({_g(lam)} / ({_g(U)} x {_g(limit)})) = {by_rate}; brokers = {brokers}")  # fmt: skip
+            say(
+                f"          a broker carries {_g(sc.broker_jobs_per_s_per_core)} jobs/s per core x {_g(opt.broker_cores)} core(s) "
+                f"= {_g(limit)} jobs/s: ceil({_g(lam)} / ({_g(U)} x {_g(limit)})) = {by_rate}; brokers = {brokers}"
+            )
             derived_broker["broker_jobs_per_s"] = limit
         derived_broker["workers_per_broker"] = sc.workers_per_broker
 
@@ -364,6 +417,15 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
     }
     budgets = {"prefill compute": W_p, "decode compute": W_d, "compute": W_c, "TTFT": W_t, "worker event loop": W_l}
     return Plan(
-        workers=workers, max_num_seqs=b_star, max_num_batched_tokens=max_batched, kv_cache_memory_bytes=kv_bytes,
-        binding=binding, budgets=budgets, derived=derived, lines=lines, brokers=brokers, workload=w, profile=profile,
-    )  # fmt: skip
+        workers=workers,
+        max_num_seqs=b_star,
+        max_num_batched_tokens=max_batched,
+        kv_cache_memory_bytes=kv_bytes,
+        binding=binding,
+        budgets=budgets,
+        derived=derived,
+        lines=lines,
+        brokers=brokers,
+        workload=w,
+        profile=profile,
+    )

@@ -37,8 +37,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -78,7 +79,9 @@ class Profile:
         object.__setattr__(self, "decode", _normalize_decode(self.decode))
         if not self.prefill or not self.decode or not all(self.decode.values()):
             raise ProfileError("a profile needs at least one prefill and one decode measurement")
-        tables = [("prefill chunk", self.prefill)] + [(f"decode batch (context {c})", t) for c, t in self.decode.items()]
+        tables = [("prefill chunk", self.prefill)] + [
+            (f"decode batch (context {c})", t) for c, t in self.decode.items()
+        ]
         for what, table in tables:
             for size, rate in table.items():
                 if not (isinstance(size, int) and size >= 1 and isinstance(rate, (int, float)) and rate > 0):
@@ -156,9 +159,11 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Profile":
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
         if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
-            raise ProfileError(f"not a jaxserve profile (expected kind {PROFILE_KIND!r}; write one with jaxserve plan --measure)")
+            raise ProfileError(
+                f"not a jaxserve profile (expected kind {PROFILE_KIND!r}; write one with jaxserve plan --measure)"
+            )
         try:
             decode: dict[int, dict[int, float]] = {}
             for x in data["decode"]:
@@ -170,7 +175,9 @@ class Profile:
                 kv_bytes_per_token=int(data["kv_bytes_per_token"]),
                 block_size=int(data["block_size"]),
                 weight_bytes=int(data.get("weight_bytes") or 0),
-                device_memory_bytes=None if data.get("device_memory_bytes") is None else int(data["device_memory_bytes"]),
+                device_memory_bytes=None
+                if data.get("device_memory_bytes") is None
+                else int(data["device_memory_bytes"]),
                 max_model_len=None if data.get("max_model_len") is None else int(data["max_model_len"]),
                 meta=dict(data.get("meta") or {}),
             )
@@ -180,7 +187,7 @@ class Profile:
             raise ProfileError(f"malformed profile: {exc!r}") from None
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         return cls.from_dict(read_json(path, ProfileError, "the profile "))
 
     def save(self, path: str | Path) -> Path:
@@ -223,9 +230,12 @@ def measure(
         raise ValueError("repeats and decode steps must be >= 1")
     budget = max(max(chunks), max(batches))
     kwargs: dict[str, Any] = dict(
-        dtype=dtype, max_num_seqs=max(batches), max_num_batched_tokens=budget, max_model_len=max_model_len,
+        dtype=dtype,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     if block_size is not None:
         kwargs["block_size"] = block_size
     t_build = time.perf_counter()
@@ -237,7 +247,9 @@ def measure(
     # a decode request: its context, the steps its batch's prefill takes, the timed steps
     too_long = [c for c in contexts if c + decode_steps + math.ceil(max(batches) * c / budget) + 4 > mml]
     if too_long or max(chunks) + 1 > mml:
-        raise ValueError(f"contexts {too_long or ''} / chunk {max(chunks)} do not fit max_model_len {mml} with the decode steps")
+        raise ValueError(
+            f"contexts {too_long or ''} / chunk {max(chunks)} do not fit max_model_len {mml} with the decode steps"
+        )
     vocab = min(engine.tokenizer.vocab_size, engine.model_config.vocab_size)
     special = set(engine.special_token_ids)
     pool = np.array([i for i in range(vocab) if i not in special])
@@ -257,6 +269,7 @@ def measure(
     prefill: dict[int, float] = {}
     prefill_s: dict[int, float] = {}
     for c in chunks:
+
         def once(c: int = c) -> float:
             prompt = rng.choice(pool, size=c).tolist()
             t0 = time.perf_counter()
@@ -273,8 +286,9 @@ def measure(
     decode_s: dict[str, float] = {}
     for ctx in contexts:
         for b in batches:
-            params = SamplingParams(max_tokens=decode_steps + math.ceil(b * ctx / budget) + 4, temperature=temperature,
-                                    ignore_eos=True)  # fmt: skip
+            params = SamplingParams(
+                max_tokens=decode_steps + math.ceil(b * ctx / budget) + 4, temperature=temperature, ignore_eos=True
+            )
 
             def once(b: int = b, ctx: int = ctx, params: SamplingParams = params) -> float:
                 rids = [f"decode-{next(ids)}" for _ in range(b)]
@@ -301,7 +315,9 @@ def measure(
             per_token = _median_s(once, repeats)
             decode.setdefault(ctx, {})[b] = 1.0 / per_token
             decode_s[f"{ctx}x{b}"] = round(per_token * b, 6)
-            say(f"decode  context {ctx:5d} batch {b:4d}: step {per_token * b * 1e3:8.2f} ms  {1 / per_token:10.1f} tok/s")
+            say(
+                f"decode  context {ctx:5d} batch {b:4d}: step {per_token * b * 1e3:8.2f} ms  {1 / per_token:10.1f} tok/s"
+            )
 
     cache = engine.runner.kv_cache
     tokens_held = engine.num_blocks * engine.args.block_size
@@ -327,11 +343,16 @@ def measure(
             "build_and_compile_s": round(build_s, 2),
         },
         "method": {
-            "chunks": chunks, "batches": batches, "contexts": contexts, "decode_steps": decode_steps,
-            "repeats": repeats, "temperature": temperature, "seed": seed,
+            "chunks": chunks,
+            "batches": batches,
+            "contexts": contexts,
+            "decode_steps": decode_steps,
+            "repeats": repeats,
+            "temperature": temperature,
+            "seed": seed,
             "prefill_step_s": {str(c): round(s, 6) for c, s in prefill_s.items()},
             "decode_step_s": decode_s,
-        },  # fmt: skip
+        },
     }
     return Profile(
         model=model,
@@ -347,7 +368,11 @@ def measure(
 
 
 def _machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

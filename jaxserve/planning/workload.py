@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from jaxserve.planning.files import parse_json, read_text
 
@@ -53,7 +54,7 @@ class TokenDist:
                 raise WorkloadError(f"token counts must be positive numbers, got {name}={v!r}")
 
     @classmethod
-    def parse(cls, value: Any, what: str = "tokens") -> "TokenDist":
+    def parse(cls, value: Any, what: str = "tokens") -> TokenDist:
         """``"mean:500,p95:900"``, ``"500"`` (both 500), ``{"mean": .., "p95": ..}``."""
         if isinstance(value, TokenDist):
             return value
@@ -158,7 +159,9 @@ def build_workload(file_fields: Mapping[str, Any] | None = None, **flags: Any) -
     fields.update({k: v for k, v in flags.items() if v is not None})
     missing = [n for n in ("rps", "prompt_tokens", "output_tokens") if n not in fields]
     if missing:
-        raise WorkloadError(f"the workload needs {', '.join(missing)} (flags --rps, --prompt-tokens, --output-tokens or a file)")
+        raise WorkloadError(
+            f"the workload needs {', '.join(missing)} (flags --rps, --prompt-tokens, --output-tokens or a file)"
+        )
     fields["prompt_tokens"] = TokenDist.parse(fields["prompt_tokens"], "prompt_tokens")
     fields["output_tokens"] = TokenDist.parse(fields["output_tokens"], "output_tokens")
     if isinstance(fields.get("rps"), str):

@@ -40,9 +40,7 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -63,7 +61,7 @@ class _DictFactory:
 class _GuardedNamespace(jinja2.utils.Namespace):
     """``namespace()`` that refuses underscore-prefixed attribute names."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - mirrors Namespace
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for key in attrs:
@@ -77,9 +75,7 @@ class _GuardedNamespace(jinja2.utils.Namespace):
     @staticmethod
     def _check(key: Any) -> None:
         if isinstance(key, str) and key.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"a namespace attribute may not start with an underscore: {key!r}"
-            )
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with an underscore: {key!r}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,9 +101,7 @@ def compile_chat_template(template: str) -> jinja2.Template:
     try:
         return _environment().from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise ChatTemplateError(
-            f"chat template is not valid Jinja (line {exc.lineno}): {exc.message}"
-        ) from exc
+        raise ChatTemplateError(f"chat template is not valid Jinja (line {exc.lineno}): {exc.message}") from exc
 
 
 # ------------------------------------------------------------------ inputs
@@ -154,13 +148,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     (or None) only on a message that carries ``tool_calls``.
     """
     if isinstance(messages, (str, bytes)) or isinstance(messages, Mapping):
-        raise ValueError(
-            f"messages must be a list of {{'role', 'content'}} dicts, got a {type(messages).__name__}"
-        )
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got a {type(messages).__name__}")
     if not isinstance(messages, Sequence):
-        raise ValueError(
-            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
-        )
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     if len(messages) == 0:
         raise ValueError("messages is empty: a chat needs at least one message")
     out: list[dict[str, Any]] = []
@@ -170,9 +160,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         elif not isinstance(message, Mapping) and callable(getattr(message, "model_dump", None)):
             message = message.model_dump()
         if not isinstance(message, Mapping):
-            raise ValueError(
-                f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}"
-            )
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(message).__name__}")
         clean = {k: v for k, v in _plain(message).items() if v is not None}
         role = clean.get("role")
         if role is None:
@@ -190,8 +178,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 for j, part in enumerate(content):
                     if not isinstance(part, dict):
                         raise ValueError(
-                            f"messages[{i}]['content'][{j}] must be a dict content part, "
-                            f"got {type(part).__name__}"
+                            f"messages[{i}]['content'][{j}] must be a dict content part, got {type(part).__name__}"
                         )
         elif "tool_calls" not in clean:
             raise ValueError(f"messages[{i}] (role {role!r}) has no 'content'")
@@ -249,6 +236,4 @@ def render_chat_template(
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template raised: {exc}") from exc
     except Exception as exc:  # template code failing on its inputs (e.g. str + list)
-        raise ChatTemplateError(
-            f"chat template failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc

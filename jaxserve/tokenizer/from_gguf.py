@@ -88,7 +88,9 @@ class GGUFTokenizer:
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 bytes."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     spelling = {b: chr(b) for b in keep}
     extra = 0
     for b in range(256):
@@ -166,7 +168,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "GGUF file") 
             raise TokenizerLoadError(f"{source}: a 'gpt2' vocabulary needs tokenizer.ggml.merges")
         merges = [_split_merge(m, source) for m in merges_raw]
         model = models.BPE(
-            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
             ignore_merges=pre_name in _IGNORE_MERGES,
         )
         tok = Tokenizer(model)
@@ -254,9 +259,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "GGUF file") 
         used[bos] = bos_id
     if add_eos:
         used[eos] = eos_id
-    tok.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=list(used.items())
-    )
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(used.items()))
 
     config: dict[str, Any] = {
         "add_bos_token": add_bos,

@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import orjson
 
@@ -80,7 +81,7 @@ class LabelRequest:
     few_shot: tuple[FewShot, ...] = ()
     first_token_only: bool = False
 
-    def content_free(self, calibration_input: str = DEFAULT_CALIBRATION_INPUT) -> "LabelRequest":
+    def content_free(self, calibration_input: str = DEFAULT_CALIBRATION_INPUT) -> LabelRequest:
         """The same request with the document replaced by ``calibration_input``:
         the prompt, or the content of the last user message."""
         if self.messages is None:
@@ -91,7 +92,9 @@ class LabelRequest:
                 m["content"] = calibration_input
                 break
         else:
-            raise LabelPromptError("calibrate: the messages have no user message whose content a content-free input could replace")
+            raise LabelPromptError(
+                "calibrate: the messages have no user message whose content a content-free input could replace"
+            )
         return dataclasses.replace(self, messages=tuple(messages))
 
 
@@ -119,7 +122,11 @@ def chat_messages(request: LabelRequest) -> list[dict[str, Any]]:
     """The conversation a chat-form request renders: leading system messages,
     the few-shot turns, then the job's own turns (its prompt as one user
     message)."""
-    own = [dict(m) for m in request.messages] if request.messages is not None else [{"role": "user", "content": request.prompt or ""}]
+    own = (
+        [dict(m) for m in request.messages]
+        if request.messages is not None
+        else [{"role": "user", "content": request.prompt or ""}]
+    )
     lead = 0
     while lead < len(own) and own[lead].get("role") == "system":
         lead += 1
@@ -135,7 +142,9 @@ def render(tokenizer: Any, request: LabelRequest) -> tuple[str, bool]:
     if request.form == "chat":
         return tokenizer.apply_chat_template(chat_messages(request), add_generation_prompt=True), False
     if request.messages is not None:
-        raise LabelPromptError("label_prompt: 'plain' scores a continuation of a prompt; a job with messages uses 'chat'")
+        raise LabelPromptError(
+            "label_prompt: 'plain' scores a continuation of a prompt; a job with messages uses 'chat'"
+        )
     shots = "".join(f"{shot.text}{shot.label}\n\n" for shot in request.few_shot)
     return shots + (request.prompt or ""), True
 
@@ -149,7 +158,9 @@ def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     return n
 
 
-def tokenize(tokenizer: Any, text: str, labels: Sequence[str], *, add_special_tokens: bool, first_token_only: bool = False) -> LabelTokens:
+def tokenize(
+    tokenizer: Any, text: str, labels: Sequence[str], *, add_special_tokens: bool, first_token_only: bool = False
+) -> LabelTokens:
     """Each label's tokens as the model would write them after ``text``
     (see the module docstring): ``text + label`` encoded whole, split where
     the prompt's own tokens and every label's encoding stop agreeing."""
@@ -179,10 +190,22 @@ def prepare(tokenizer: Any, request: LabelRequest) -> LabelTokens:
     if request.form not in LABEL_PROMPTS:
         raise LabelPromptError(f"label_prompt must be one of {LABEL_PROMPTS}, got {request.form!r}")
     text, specials = render(tokenizer, request)
-    return tokenize(tokenizer, text, request.labels, add_special_tokens=specials, first_token_only=request.first_token_only)
+    return tokenize(
+        tokenizer, text, request.labels, add_special_tokens=specials, first_token_only=request.first_token_only
+    )
 
 
 __all__ = [
-    "DEFAULT_CALIBRATION_INPUT", "DEFAULT_LABEL_PROMPT", "FewShot", "LABEL_PROMPTS", "LabelPromptError",
-    "LabelRequest", "LabelTokens", "MAX_FEW_SHOT", "chat_messages", "prepare", "render", "tokenize",
-]  # fmt: skip
+    "DEFAULT_CALIBRATION_INPUT",
+    "DEFAULT_LABEL_PROMPT",
+    "FewShot",
+    "LABEL_PROMPTS",
+    "LabelPromptError",
+    "LabelRequest",
+    "LabelTokens",
+    "MAX_FEW_SHOT",
+    "chat_messages",
+    "prepare",
+    "render",
+    "tokenize",
+]

@@ -112,8 +112,7 @@ def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, s
                 or not isinstance(entry.get("template"), str)
             ):
                 raise TokenizerLoadError(
-                    f"{folder / TOKENIZER_CONFIG_FILE}: chat_template[{i}] must be "
-                    '{"name": str, "template": str}'
+                    f'{folder / TOKENIZER_CONFIG_FILE}: chat_template[{i}] must be {{"name": str, "template": str}}'
                 )
             templates[entry["name"]] = entry["template"]
         return templates
@@ -121,8 +120,7 @@ def _load_chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, s
         # Not a format transformers writes, but harmless to accept.
         return {str(k): v for k, v in raw.items() if isinstance(v, str)}
     raise TokenizerLoadError(
-        f"{folder / TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list, "
-        f"got {type(raw).__name__}"
+        f"{folder / TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list, got {type(raw).__name__}"
     )
 
 
@@ -159,9 +157,7 @@ class Tokenizer:
                 eos_ids.append(token_id)
         self._eos_token_ids = tuple(eos_ids)
         self._all_special_ids = frozenset(
-            token_id
-            for token_id, added in self._tok.get_added_tokens_decoder().items()
-            if added.special
+            token_id for token_id, added in self._tok.get_added_tokens_decoder().items() if added.special
         )
 
     def _lookup(self, token: str | None) -> int | None:
@@ -170,7 +166,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+    def from_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
         folder = Path(path)
         tokenizer_file = folder / TOKENIZER_FILE
         if not tokenizer_file.is_file():

@@ -74,9 +74,27 @@ from pamqp import common, decode
 __all__ = ["UnrepresentableTimestamp", "install", "installed", "undecodable_properties"]
 
 # Properties that are shortstrs, in wire order, as aio-pika names them.
-_SHORTSTR_PROPERTIES = ("content_type", "content_encoding", "correlation_id", "reply_to", "expiration", "message_id", "type", "user_id", "app_id", "cluster_id")
+_SHORTSTR_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
 # aio-pika attribute -> pamqp property for the ones aio-pika passes through str().
-_STR_CONVERTED = (("correlation_id", "correlation_id"), ("reply_to", "reply_to"), ("message_id", "message_id"), ("type", "message_type"), ("user_id", "user_id"), ("app_id", "app_id"))
+_STR_CONVERTED = (
+    ("correlation_id", "correlation_id"),
+    ("reply_to", "reply_to"),
+    ("message_id", "message_id"),
+    ("type", "message_type"),
+    ("user_id", "user_id"),
+    ("app_id", "app_id"),
+)
 _MARK = "_jaxserve_amqp_compat"
 
 
@@ -91,7 +109,7 @@ class UnrepresentableTimestamp(datetime.datetime):
 
 
 def _unrepresentable(raw: int) -> UnrepresentableTimestamp:
-    ts = UnrepresentableTimestamp(1970, 1, 1, tzinfo=datetime.timezone.utc)
+    ts = UnrepresentableTimestamp(1970, 1, 1, tzinfo=datetime.UTC)
     ts.raw = raw
     return ts
 
@@ -162,7 +180,7 @@ def _wrap_field_table(upstream):
 
 
 def _wrap_incoming_init(upstream):
-    def __init__(self, message, *args, **kwargs) -> None:  # noqa: N807
+    def __init__(self, message, *args, **kwargs) -> None:
         upstream(self, message, *args, **kwargs)
         props = message.header.properties
         for attr, prop in _STR_CONVERTED:
@@ -219,7 +237,20 @@ def undecodable_properties(message: Any) -> list[str]:
         found.add("timestamp")
     if _table_undecodable(getattr(message, "headers", None) or {}):
         found.add("headers")
-    order = ("content_type", "content_encoding", "headers", "correlation_id", "reply_to", "expiration", "message_id", "timestamp", "type", "user_id", "app_id", "cluster_id")
+    order = (
+        "content_type",
+        "content_encoding",
+        "headers",
+        "correlation_id",
+        "reply_to",
+        "expiration",
+        "message_id",
+        "timestamp",
+        "type",
+        "user_id",
+        "app_id",
+        "cluster_id",
+    )
     names = [n for n in order if n in found]
     names += [n for n in ("exchange", "routing_key") if isinstance(getattr(message, n, None), bytes)]
     return names

@@ -53,7 +53,9 @@ class FewShotExample(BaseModel):
     text: Annotated[str, Field(min_length=1, max_length=MAX_FEW_SHOT_CHARS)] = Field(
         description="A worked example's input: a user turn (chat) or a prompt (plain), filled like the job's own."
     )
-    label: Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)] = Field(description="Its answer: one of the job's labels.")
+    label: Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)] = Field(
+        description="Its answer: one of the job's labels."
+    )
 
 
 class ChatMessage(BaseModel):
@@ -93,10 +95,22 @@ class JsonSchemaFormat(BaseModel):
 #: that is harmless (absent, null or this value is accepted; anything else is
 #: invalid_request rather than silently dropped)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": None,
-    "logit_bias": {}, "echo": False, "suffix": None, "best_of": 1, "audio": None, "modalities": ["text"],
-    "prediction": None, "web_search_options": None, "guided_json": None, "guided_decoding_backend": None,
-}  # fmt: skip
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "parallel_tool_calls": None,
+    "logit_bias": {},
+    "echo": False,
+    "suffix": None,
+    "best_of": 1,
+    "audio": None,
+    "modalities": ["text"],
+    "prediction": None,
+    "web_search_options": None,
+    "guided_json": None,
+    "guided_decoding_backend": None,
+}
 #: at most this many most likely alternatives per token (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
 
@@ -134,7 +148,9 @@ class JobBody(BaseModel):
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = Field(
         default=None, description="OpenAI's newer name; wins over max_tokens."
     )
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(default=None, description="0 is greedy (default 1).")
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
+        default=None, description="0 is greedy (default 1)."
+    )
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = Field(
         default=None, description="0 disables top-k; at most the model's vocabulary size."
@@ -204,10 +220,12 @@ class JobBody(BaseModel):
         default=None,
         description="false: never answer this job from the response cache (deterministic jobs are cached by default).",
     )
-    response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")] | None = Field(
-        default=None,
-        description="OpenAI's: {type: text}, {type: json_object} (any JSON object) or {type: json_schema, "
-        "json_schema: {name, schema, strict}}; the output is constrained token by token to follow it.",
+    response_format: Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")] | None = (
+        Field(
+            default=None,
+            description="OpenAI's: {type: text}, {type: json_object} (any JSON object) or {type: json_schema, "
+            "json_schema: {name, schema, strict}}; the output is constrained token by token to follow it.",
+        )
     )
     guided_regex: Annotated[str, Field(min_length=1)] | None = Field(
         default=None, description="The output matches this regular expression (vLLM's name)."
@@ -339,14 +357,33 @@ def fingerprint(body: JobBody, max_tokens: int) -> str:
     fingerprint is a reused key, not a redelivery."""
     fields = body.model_dump(
         include={
-            "prompt", "messages", "temperature", "top_p", "top_k", "min_p", "seed",
-            "frequency_penalty", "presence_penalty", "stop", "model", "labels", "label_normalization",
-            "response_format", "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
-            "label_prompt", "calibrate", "calibration_input", "few_shot",
+            "prompt",
+            "messages",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "stop",
+            "model",
+            "labels",
+            "label_normalization",
+            "response_format",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "logprobs",
+            "top_logprobs",
+            "label_prompt",
+            "calibrate",
+            "calibration_input",
+            "few_shot",
         },
         exclude_none=True,
         by_alias=True,
-    )  # fmt: skip
+    )
     fields["max_tokens"] = max_tokens
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
@@ -361,7 +398,9 @@ def check_reply_to(reply_to: Any, reserved: frozenset[str]) -> None:
     if not isinstance(reply_to, str):
         raise _bad(f"reply_to must be a UTF-8 queue name, got {_show(reply_to)}")
     if reply_to in reserved:
-        raise _bad(f"reply_to {reply_to!r} names one of the worker's own queues or exchanges; use a reply queue of your own")
+        raise _bad(
+            f"reply_to {reply_to!r} names one of the worker's own queues or exchanges; use a reply queue of your own"
+        )
 
 
 def parse_expiration(value: Any) -> float | None:
@@ -397,7 +436,9 @@ def parse_job(
     if len(body) > limits.max_body_bytes:
         raise _bad(f"body is {len(body)} bytes; the limit is {limits.max_body_bytes}")
     ctype = props.content_type
-    if ctype not in (None, "") and (not isinstance(ctype, str) or ctype.split(";")[0].strip().lower() != "application/json"):
+    if ctype not in (None, "") and (
+        not isinstance(ctype, str) or ctype.split(";")[0].strip().lower() != "application/json"
+    ):
         raise _bad(f"content_type must be application/json, got {_show(ctype)}")
     try:
         data = orjson.loads(body)
@@ -489,10 +530,17 @@ def _check_label_fields(body: JobBody) -> None:
     worked example must answer with one of them; the plain form continues a
     prompt, so messages need the chat form."""
     if body.labels is None:
-        for name in ("label_prompt", "calibrate", "calibration_input", "few_shot"):  # (label_normalization predates them: ignored)
+        for name in (
+            "label_prompt",
+            "calibrate",
+            "calibration_input",
+            "few_shot",
+        ):  # (label_normalization predates them: ignored)
             value = getattr(body, name)
             if value is not None:
-                raise _bad(f"{name} is for label scoring and needs labels, got {name}={_show(value if not isinstance(value, list) else '[...]')}")
+                raise _bad(
+                    f"{name} is for label scoring and needs labels, got {name}={_show(value if not isinstance(value, list) else '[...]')}"
+                )
         return
     if body.label_prompt == "plain" and body.messages is not None:
         raise _bad("label_prompt 'plain' continues a prompt; a job with messages uses label_prompt 'chat'")

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 TokenBytes = Callable[[int], bytes]
 
@@ -72,7 +73,12 @@ def completion_logprobs(chat: dict[str, Any]) -> dict[str, Any]:
     top = None
     if any(c.get("top_logprobs") for c in content):
         top = [{t["token"]: t["logprob"] for t in c.get("top_logprobs") or ()} for c in content]
-    return {"tokens": tokens, "token_logprobs": [c["logprob"] for c in content], "top_logprobs": top, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [c["logprob"] for c in content],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def parsed_json(kind: str | None, text: str, finish_reason: str | None) -> Any:

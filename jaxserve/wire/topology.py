@@ -161,7 +161,9 @@ async def declare_topology(connection: Any, topo: Topology) -> None:
             lambda ch, exch=exch: ch.declare_exchange(exch, aio_pika.ExchangeType.FANOUT, durable=True), exch
         )
     for name, args in topo.queue_arguments().items():
-        await on_fresh_channel(lambda ch, name=name, args=args: ch.declare_queue(name, durable=True, arguments=args), name)
+        await on_fresh_channel(
+            lambda ch, name=name, args=args: ch.declare_queue(name, durable=True, arguments=args), name
+        )
 
     async def bind(ch: Any) -> None:
         queue = await ch.get_queue(topo.dead, ensure=True)

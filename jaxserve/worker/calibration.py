@@ -18,7 +18,8 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from jaxserve.engine.types import RequestError
 from jaxserve.tokenizer.labels import LabelTokens
@@ -88,7 +89,9 @@ class LabelCalibrations:
         del self._by_request[out.request_id]
         key, tokens = entry
         if out.error is not None or out.label_logprobs is None:
-            err = out.error or RequestError("internal", "the engine returned no label scores for the calibration input", True)
+            err = out.error or RequestError(
+                "internal", "the engine returned no label scores for the calibration input", True
+            )
             self._fail(key, err)
             return True
         cal = Calibration(tuple(float(x) for x in out.label_logprobs), tuple(len(ids) for ids in tokens.label_ids))

@@ -68,7 +68,8 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
 from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
@@ -365,7 +366,7 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
 class _EngineConnection(asyncio.Protocol):
     """The worker's end of the socket, on the event loop."""
 
-    def __init__(self, owner: "EngineProcess") -> None:
+    def __init__(self, owner: EngineProcess) -> None:
         self.owner = owner
         self._inbox = bytearray()
 
@@ -494,9 +495,10 @@ class EngineProcess:
         """As :meth:`EngineThread.add_request`; ``deadline`` is a
         ``time.monotonic()`` value, the same clock in both processes."""
         return self._command(
-            "add", (request_id, prompt, params),
+            "add",
+            (request_id, prompt, params),
             {"request_class": request_class, "priority": priority, "deadline": deadline},
-        )  # fmt: skip
+        )
 
     def add_score_request(
         self,
@@ -509,9 +511,10 @@ class EngineProcess:
         deadline: float | None = None,
     ) -> asyncio.Future:
         return self._command(
-            "score", (request_id, prompt, labels),
+            "score",
+            (request_id, prompt, labels),
             {"request_class": request_class, "priority": priority, "deadline": deadline},
-        )  # fmt: skip
+        )
 
     def abort(self, request_id: str) -> asyncio.Future:
         return self._command("abort", (request_id,), {})
@@ -587,7 +590,9 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             code = None
         if self._built is not None and not self._built.done():
-            self._built.set_exception(EngineBuildError(f"the engine process exited (exit code {code}) before the engine was built"))
+            self._built.set_exception(
+                EngineBuildError(f"the engine process exited (exit code {code}) before the engine was built")
+            )
         if self._dead is None:
             if self._stop_requested:
                 self._dead = ("the engine process was stopped", None)

@@ -47,7 +47,8 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput, SamplingParams
 

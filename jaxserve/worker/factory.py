@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def load_factory(path: str) -> Callable[..., Any]:
@@ -63,7 +64,7 @@ def build_engine(model: str | None = None, **kwargs: Any) -> Any:
     and 1.35x without (BENCHMARKS.md), for a throughput gain within this
     2-core CPU's noise. A worker that serves batch jobs only can turn it on
     (``--engine-arg async_scheduling=true``)."""
-    from jaxserve.engine.engine import Engine  # noqa: PLC0415 - heavy, only when serving
+    from jaxserve.engine.engine import Engine
 
     if model is not None:
         kwargs["model"] = model

@@ -145,7 +145,9 @@ class Delivery:
         except Exception as exc:  # noqa: BLE001 - channel closed / connection lost: the broker requeued it
             self.channel_lost = True
             self._count("settle_skipped")
-            log.warning("settle_skipped_channel_closed", message_id=self._id(), settlement=how.value, error=type(exc).__name__)
+            log.warning(
+                "settle_skipped_channel_closed", message_id=self._id(), settlement=how.value, error=type(exc).__name__
+            )
             return False
 
     def _count(self, name: str) -> None:
@@ -223,4 +225,3 @@ class KeyJob:
             if d.settled is None:
                 return d
         return None
-

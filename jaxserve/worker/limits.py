@@ -106,7 +106,9 @@ def load_limits(path: str | Path) -> LimitsConfig:
     except yaml.YAMLError as exc:
         raise LimitsFileError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict) or set(data) - {"default", "tenants"}:
-        raise LimitsFileError(f"{path}: expected the keys 'default' and 'tenants', got {sorted(data) if isinstance(data, dict) else data!r}")
+        raise LimitsFileError(
+            f"{path}: expected the keys 'default' and 'tenants', got {sorted(data) if isinstance(data, dict) else data!r}"
+        )
     tenants = data.get("tenants") or {}
     if not isinstance(tenants, dict):
         raise LimitsFileError(f"{path}: 'tenants' must map tenant names to limits")
@@ -288,7 +290,9 @@ class RedisLimiter:
     async def arrive(self, tenant: str, job: str, at: float) -> Decision:
         lim = self.config.for_tenant(tenant)
         enter = self._k("inflight", tenant)
-        if lim.max_in_flight is not None and not int(await self._enter(keys=[enter], args=[job, lim.max_in_flight, self.lease_s])):
+        if lim.max_in_flight is not None and not int(
+            await self._enter(keys=[enter], args=[job, lim.max_in_flight, self.lease_s])
+        ):
             return Decision(False, "max_in_flight", 0.2)
         if lim.requests_per_s is not None:
             wait = await self._bucket("requests", tenant, lim.requests_per_s, lim.request_burst, 1.0, at)
@@ -300,7 +304,9 @@ class RedisLimiter:
     async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
         lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None:
-            wait = await self._bucket("tokens", tenant, lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at)
+            wait = await self._bucket(
+                "tokens", tenant, lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at
+            )
             if wait:
                 return Decision(False, "tokens_per_min", wait)
         return ALLOWED

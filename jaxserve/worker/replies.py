@@ -55,7 +55,9 @@ class PublishOutcome(enum.Enum):
 class ReplyPublisher:
     """Publishes to the default exchange with confirms and ``mandatory``."""
 
-    def __init__(self, url: Any, *, name: str, reconnect_interval: float = 1.0, stats: collections.Counter | None = None) -> None:
+    def __init__(
+        self, url: Any, *, name: str, reconnect_interval: float = 1.0, stats: collections.Counter | None = None
+    ) -> None:
         self.url = url
         self.name = name
         self.reconnect_interval = reconnect_interval
@@ -125,7 +127,9 @@ class ReplyPublisher:
             try:
                 if ch is None:
                     raise aiormq.exceptions.ChannelInvalidStateError("no publish channel")
-                await ch.default_exchange.publish(msg, routing_key=routing_key, mandatory=True, timeout=min(10.0, remaining))
+                await ch.default_exchange.publish(
+                    msg, routing_key=routing_key, mandatory=True, timeout=min(10.0, remaining)
+                )
                 return PublishOutcome.CONFIRMED
             except aiormq.exceptions.PublishError:
                 return PublishOutcome.UNROUTABLE
@@ -152,7 +156,9 @@ class ReplyPublisher:
                             ),
                             timeout_s,
                         )
-                    self._direct_channel = await self._direct_conn.channel(publisher_confirms=True, on_return_raises=True)
+                    self._direct_channel = await self._direct_conn.channel(
+                        publisher_confirms=True, on_return_raises=True
+                    )
             except Exception:  # noqa: BLE001 - the broker is unreachable: not this destination's fault
                 self._direct_channel = None
                 return PublishOutcome.FAILED

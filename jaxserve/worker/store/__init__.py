@@ -37,6 +37,13 @@ def make_store(
 
 
 __all__ = [
-    "STORE_KINDS", "IdempotencyStore", "MemoryStore", "Record", "RedisStore", "SqliteStore", "StoreUnavailable",
-    "default_state_dir", "make_store",
-]  # fmt: skip
+    "STORE_KINDS",
+    "IdempotencyStore",
+    "MemoryStore",
+    "Record",
+    "RedisStore",
+    "SqliteStore",
+    "StoreUnavailable",
+    "default_state_dir",
+    "make_store",
+]

@@ -170,7 +170,9 @@ class SqliteStore:
             raise
 
     async def renew(self, key: str, owner: str, lease_s: float) -> bool:
-        cur = self._run("UPDATE claims SET expires = ? WHERE key = ? AND owner = ?", (time.time() + lease_s, key, owner))
+        cur = self._run(
+            "UPDATE claims SET expires = ? WHERE key = ? AND owner = ?", (time.time() + lease_s, key, owner)
+        )
         return cur.rowcount > 0
 
     async def release(self, key: str, owner: str) -> None:
