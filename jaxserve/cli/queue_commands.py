@@ -65,6 +65,8 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.option("--memory-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="Fraction of device memory for weights + KV cache (gpu_memory_utilization).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
+@click.option("--quantization", type=click.Choice(["int8", "int4"]), default=None,
+              help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).")
 @click.option("--interactive-reserved-seqs", type=click.IntRange(min=0), default=None,
               help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
 @click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
@@ -124,6 +126,7 @@ def worker(
     kv_cache_memory: int | None,
     memory_fraction: float | None,
     dtype: str | None,
+    quantization: str | None,
     interactive_reserved_seqs: int | None,
     policy: str | None,
     interactive_batch_prefill_tokens: int | None,
@@ -183,7 +186,7 @@ def worker(
         kwargs["model"] = model
     flags = dict(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, dtype=dtype,
+        kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, dtype=dtype, quantization=quantization,
         interactive_reserved_seqs=interactive_reserved_seqs, policy=policy,
         interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
     )
