@@ -44,8 +44,8 @@ def _goal_cell(f: Figure) -> str:
 
 def row(f: Figure, res: Result, path: Path) -> str:
     s = f.system
-    figure = f"{s.label} **{num(s.median)} {s.unit}**"
-    peer = f"{f.peer.label} {num(f.peer.median)} {f.peer.unit}" if f.peer else "–"
+    figure = f"{s.label} **{num(s.median)} {s.unit}".rstrip() + "**"
+    peer = f"{f.peer.label} {num(f.peer.median)} {f.peer.unit}".rstrip() if f.peer else "–"
     if f.peer is not None:
         ratio = f"**{num(f.ratio)}x**{_goal_cell(f)}"
     else:

@@ -35,6 +35,11 @@ from ..record import Figure, Stat
 BENCH = Path(__file__).resolve().parents[2]
 
 
+def _model_label(model: str) -> str:
+    """The reports name a preset or a cached file; the table names the model."""
+    return "SmolLM2-135M" if "smollm2" in model.lower() else Path(model).name or model
+
+
 def headline_figures(data: dict[str, Any], source: str) -> list[Figure]:
     head = data.get("headline")
     items: list[dict[str, Any]] = []
@@ -62,7 +67,7 @@ def accuracy_figures(data: dict[str, Any], source: str) -> list[Figure]:
         return headline_figures(data, source)
     default = data.get("default_method")
     n = data.get("documents")
-    model = data.get("model", "")
+    model = _model_label(str(data.get("model", "")))
     out = []
     names = ([default] if default in methods else []) + [m for m in ("plain", "chat", "calibrated", "few-shot")
                                                        if m != default and m in methods]
@@ -91,7 +96,7 @@ def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
     if "f32" not in res:
         return headline_figures(data, source)
     f32 = res["f32"]
-    model = Path(str(data.get("model") or "")).name or "smollm2-135m"
+    model = _model_label(str(data.get("model") or "smollm2-135m"))
     goals = {"int8": (0.90, 1.02), "int4": (None, 1.10)}
     out = []
     for kind in ("int8", "int4"):
