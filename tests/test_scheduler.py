@@ -421,8 +421,10 @@ def test_stats_track_usage_and_queues():
     assert st.kv_cache_usage == pytest.approx(2 / 63)
 
 
-@pytest.mark.parametrize("seed, policy, alone", [(0, "fcfs", True), (1, "priority", True), (2, "fcfs", False)])
-def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone):
+@pytest.mark.parametrize("seed, policy, alone, step_tokens",
+                         [(0, "fcfs", True, 0), (1, "priority", True, 0), (2, "fcfs", False, 0), (3, "fcfs", True, 5),
+                          (4, "priority", False, 7)])
+def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone, step_tokens):
     """A fake paged KV cache records which token sits in each slot; every
     scheduled chunk checks that its context (including prefix-cache hits and
     blocks kept across steps) holds exactly its earlier tokens. The fake model
@@ -435,8 +437,9 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone):
         max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48, block_size=BS, num_blocks=30,
         policy=policy, interactive_reserved_seqs=1, interactive_reserved_blocks=3,
         enable_prefix_caching=True, long_prefill_token_threshold=10, interactive_prefill_alone=alone,
+        interactive_batch_prefill_tokens=4 if step_tokens else 0, interactive_step_tokens=step_tokens,
     )
-    s = Scheduler(cfg)
+    s = Scheduler(cfg, clock=FakeClock())  # once interactive work was seen, the caps stay on
     slots: dict[int, int] = {}
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
     expected_len: dict[str, int] = {}
