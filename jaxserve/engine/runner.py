@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,9 @@ from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models.functional import forward_fn, logits_fn, logits_t_fn
+
+if TYPE_CHECKING:
+    from jaxserve.models.llama import LlamaForCausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -87,10 +90,13 @@ class SeqWork:
 
 @dataclasses.dataclass
 class StepResult:
-    """Device results of a step; ``fetch`` blocks until they are on the host."""
+    """Device results of a step; ``fetch`` blocks until they are on the host.
 
-    tokens: jax.Array
-    logprobs: jax.Array
+    ``tokens`` and ``logprobs`` are host arrays when the step sampled nothing
+    or only their tokens came back (greedy inside the forward program)."""
+
+    tokens: jax.Array | np.ndarray
+    logprobs: jax.Array | np.ndarray
     num_sampled: int
     #: ``tokens`` is a device array of ``max_num_seqs`` rows that the next
     #: step can read its pending tokens from (``ModelRunner.execute``)
@@ -121,12 +127,21 @@ class StepResult:
         return np.asarray(self.scores)[: self.num_scores]
 
 
+# The step's pytrees (AttentionMetadata, SamplingTensors) are annotated with
+# what the compiled code sees, jax.Array. The host fills them with numpy
+# arrays, which jit takes as they are, and lowering with ShapeDtypeStructs,
+# which stand for arrays of that shape: these two aliases say so to the type
+# checker (they are the same callables).
+_host_meta = cast("Callable[..., AttentionMetadata]", AttentionMetadata)
+_spec = cast("Callable[..., jax.Array]", jax.ShapeDtypeStruct)
+
+
 class ModelRunner:
     """Compiled forward and sampling over a paged KV cache."""
 
     def __init__(
         self,
-        model: nnx.Module,
+        model: LlamaForCausalLM,
         *,
         num_layers: int,
         num_kv_heads: int,
@@ -289,19 +304,19 @@ class ModelRunner:
     def _abstract_meta(self, num_tokens: int) -> AttentionMetadata:
         i32 = jnp.int32
         return AttentionMetadata(
-            slot_mapping=jax.ShapeDtypeStruct((num_tokens,), i32),
-            token_seq=jax.ShapeDtypeStruct((num_tokens,), i32),
-            block_tables=jax.ShapeDtypeStruct((self.max_num_seqs + 1, self.max_blocks_per_seq), i32),
-            context_lens=jax.ShapeDtypeStruct((self.max_num_seqs + 1,), i32),
-            logits_indices=jax.ShapeDtypeStruct((self.max_num_seqs,), i32),
-            block_owner=jax.ShapeDtypeStruct((self.num_blocks,), i32),
-            block_index=jax.ShapeDtypeStruct((self.num_blocks,), i32),
-            block_major=jax.ShapeDtypeStruct((), jnp.bool_),
+            slot_mapping=_spec((num_tokens,), i32),
+            token_seq=_spec((num_tokens,), i32),
+            block_tables=_spec((self.max_num_seqs + 1, self.max_blocks_per_seq), i32),
+            context_lens=_spec((self.max_num_seqs + 1,), i32),
+            logits_indices=_spec((self.max_num_seqs,), i32),
+            block_owner=_spec((self.num_blocks,), i32),
+            block_index=_spec((self.num_blocks,), i32),
+            block_major=_spec((), jnp.bool_),
         )
 
     def _abstract_tensors(self, num_seqs: int) -> SamplingTensors:
         f32, i32 = jnp.float32, jnp.int32
-        vec = lambda dt: jax.ShapeDtypeStruct((num_seqs,), dt)  # noqa: E731
+        vec = lambda dt: _spec((num_seqs,), dt)  # noqa: E731
         return SamplingTensors(
             temperature=vec(f32),
             top_k=vec(i32),
@@ -312,9 +327,9 @@ class ModelRunner:
             repetition_penalty=vec(f32),
             frequency_penalty=vec(f32),
             presence_penalty=vec(f32),
-            history=jax.ShapeDtypeStruct((num_seqs, self.max_model_len), i32),
+            history=_spec((num_seqs, self.max_model_len), i32),
             num_prompt=vec(i32),
-            token_mask=jax.ShapeDtypeStruct((num_seqs, self.num_mask_words), i32),
+            token_mask=_spec((num_seqs, self.num_mask_words), i32),
             masked=vec(jnp.bool_),
             top_logprobs=vec(i32),
         )
@@ -329,7 +344,7 @@ class ModelRunner:
         )
         state_spec = abstract(self.state)
         cache_spec = abstract(self.kv_cache)
-        out_shardings = {}
+        out_shardings: dict[str, Any] = {}
         if sharded:  # the donated cache comes back as it went in
             out_shardings["out_shardings"] = (
                 self._replicated,
@@ -471,7 +486,7 @@ class ModelRunner:
         logits_indices[len(logits_rows) : len(logits_rows) + len(score_rows)] = score_rows
         block_owner, block_index, block_major = self._block_major_plan(block_tables, rows, counts)
         self.num_block_major_steps += int(block_major)
-        meta = AttentionMetadata(
+        meta = _host_meta(
             slot_mapping=slot_mapping,
             token_seq=token_seq,
             block_tables=block_tables,
@@ -574,7 +589,7 @@ class ModelRunner:
         needs_history = any(r.get("history") is not None for r in rows)
         if needs_history:
             return host_sampling_tensors(rows, s_bucket, self.max_model_len, num_mask_words)
-        arrays = host_sampling_tensors(rows, s_bucket, 0, num_mask_words)
+        arrays: dict[str, Any] = host_sampling_tensors(rows, s_bucket, 0, num_mask_words)
         # Without penalties the history is never read: reuse one device array
         # of -1 per bucket instead of shipping [S, max_model_len] every step.
         if s_bucket not in self._no_history:

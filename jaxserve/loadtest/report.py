@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,9 @@ from jaxserve.loadtest.runner import QUEUE_FULL, REJECT_CODES, JobRecord
 PERCENTILES = (50, 90, 95, 99)
 
 
-def percentiles(values: Iterable[float], name: str, unit: str = "_s", digits: int = 6) -> dict[str, float | None]:
+def percentiles(
+    values: Iterable[float | None], name: str, unit: str = "_s", digits: int = 6
+) -> dict[str, float | None]:
     """``{name_p50_s: ..., name_p90_s: ..., ...}``; None when there are no values."""
     xs = np.asarray([v for v in values if v is not None], dtype=float)
     if xs.size == 0:
@@ -36,11 +38,11 @@ def percentiles(values: Iterable[float], name: str, unit: str = "_s", digits: in
     return {f"{name}_p{p}{unit}": round(float(q), digits) for p, q in zip(PERCENTILES, qs)}
 
 
-def _mean(values: list[float]) -> float | None:
+def _mean(values: Sequence[float]) -> float | None:
     return round(float(np.mean(values)), 3) if values else None
 
 
-def _p95(values: list[float]) -> float | None:
+def _p95(values: Sequence[float]) -> float | None:
     return round(float(np.percentile(values, 95)), 3) if values else None
 
 
@@ -57,7 +59,7 @@ def summarize_level(
     """One entry of ``loadtest.json``."""
     ok = [r for r in records if r.status == "ok"]
     streamed_ok = [r for r in ok if r.stream]
-    rejections = collections.Counter({QUEUE_FULL: 0, **dict.fromkeys(REJECT_CODES, 0)})
+    rejections: collections.Counter[str | None] = collections.Counter({QUEUE_FULL: 0, **dict.fromkeys(REJECT_CODES, 0)})
     errors: collections.Counter = collections.Counter()
     for r in records:
         if r.status == "rejected":
@@ -66,7 +68,7 @@ def summarize_level(
             errors[r.code or r.status] += 1
     planned = [r for r in records if r.cancel_planned]
     sent = [r for r in planned if r.cancel_sent_s is not None]
-    first_cancel = min((r.cancel_sent_s for r in sent), default=None)
+    first_cancel = min((r.cancel_sent_s for r in sent if r.cancel_sent_s is not None), default=None)
     tokens = [r.completion_tokens for r in ok if r.completion_tokens is not None]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     total_tokens = int(sum(tokens))

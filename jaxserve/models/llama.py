@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
     return x * jax.lax.rsqrt(var + eps) * w
 
 
-def _mm(w: jax.Array, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
+def _mm(w: jax.Array | quant.QuantizedWeight, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
     """``w @ x`` (``[out, in] @ [in, T]``) in the weight dtype with float32
     accumulation; float32 result. With ``cpu_kernel``, the C++ kernels take
     the float32 shapes where they pay (:func:`_cpu_matmul`). A quantized
@@ -131,7 +132,7 @@ def _qkv_kv_token_major(w: dict, x: jax.Array, q_size: int, kv_size: int) -> tup
     return q, kv[:, :kv_size], kv[:, kv_size:]
 
 
-def _param(rngs: nnx.Rngs | None, shape, dtype, init: str) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape, dtype, init: str) -> nnx.Param:
     if init == "ones":
         return nnx.Param(jnp.ones(shape, dtype))
     if init == "zeros":
@@ -158,8 +159,9 @@ class LlamaDecoderLayer(nnx.Module):
         self.w_down = _param(rngs, (E, I), dtype, "normal")
         self.b_down = _param(rngs, (E,), dtype, "zeros") if c.mlp_bias else None
 
-    def arrays(self) -> dict[str, jax.Array | None]:
-        """The raw weight arrays (None for absent biases)."""
+    def arrays(self) -> dict[str, Any]:
+        """The raw weight arrays: ``jax.Array``, ``QuantizedWeight`` for a
+        quantized matrix, None for an absent bias."""
         names = ("input_norm", "wqkv", "bqkv", "wo", "bo", "post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down")
         out = {}
         for n in names:

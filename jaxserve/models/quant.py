@@ -34,11 +34,14 @@ float sums over blocks (tests/test_quant_model.py: the same greedy tokens).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 #: weights per block (one scale, and for ``q4_1`` one min, per block)
 GROUP = 32
@@ -67,7 +70,7 @@ class QuantizedWeight:
 
     q: Any
     scale: Any  # float16 [O, I // GROUP]
-    min: Any | None  # float16 [O, I // GROUP] (q4_1) or None
+    min: Any  # float16 [O, I // GROUP] (q4_1) or None
     kind: str = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -91,7 +94,7 @@ class QuantizedWeight:
 jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["q", "scale", "min"], meta_fields=["kind"])
 
 
-def is_quantized(w: Any) -> bool:
+def is_quantized(w: Any) -> TypeIs[QuantizedWeight]:
     return isinstance(w, QuantizedWeight)
 
 
@@ -169,7 +172,7 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
     return v.reshape(O, I).astype(dtype)
 
 
-def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> QuantizedWeight:
+def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 ``[rows, bytes_per_row]``, as
     ``jaxserve.models.gguf_file.QuantizedBlocks`` holds them) as a
     :class:`QuantizedWeight`: the scale, min and quant bytes of each block
