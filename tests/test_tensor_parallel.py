@@ -128,6 +128,7 @@ CHILD = textwrap.dedent(
             "steps": engine.num_steps,
             "forward_programs": sorted(engine.runner._forward),
             "token_buckets": list(engine.runner.buckets.tokens),
+            "attention_kernel": engine.attention.kernel,
             "first_cache_donated": first_cache.is_deleted(),
             # bytes of each forward program's outputs that alias (reuse) its donated inputs, per device
             "alias_bytes": [c.memory_analysis().alias_size_in_bytes for c in engine.runner._forward.values()],
@@ -240,7 +241,9 @@ def test_kv_cache_is_sharded_on_kv_heads(report, tp):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_one_program_per_bucket_with_the_cache_donated(report, tp):
     r = report[tp]
-    assert r["forward_programs"] == r["token_buckets"] == [8, 16, 32]
+    # one device on the C++ kernels also decodes a lone sequence in a 1-token program (runner.py)
+    single = [1] if tp == 1 and r["attention_kernel"] == "cpu" else []
+    assert r["forward_programs"] == r["token_buckets"] == [*single, 8, 16, 32]
     assert r["first_cache_donated"]
     # every forward program writes the cache in place: its outputs alias at least the device's cache shard
     assert all(alias >= r["cache_bytes_per_device"] > 0 for alias in r["alias_bytes"]), r["alias_bytes"]
