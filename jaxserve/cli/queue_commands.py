@@ -75,6 +75,10 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
                    "tokens one engine step may carry, so an arriving interactive prompt waits for a short step "
                    "(engine default 32; 0: no cap).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
+@click.option("--otlp-endpoint", default=None, metavar="URL",
+              help="Trace every job (OpenTelemetry, continuing the producer's traceparent) and export the spans to this "
+                   "OTLP collector (http/protobuf, e.g. http://127.0.0.1:4318; OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC). "
+                   "The standard OTEL_* variables configure tracing too; needs jaxserve[otel].")
 @click.option("--served-model-name", default=None, help="The model name jobs use in `model` and results carry (default: the model folder's name).")
 @click.option("--limits", "limits_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight); shared through Redis with --store redis.")
@@ -131,6 +135,7 @@ def worker(
     policy: str | None,
     interactive_batch_prefill_tokens: int | None,
     metrics_port: int | None,
+    otlp_endpoint: str | None,
     served_model_name: str | None,
     limits_path: str | None,
     target_ttft: float,
@@ -174,6 +179,12 @@ def worker(
         raise click.ClickException(str(exc)) from None
 
     configure_logging(log_format, log_level)
+    from jaxserve.worker.tracing import Tracing
+
+    try:
+        tracing = Tracing.configure(otlp_endpoint)  # a bad OTEL_* setting is one line now
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
     # Before the engine build (minutes for a real model): a taken port or an
     # unreachable broker is one line now, not a traceback later.
     with worker_errors(amqp_url, log_format):
@@ -215,6 +226,7 @@ def worker(
         log_text=log_text,
         declare=declare,
         metrics_port=metrics_port,
+        otlp_endpoint=otlp_endpoint,
         served_model_name=served_model_name,
         admission=AdmissionConfig(target_ttft_s=target_ttft, max_queued_tokens=max_queued_tokens),
         limits=limits,
@@ -228,7 +240,7 @@ def worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         st = make_store(store, redis_url=redis_url, namespace=prefix, state_dir=state_dir)
-        w = Worker(functools.partial(build_from_path, engine_path, kwargs), cfg, store=st)
+        w = Worker(functools.partial(build_from_path, engine_path, kwargs), cfg, store=st, tracing=tracing)
         return await w.run(stop)
 
     with worker_errors(amqp_url, log_format):

@@ -24,7 +24,7 @@ import aio_pika
 import aiormq.exceptions
 import orjson
 
-from jaxserve.wire import amqp_compat
+from jaxserve.wire import amqp_compat, tracecontext
 from jaxserve.wire import (
     DEFAULT_AMQP_URL,
     DEFAULT_PREFIX,
@@ -303,9 +303,13 @@ class AsyncClient:
         if expect_reply and reply_to == self.reply_queue and key not in self._futures:
             self._futures[key] = asyncio.get_running_loop().create_future()
         now = time.time()
+        headers: dict[str, Any] = {"x-published-at-ms": int(now * 1000)}
+        trace = tracecontext.active()  # the caller's trace, if one is active (never made up)
+        if trace is not None:
+            headers.update(trace.headers())
         msg = aio_pika.Message(
             bytes(raw),
-            headers={"x-published-at-ms": int(now * 1000)},
+            headers=headers,
             content_type="application/json",
             message_id=key,
             correlation_id=correlation_id or key,

@@ -136,6 +136,11 @@ class Result(_Reply):
         description="JSON-constrained jobs (response_format json_schema / json_object) that ended with "
         "finish_reason stop: the text, parsed.",
     )
+    trace_id: str | None = Field(
+        default=None,
+        description="The job's W3C trace id (32 hex digits): the producer's, from the job's traceparent header, "
+        "or a new root trace's when the worker traces and the job brought none.",
+    )
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

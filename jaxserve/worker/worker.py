@@ -87,6 +87,7 @@ from jaxserve.worker.priority import deprioritize_other_threads, deprioritize_pr
 from jaxserve.worker.replies import PublishOutcome, ReplyPublisher
 from jaxserve.worker.store import MemoryStore, Record, RedisStore, StoreUnavailable
 from jaxserve.worker.store_health import StoreHealth
+from jaxserve.worker.tracing import JobTimes, JobTrace, Tracing
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -146,6 +147,9 @@ class WorkerConfig:
     defer_wait_max_s: float = 1.0  # a batch job over its tenant's limit waits this long at most before going back
     declare: bool = True
     metrics_port: int | None = None  # serve Prometheus /metrics here when set
+    # Trace jobs and export to this OTLP collector (--otlp-endpoint); the
+    # OTEL_* variables configure tracing too (jaxserve.worker.tracing).
+    otlp_endpoint: str | None = None
     worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
 
@@ -168,7 +172,9 @@ def _text(value: Any) -> str | None:
 
 
 class Worker:
-    def __init__(self, engine_factory: Callable[[], Any], config: WorkerConfig | None = None, store: Any = None) -> None:
+    def __init__(
+        self, engine_factory: Callable[[], Any], config: WorkerConfig | None = None, store: Any = None, tracing: Tracing | None = None
+    ) -> None:
         self.engine_factory = engine_factory
         self.cfg = config or WorkerConfig()
         self.topo = self.cfg.topology
@@ -214,6 +220,9 @@ class Worker:
         )
         self._store_paused = False
         self._consumers_lock = asyncio.Lock()
+        # Job traces (off unless configured: then no OpenTelemetry import)
+        self.tracing = tracing if tracing is not None else Tracing.configure(self.cfg.otlp_endpoint)
+        self._traces: dict[str, JobTrace] = {}  # engine request id -> its job's trace
 
     # ------------------------------------------------------------------ life
     def _url(self) -> URL:
@@ -465,6 +474,7 @@ class Worker:
             await self.store.close()
         except Exception:  # noqa: BLE001
             pass
+        self.tracing.shutdown()
         log.info("worker_stopped", requeued=len(leftover), fatal=self.fatal_error, stats=dict(self.stats))
 
     # ------------------------------------------------------------- helpers
@@ -487,6 +497,11 @@ class Worker:
             del self.active[kj.key]
         if self._by_rid.get(kj.request_id) is kj:
             del self._by_rid[kj.request_id]
+        trace = self._traces.pop(kj.request_id, None)
+        if trace is not None:
+            settled = kj.state is JobState.SETTLED
+            times = JobTimes.of(kj, self._broker_wait(kj), trace.result_ready_at)
+            trace.end(times, kj.result if settled else None, None if settled else kj.state.value)
 
     async def _store(self, kj: KeyJob | None, fn: Callable, *args: Any) -> Any:
         """Call the store. While it is unreachable the job is HELD (in
@@ -681,6 +696,13 @@ class Worker:
             return None
         kj = KeyJob(job.key, job, d, received_at)
         self.active[job.key] = kj
+        trace = self.tracing.start_job(
+            message.headers, queue=self.topo.queue_for(queue_class), queue_class=queue_class, message_id=job.key,
+            correlation_id=d.correlation_id, body_size=len(message.body), redelivered=d.redelivered,
+            received_mono=kj.received_mono, broker_wait_s=self._broker_wait(kj),
+        )  # fmt: skip
+        if trace is not None:
+            self._traces[kj.request_id] = trace
         return kj
 
     @staticmethod
@@ -696,6 +718,9 @@ class Worker:
         self._count_job(d.queue_class, err.code)
         log.info("job_invalid", key=key, queue=d.queue_class, bytes=size, code=err.code, reason=err.message)
         result = Result.failure(key, err.code, err.message, err.retryable)
+        trace_id = self.tracing.parent_trace_id(d.message.headers)  # never a job: no spans, the producer's id only
+        if trace_id is not None:
+            result = result.model_copy(update={"trace_id": trace_id})
         outcome = await self._publish_final(d, result)
         await d.settle(Settlement.ACK if outcome is PublishOutcome.CONFIRMED or outcome.undeliverable else Settlement.REQUEUE)
 
@@ -779,7 +804,7 @@ class Worker:
             if hit is not None:
                 self.stats["cache_hits"] += 1
                 log.info("job_cache_hit", key=key, queue=kj.queue_class)
-                cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj)})
+                cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj), "trace_id": None})
                 await self._finish(kj, cached)
                 return
         if calibration is not None and not await self._calibrate(kj, calibration):
@@ -1266,6 +1291,10 @@ class Worker:
         if kj.state not in (*_ADMISSION, JobState.RUNNING):
             return
         kj.to(JobState.FINISHING)
+        trace = self._traces.get(kj.request_id)
+        if trace is not None:
+            trace.result_ready(kj.primary.reply_to)
+            result = result.model_copy(update={"trace_id": trace.trace_id})
         kj.result = result
         if kj.deadline_handle is not None:
             kj.deadline_handle.cancel()
