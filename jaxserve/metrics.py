@@ -208,7 +208,7 @@ class EngineMetrics:
             registry=r,
         )
         m = model_name
-        self._step_children = {
+        self._step_children: dict[str, Any] = {  # gauges and counters
             "running": self.num_requests_running.labels(m),
             "waiting": self.num_requests_waiting.labels(m),
             "kv_usage": self.kv_cache_usage_perc.labels(m),

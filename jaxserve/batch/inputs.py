@@ -29,7 +29,8 @@ from typing import Any
 
 import orjson
 
-ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+#: looked up with a line's "url" as given, whatever its type
+ENDPOINTS: dict[Any, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 # Body fields an OpenAI endpoint accepts that jaxserve cannot honour: refused
 # per request rather than silently ignored.
 # (logprobs, top_logprobs and response_format are honoured: the worker checks them.)

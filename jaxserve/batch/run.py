@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -257,7 +257,13 @@ async def _run(
                 window.release()
                 continue
             await retry_with_backoff(
-                functools.partial(client.publish, item.body, key=item.key, queue=settings.queue, expect_reply=False),
+                functools.partial(
+                    client.publish,
+                    cast(dict[str, Any], item.body),
+                    key=item.key,
+                    queue=settings.queue,
+                    expect_reply=False,
+                ),
                 attempts=30,
                 max_delay=5.0,
                 retry_on=(QueueFull,),

@@ -149,12 +149,13 @@ class DeadLetter:
         return json.dumps({"queue": self.queue, "reason": self.reason, "deaths": [d.to_dict() for d in self.deaths]})
 
     def summary(self, now: float) -> dict[str, Any]:
+        age = self.age_s(now)
         return {
             "key": self.key,
             "queue": self.queue,
             "reason": self.reason,
             "count": self.count,
-            "age_s": None if self.age_s(now) is None else round(self.age_s(now), 3),
+            "age_s": None if age is None else round(age, 3),
             "deaths": [d.to_dict() for d in self.deaths],
         }
 

@@ -7,6 +7,8 @@ instant.
 
 from __future__ import annotations
 
+import types
+
 import click
 
 from jaxserve import __version__
@@ -39,6 +41,7 @@ cli.add_command(dead)
 cli.add_command(loadtest)
 cli.add_command(plan)
 
+_queue: types.ModuleType | None
 try:  # the queue side registers itself once it exists
     from jaxserve.cli import queue_commands as _queue
 except ImportError:  # pragma: no cover - only while the queue side is absent

@@ -49,6 +49,7 @@ import collections
 import hashlib
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -305,7 +306,7 @@ class BlockAllocator:
                 self._plain.remove(b)
             else:
                 b, _unused = self._cached.popitem(last=False)
-                del self._hash_to_block[self._block_hash[b]]
+                del self._hash_to_block[cast(bytes, self._block_hash[b])]  # a cached block has its hash
                 self._block_hash[b] = None
                 self.num_evictions += 1
             self._ref_count[b] = 1

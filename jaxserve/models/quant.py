@@ -34,7 +34,7 @@ float sums over blocks (tests/test_quant_model.py: the same greedy tokens).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,10 @@ KINDS = ("q8_0", "q4_0", "q4_1")
 GGUF_KINDS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 
 
+@overload
+def check_quantization(value: str) -> str: ...
+@overload
+def check_quantization(value: None) -> None: ...
 def check_quantization(value: str | None) -> str | None:
     """``value`` if it is ``None`` or one of :data:`QUANTIZATIONS`, else a
     ``ValueError`` naming the field and the value."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from jaxserve.tokenizer.tokenizer import TokenizerLoadError
 
@@ -188,7 +188,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "GGUF file") 
         else:
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [
-                    pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                    pre_tokenizers.Split(Regex(cast(str, pattern)), behavior="isolated", invert=False),
                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
                 ]
             )
@@ -255,9 +255,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "GGUF file") 
     single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
     pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
     used: dict[str, int] = {}
-    if add_bos:
+    # add_bos/add_eos imply the token exists (so its name and id are set)
+    if add_bos and bos is not None and bos_id is not None:
         used[bos] = bos_id
-    if add_eos:
+    if add_eos and eos is not None and eos_id is not None:
         used[eos] = eos_id
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(used.items()))
 

@@ -475,8 +475,8 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
     seed = body.seed
     if seed is None and temperature > 0.0:
         seed = derive_seed(key)
-    stop = body.stop or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    stop_given = body.stop or ()
+    stop = (stop_given,) if isinstance(stop_given, str) else tuple(stop_given)
     structured = _structured(body)
     want_logprobs, top_logprobs = _logprobs(body)
     params = SamplingParams(

@@ -90,7 +90,7 @@ class LabelCalibrations:
         key, tokens = entry
         if out.error is not None or out.label_logprobs is None:
             err = out.error or RequestError(
-                "internal", "the engine returned no label scores for the calibration input", True
+                "internal", "the engine returned no label scores for the calibration input", retryable=True
             )
             self._fail(key, err)
             return True

@@ -352,7 +352,7 @@ class EngineThread:
             self.fatal_error = escaped
         stopped = self._stop_requested
         if stopped:
-            dead = ("the engine thread was stopped", None)
+            dead: tuple[str, BaseException | None] = ("the engine thread was stopped", None)
         else:
             cause = self.fatal_error
             if cause is None:  # it returned because the event loop is closed
@@ -369,9 +369,11 @@ class EngineThread:
         for item in pending:
             if item is not _STOP:
                 self._resolve(item[1], exc=self._dead_error())
-        if not stopped and self.on_fatal is not None:
+        # not stopped: the branch above set fatal_error
+        fatal = self.fatal_error
+        if not stopped and self.on_fatal is not None and fatal is not None:
             try:
-                self.loop.call_soon_threadsafe(self.on_fatal, self.fatal_error)
+                self.loop.call_soon_threadsafe(self.on_fatal, fatal)
             except RuntimeError:  # loop closed
                 pass
         self._stopped.set()
