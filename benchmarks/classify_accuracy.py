@@ -52,7 +52,7 @@ import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +111,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def request_for(m: Method, text: str, shots: list[dict]) -> L.LabelRequest:
-    few = tuple(L.FewShot(m.template.format(text=s["text"]), m.labels[CLASSES.index(s["label"])]) for s in shots) if m.few_shot else ()
+    few = (
+        tuple(L.FewShot(m.template.format(text=s["text"]), m.labels[CLASSES.index(s["label"])]) for s in shots)
+        if m.few_shot
+        else ()
+    )
     return L.LabelRequest(labels=m.labels, prompt=m.template.format(text=text), form=m.form, few_shot=few,
                           first_token_only=m.normalization == "first")  # fmt: skip
 
@@ -212,9 +216,13 @@ def main() -> None:
     ap.add_argument("--few-shot", default=str(ROOT / "benchmarks/data/topics_fewshot.jsonl"))
     ap.add_argument("--methods", default=",".join(m.name for m in METHODS), help="comma-separated subset")
     ap.add_argument("--limit", type=int, default=None, help="only the first N documents")
-    ap.add_argument("--hf-check", type=int, default=8, metavar="N", help="documents compared with transformers (0: none)")
+    ap.add_argument(
+        "--hf-check", type=int, default=8, metavar="N", help="documents compared with transformers (0: none)"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/classify-accuracy-<UTC>.json)")
+    ap.add_argument(
+        "--out", default=None, help="results JSON (default benchmarks/results/classify-accuracy-<UTC>.json)"
+    )
     ap.add_argument("--plot", default=str(ROOT / "docs/img/classify-confusion.png"))
     args = ap.parse_args()
 
@@ -227,7 +235,13 @@ def main() -> None:
     wanted = args.methods.split(",")
     methods = [m for m in METHODS if m.name in wanted]
     t0 = time.time()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=1024, max_num_batched_tokens=1024, enable_prefix_caching=True)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=True,
+    )
     tok = llm.engine.tokenizer
     load_s = time.time() - t0
     jobs: dict[str, L.LabelTokens] = {}
@@ -244,7 +258,10 @@ def main() -> None:
     scores = run_engine(llm.engine, jobs)
     score_s = time.time() - t1
     gold = [d["label"] for d in docs]
-    half = {"A": [i for i in range(len(docs)) if _half(docs, i) == "A"], "B": [i for i in range(len(docs)) if _half(docs, i) == "B"]}
+    half = {
+        "A": [i for i in range(len(docs)) if _half(docs, i) == "A"],
+        "B": [i for i in range(len(docs)) if _half(docs, i) == "B"],
+    }
     results: dict[str, dict] = {}
     for m in methods:
         offsets = None
@@ -254,7 +271,9 @@ def main() -> None:
         preds = []
         for d in docs:
             rid = f"{m.name}|{d['id']}"
-            scored = scoring.combine(m.labels, scores[rid], [len(x) for x in jobs[rid].label_ids], m.normalization, offsets)
+            scored = scoring.combine(
+                m.labels, scores[rid], [len(x) for x in jobs[rid].label_ids], m.normalization, offsets
+            )
             preds.append(CLASSES[m.labels.index(scoring.best(scored).label)])
         acc = {k: sum(preds[i] == gold[i] for i in idx) / max(1, len(idx)) for k, idx in half.items()}
         acc["all"] = sum(p == g for p, g in zip(preds, gold)) / len(docs)
@@ -280,9 +299,11 @@ def main() -> None:
     if check:
         print(f"transformers on the same token ids ({check['labels_compared']} labels): max |diff| {check['max_abs_diff']:.2e}; "
               f"its own tokenization gives the same ids for {check['hf_tokenization_same_ids']} of them")  # fmt: skip
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M%SZ")
     out = Path(args.out) if args.out else ROOT / "benchmarks/results" / f"classify-accuracy-{stamp}.json"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     report = {
         "command": "python " + " ".join(sys.argv), "commit": commit, "utc": stamp, "model": args.model,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
@@ -294,7 +315,11 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1) + "\n")
     if default in results:
         r = results[default]
-        plot_confusion(r["confusion"], f"{args.model}, method '{default}': {r['correct']}/{r['n']} = {r['accuracy']['all']:.1%}", Path(args.plot))
+        plot_confusion(
+            r["confusion"],
+            f"{args.model}, method '{default}': {r['correct']}/{r['n']} = {r['accuracy']['all']:.1%}",
+            Path(args.plot),
+        )
         print(f"wrote {out} and {args.plot}")
     else:
         print(f"wrote {out}")

@@ -46,7 +46,9 @@ def test_chat_form_scores_each_label_as_the_assistants_answer(tok):
     req = L.LabelRequest(labels=("sports", "business"), prompt="Doc: the match ended 2-1", form="chat")
     t = L.prepare(tok, req)
     assert t.prompt_ids == tok.encode_chat([{"role": "user", "content": "Doc: the match ended 2-1"}])
-    rendered = tok.apply_chat_template([{"role": "user", "content": "Doc: the match ended 2-1"}], add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "Doc: the match ended 2-1"}], add_generation_prompt=True
+    )
     for label, ids in zip(req.labels, t.label_ids):
         assert t.prompt_ids + ids == tok.encode(rendered + label, add_special_tokens=False)
         assert tok.decode(ids) == label
@@ -57,7 +59,10 @@ def test_a_merge_across_the_boundary_moves_it_back(tok):
     # model writes it, not as "sports" glued after a lone space token
     t = L.prepare(tok, L.LabelRequest(labels=("sports", "business"), prompt="The topic is ", form="plain"))
     assert t.prompt_ids == tok.encode("The topic is")
-    assert t.label_ids == [tok.encode(" sports", add_special_tokens=False), tok.encode(" business", add_special_tokens=False)]
+    assert t.label_ids == [
+        tok.encode(" sports", add_special_tokens=False),
+        tok.encode(" business", add_special_tokens=False),
+    ]
     # without the trailing space the label follows the prompt's last character, as given
     glued = L.prepare(tok, L.LabelRequest(labels=("sports", "business"), prompt="The topic is:", form="plain"))
     assert glued.prompt_ids == tok.encode("The topic is:") and toks(tok, glued.label_ids[0])[0] == "s"
@@ -71,7 +76,9 @@ def test_few_shot_turns_go_after_the_system_message(tok):
         ("system", "Classify."), ("user", "a late goal won it"), ("assistant", "sports"),
         ("user", "shares fell 3%"), ("assistant", "business"), ("user", "the senate voted"),
     ]  # fmt: skip
-    plain = L.render(tok, L.LabelRequest(labels=("sports", "business"), prompt="Topic of: rates rose. Topic:", few_shot=shots))
+    plain = L.render(
+        tok, L.LabelRequest(labels=("sports", "business"), prompt="Topic of: rates rose. Topic:", few_shot=shots)
+    )
     assert plain == ("a late goal won itsports\n\nshares fell 3%business\n\nTopic of: rates rose. Topic:", True)
 
 
@@ -85,7 +92,11 @@ def test_first_token_only_and_labels_that_would_tie(tok):
 def test_content_free_input_replaces_the_document(tok):
     req = L.LabelRequest(labels=("a", "b"), prompt="Classify: the long document")
     assert req.content_free().prompt == "N/A" and req.content_free("--").prompt == "--"
-    msgs = ({"role": "system", "content": "s"}, {"role": "user", "content": "doc"}, {"role": "assistant", "content": "x"})
+    msgs = (
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "doc"},
+        {"role": "assistant", "content": "x"},
+    )
     cf = L.LabelRequest(labels=("a", "b"), messages=msgs, form="chat").content_free()
     assert [m["content"] for m in cf.messages] == ["s", "N/A", "x"] and msgs[1]["content"] == "doc"
     with pytest.raises(L.LabelPromptError, match="no user message"):
@@ -93,7 +104,11 @@ def test_content_free_input_replaces_the_document(tok):
     # the same labels and template give the same calibration key, whatever the document
     a = L.prepare(tok, L.LabelRequest(labels=("x", "y"), prompt="doc one", form="chat").content_free())
     b = L.prepare(tok, L.LabelRequest(labels=("x", "y"), prompt="another doc", form="chat").content_free())
-    assert a.identity() == b.identity() != L.prepare(tok, L.LabelRequest(labels=("x", "z"), prompt="d", form="chat").content_free()).identity()
+    assert (
+        a.identity()
+        == b.identity()
+        != L.prepare(tok, L.LabelRequest(labels=("x", "z"), prompt="d", form="chat").content_free()).identity()
+    )
 
 
 def test_plain_form_refuses_messages(tok):
@@ -107,7 +122,9 @@ def test_calibrated_combine_ranks_by_score_minus_offset():
     want = np.exp([-0.5, 1.0, -2.0]) / np.exp([-0.5, 1.0, -2.0]).sum()
     np.testing.assert_allclose([s.prob for s in scored], want, rtol=1e-12)
     assert scoring.best(scored).label == "b"  # the uncalibrated winner would be "a"
-    mean = scoring.combine(["a", "b"], [-1.0, -4.0], [1, 2], "mean", offsets=scoring.normalize([-1.0, -2.0], [1, 2], "mean"))
+    mean = scoring.combine(
+        ["a", "b"], [-1.0, -4.0], [1, 2], "mean", offsets=scoring.normalize([-1.0, -2.0], [1, 2], "mean")
+    )
     assert [s.score for s in mean] == [0.0, -1.0]
 
 
@@ -121,15 +138,36 @@ def job(**body):
 @pytest.mark.parametrize(
     "body, needle",
     [
-        ({"prompt": "x", "labels": ["a", "b"], "label_prompt": "xml"}, "label_prompt: Input should be 'plain' or 'chat' (got 'xml')"),
-        ({"prompt": "x", "labels": ["a", "b"], "label_normalization": "max"}, "label_normalization: Input should be 'sum', 'mean' or 'first' (got 'max')"),
-        ({"prompt": "x", "labels": ["a", "b"], "few_shot": [{"text": "t", "label": "c"}]}, "few_shot[0].label 'c' is not one of the job's labels"),
+        (
+            {"prompt": "x", "labels": ["a", "b"], "label_prompt": "xml"},
+            "label_prompt: Input should be 'plain' or 'chat' (got 'xml')",
+        ),
+        (
+            {"prompt": "x", "labels": ["a", "b"], "label_normalization": "max"},
+            "label_normalization: Input should be 'sum', 'mean' or 'first' (got 'max')",
+        ),
+        (
+            {"prompt": "x", "labels": ["a", "b"], "few_shot": [{"text": "t", "label": "c"}]},
+            "few_shot[0].label 'c' is not one of the job's labels",
+        ),
         ({"prompt": "x", "labels": ["a", "b"], "few_shot": [{"text": "", "label": "a"}]}, "few_shot[0].text"),
-        ({"prompt": "x", "label_prompt": "chat"}, "label_prompt is for label scoring and needs labels, got label_prompt='chat'"),
+        (
+            {"prompt": "x", "label_prompt": "chat"},
+            "label_prompt is for label scoring and needs labels, got label_prompt='chat'",
+        ),
         ({"prompt": "x", "calibrate": True}, "calibrate is for label scoring and needs labels"),
-        ({"prompt": "x", "labels": ["a", "b"], "calibration_input": "N/A"}, "calibration_input is used with calibrate: true"),
-        ({"messages": [{"role": "user", "content": "x"}], "labels": ["a", "b"], "label_prompt": "plain"}, "label_prompt 'plain' continues a prompt"),
-        ({"prompt": "x", "labels": ["a", "b"], "calibrate": "yes"}, "calibrate: Input should be a valid boolean (got 'yes')"),
+        (
+            {"prompt": "x", "labels": ["a", "b"], "calibration_input": "N/A"},
+            "calibration_input is used with calibrate: true",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "labels": ["a", "b"], "label_prompt": "plain"},
+            "label_prompt 'plain' continues a prompt",
+        ),
+        (
+            {"prompt": "x", "labels": ["a", "b"], "calibrate": "yes"},
+            "calibrate: Input should be a valid boolean (got 'yes')",
+        ),
     ],
 )
 def test_bad_label_fields_are_refused_naming_field_and_value(body, needle):
@@ -140,12 +178,27 @@ def test_bad_label_fields_are_refused_naming_field_and_value(body, needle):
 
 def test_label_fields_reach_the_job_and_its_fingerprint():
     plain = job(prompt="x", labels=["a", "b"])
-    assert (plain.label_prompt, plain.calibrate, plain.few_shot, plain.label_normalization) == ("plain", False, (), "sum")
-    assert job(messages=[{"role": "user", "content": "x"}], labels=["a", "b"]).label_prompt == "chat"  # as before the field
+    assert (plain.label_prompt, plain.calibrate, plain.few_shot, plain.label_normalization) == (
+        "plain",
+        False,
+        (),
+        "sum",
+    )
+    assert (
+        job(messages=[{"role": "user", "content": "x"}], labels=["a", "b"]).label_prompt == "chat"
+    )  # as before the field
     chat = job(prompt="x", labels=["a", "b"], label_prompt="chat", calibrate=True, calibration_input="-", label_normalization="first",
                few_shot=[{"text": "t", "label": "b"}])  # fmt: skip
-    assert (chat.label_prompt, chat.calibrate, chat.calibration_input, chat.few_shot) == ("chat", True, "-", (("t", "b"),))
-    assert len({plain.fingerprint, chat.fingerprint, job(prompt="x", labels=["a", "b"], label_prompt="chat").fingerprint}) == 3
+    assert (chat.label_prompt, chat.calibrate, chat.calibration_input, chat.few_shot) == (
+        "chat",
+        True,
+        "-",
+        (("t", "b"),),
+    )
+    assert (
+        len({plain.fingerprint, chat.fingerprint, job(prompt="x", labels=["a", "b"], label_prompt="chat").fingerprint})
+        == 3
+    )
 
 
 # --------------------------------------------- the engine against transformers
@@ -163,7 +216,17 @@ def engine(checkpoint):
     from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.engine import Engine
 
-    eng = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, block_size=16, seed=0))
+    eng = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            max_model_len=256,
+            block_size=16,
+            enable_prefix_caching=False,
+            seed=0,
+        )
+    )  # (as test_engine_scoring: few programs to compile)
     eng.warmup()
     return eng
 
@@ -192,6 +255,7 @@ def hf_logprobs(hf, hf_tok, text: str, labels, add_special_tokens: bool) -> list
     return out
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("form", ["chat", "plain", "few-shot", "calibrated"])
 def test_label_logprobs_equal_transformers(engine, checkpoint, form):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,7 +288,9 @@ def test_label_logprobs_equal_transformers(engine, checkpoint, form):
         counts = [1] * len(labels)
         ours = scoring.combine(labels, got_all[0], counts, offsets=got_all[1])
         ref = np.array(want_all[0]) - np.array(want_all[1])
-        np.testing.assert_allclose([s.prob for s in ours], np.exp(ref - ref.max()) / np.exp(ref - ref.max()).sum(), rtol=1e-4)
+        np.testing.assert_allclose(
+            [s.prob for s in ours], np.exp(ref - ref.max()) / np.exp(ref - ref.max()).sum(), rtol=1e-4
+        )
     if form == "plain":
         # "Topic: " + "sports": the space belongs to the label's first token
         assert L.prepare(engine.tokenizer, req).prompt_ids == engine.tokenizer.encode(f"Article: {doc}\nTopic:")
@@ -245,7 +311,10 @@ def test_batch_label_defaults_and_flags(tmp_path):
     d = _label_defaults(["sports", "business"], template, False, None, None, None, None, str(shots))
     assert d["label_prompt"] == DEFAULT_LABEL_PROMPT == "chat" and DEFAULT_CALIBRATE
     assert d["calibrate"] is True and d["calibration_input"] == "Topic? N/A"
-    assert d["few_shot"] == [{"text": "Topic? a goal", "label": "sports"}, {"text": "Topic? rates rose", "label": "business"}]
+    assert d["few_shot"] == [
+        {"text": "Topic? a goal", "label": "sports"},
+        {"text": "Topic? rates rose", "label": "business"},
+    ]
     off = _label_defaults(["sports", "business"], None, False, "plain", "first", False, None, None)
     assert off == {"label_prompt": "plain", "label_normalization": "first"}
     with pytest.raises(click.BadParameter, match="--chat"):
@@ -258,7 +327,12 @@ def test_batch_label_defaults_and_flags(tmp_path):
     inp.write_bytes(b'{"id": "p", "prompt": "x"}\n{"id": "m", "messages": [{"role": "user", "content": "y"}]}\n'
                     b'{"id": "g", "prompt": "z", "labels": null}\n')  # fmt: skip
     _, items = read_items(inp, InputOptions(labels=["a", "b"], label_defaults=off))
-    assert items[0].body == {"prompt": "x", "labels": ["a", "b"], "label_prompt": "plain", "label_normalization": "first"}
+    assert items[0].body == {
+        "prompt": "x",
+        "labels": ["a", "b"],
+        "label_prompt": "plain",
+        "label_normalization": "first",
+    }
     assert items[1].body["label_prompt"] == "chat"
     assert "label_prompt" not in items[2].body
 
@@ -279,7 +353,7 @@ def test_batch_cli_reports_a_bad_few_shot_file_before_the_broker(tmp_path):
 # -------------------------------------------------------- through the broker
 
 
-async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harness, prefix, client):
+async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harness, prefix, client):  # noqa: F811
     w = await harness.start(EchoEngine(step_s=0.001))
     labels = ["sports", "politics"]
     docs = ["the sports match", "a vote in the senate", "spots"]
