@@ -244,3 +244,83 @@ async def test_failed_job_marks_its_span_as_error(prefix, client):  # noqa: F811
     assert root.attributes["error.type"] == result.error.code
     names = {s.name for s in _job_spans(exporter, span.get_span_context().trace_id)}
     assert "prefill" not in names and "admission" in names  # it never reached the engine
+
+
+# ------------------------------------------ OTLP from a worker process and the CLI
+class _Collector:
+    """A minimal OTLP/HTTP traces endpoint: keeps every span it is sent."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.spans: list = []
+        self.services: set[str] = set()
+        spans, services = self.spans, self.services
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    services.update(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                    for ss in rs.scope_spans:
+                        spans.extend(ss.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_worker_exports_over_otlp_and_jaxserve_batch_passes_traceparent(prefix, tmp_path):  # noqa: F811
+    import json
+
+    from queue_support import start_worker_process, stop_process, wait_log, worker_env
+
+    collector = _Collector()
+    log = tmp_path / "worker.log"
+    proc = start_worker_process(prefix, log, "--store", "memory", "--otlp-endpoint", collector.url)
+    try:
+        wait_log(log, "worker_consuming", timeout=60)
+        rows = tmp_path / "rows.csv"
+        rows.write_text("id,text\na,first document\nb,second document\n")
+        out = tmp_path / "out.jsonl"
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxserve",
+            "batch",
+            str(rows),
+            "-o",
+            str(out),
+            "--prefix",
+            prefix,
+            "--amqp-url",
+            AMQP_URL,
+        ]
+        cmd += ["--template", "{{ text }}", "--id-column", "id", "--max-tokens", "3", "--no-progress"]
+        subprocess.run(cmd, check=True, env=worker_env(TRACEPARENT=TP), timeout=120, capture_output=True)
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(lines) == 2 and all(x["status"] == "ok" and x["trace_id"] == TP[3:35] for x in lines)
+    finally:
+        stop_process(proc)  # SIGTERM: the worker drains and flushes its spans
+        collector.close()
+    assert collector.services == {"jaxserve-worker"}
+    ours = [s for s in collector.spans if s.trace_id.hex() == TP[3:35]]
+    roots = [s for s in ours if s.name == f"process {prefix}.batch"]
+    assert len(roots) == 2 and all(s.parent_span_id.hex() == TP[36:52] for s in roots)
+    for root in roots:
+        names = sorted(s.name for s in ours if s.parent_span_id == root.span_id)
+        assert names[:4] == ["admission", "broker wait", "decode", "prefill"] and names[4].startswith("publish"), names
