@@ -16,7 +16,9 @@ reserved for interactive jobs), then per round:
 3. purge the batch queue and let the worker drain.
 
 Batch replies go to the prefix's results queue, not to the measuring
-client's reply queue, so the measuring client only handles its own replies.
+client's reply queue, so the measuring client only handles its own replies; the
+results published during the loaded phases are the batch throughput
+while interactive jobs run (``batch_jobs_per_s_loaded``).
 Reported: median (and p90) TTFT idle and loaded, the ratio loaded/idle, and
 the worker's own view from each final result (``queue_s``: publish ->
 delivery, ``ttft_s``: delivery -> first token). Results go to
@@ -117,6 +119,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
         idle: list[dict[str, Any]] = []
         loaded: list[dict[str, Any]] = []
         spans: dict[str, list[tuple[float, float]]] = {"idle": [], "loaded": []}
+        batch_done: list[tuple[int, float]] = []  # per round: batch jobs done in the loaded phase, its seconds
         k = 0
         for rnd in range(args.rounds):
             t_idle = time.monotonic()
@@ -132,6 +135,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             fill_s = time.monotonic() - t_fill
             await asyncio.sleep(args.spacing)  # let the worker fill its batch
             t_loaded = time.monotonic()
+            done0 = await depth(client, results_q)  # nobody consumes it: it counts the batch jobs done
             for i in range(args.samples):
                 d = await top_up(args.min_depth)
                 r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-l{k}", args.temperature)
@@ -140,6 +144,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
                 k += 1
                 await asyncio.sleep(args.spacing)
             spans["loaded"].append((t_loaded, time.monotonic()))
+            batch_done.append((await depth(client, results_q) - done0, spans["loaded"][-1][1] - t_loaded))
             # Purge and drain before the next idle phase.
             ch = await client._sub_conn.channel()
             purged = await (await ch.declare_queue(batch_q, passive=True)).purge()
@@ -148,7 +153,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             print(f"round {rnd}: idle median {qc.median([x['ttft_s'] for x in idle if x['round'] == rnd]):.4f}s "
                   f"loaded median {qc.median([x['ttft_s'] for x in loaded if x['round'] == rnd]):.4f}s "
                   f"(filled {d0} in {fill_s:.1f}s; purged {getattr(purged, 'message_count', purged)})", file=sys.stderr)
-        return {"idle": idle, "loaded": loaded, "batch_jobs_published": n_batch, "spans": spans}
+        return {"idle": idle, "loaded": loaded, "batch_jobs_published": n_batch, "spans": spans, "batch_done": batch_done}
     finally:
         await client.delete_reply_queue()
         await client.close()
@@ -178,6 +183,10 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
                             "max": round(1000 * lag[-1], 3)} if lag else None,
             "engine_steps": len(steps),
             "engine_seqs_per_step_mean": round(sum(s[2] for s in steps) / len(steps), 2) if steps else None,
+            # the outputs Engine.step returned: the batch sequences it
+            # planned (interactive outputs leave early, on_urgent_outputs),
+            # where engine_seqs_per_step_mean counts every running sequence
+            "engine_outputs_per_step_mean": round(sum(s[3] for s in steps) / len(steps), 2) if steps else None,
             "engine_step_ms_median": round(1000 * qc.median([s[1] for s in steps]), 3) if steps else None,
             "engine_step_ms_p90": round(1000 * pct(sorted(s[1] for s in steps), 0.9), 3) if steps else None,
             # the expected rest of the step in flight at a random moment:
@@ -211,6 +220,10 @@ def timeline(steps: list[list[float]], job: dict[str, float], first_token: float
         "engine_first_scheduled_ms": _since(job, "engine_first_scheduled", t),
         "engine_first_token_ms": _since(job, "engine_first_token", t),
         "loop_first_token_ms": _since(job, "loop_first_token", t),
+        # the engine's view of the two parts: waiting (for the step in
+        # flight, on a loaded worker) and its own step
+        "engine_own_step_ms": round(1000 * (job["engine_first_token"] - job["engine_first_scheduled"]), 2)
+        if "engine_first_token" in job and "engine_first_scheduled" in job else None,
         "steps_between": len(after) - 1 if after else 0,
         "steps_between_ms": round(1000 * sum(s[1] for s in after[:-1]), 2) if after else 0.0,
         "own_step_ms": round(1000 * own[1], 2) if own else None,
@@ -311,6 +324,10 @@ def main() -> None:
         "ttft_idle_p90_s": idle["ttft_s"]["p90"],
         "ttft_loaded_p90_s": loaded["ttft_s"]["p90"],
         "min_batch_depth_at_loaded_publish": loaded["batch_depth"]["min"],
+        # batch throughput while interactive jobs run (the price of any
+        # interactive-first rule): results published during the loaded phases
+        "batch_jobs_done_loaded": sum(n for n, _ in res["batch_done"]),
+        "batch_jobs_per_s_loaded": round(sum(n for n, _ in res["batch_done"]) / max(1e-9, sum(t for _, t in res["batch_done"])), 3),
         # Medians of the parts (each its own median: they need not add up).
         "breakdown_median_s": {
             phase: {name: summ_[name]["median"] for name in ("worker_queue_s", "publish_to_received_s", "worker_ttft_s",
@@ -323,7 +340,7 @@ def main() -> None:
         summary["timeline_median_ms"] = {
             phase: {name: qc.median([r["timeline"][name] for r in res[phase] if r.get("timeline", {}).get(name) is not None])
                     for name in ("inflight_rest_ms", "add_sent_ms", "admitted_ms", "first_step_start_ms", "engine_arrival_ms",
-                                 "engine_first_scheduled_ms", "engine_first_token_ms", "loop_first_token_ms", "steps_between", "steps_between_ms", "own_step_ms",
+                                 "engine_first_scheduled_ms", "engine_first_token_ms", "engine_own_step_ms", "loop_first_token_ms", "steps_between", "steps_between_ms", "own_step_ms",
                                  "after_own_step_ms")}
             for phase in ("idle", "loaded")
         }
