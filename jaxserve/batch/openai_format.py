@@ -41,6 +41,8 @@ def response_body(result: dict[str, Any], endpoint: str, model: str, created: in
     text = result.get("text") or ""
     finish = result.get("finish_reason") or "stop"
     logprobs = result.get("logprobs")
+    choice: dict[str, Any]
+    body: dict[str, Any]
     if endpoint == "chat":
         choice = {
             "index": 0,

@@ -36,17 +36,22 @@ import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from jaxserve.engine.types import RequestError, StructuredOutput
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance._lib import JsonCompileOptions
 
 #: distinct constraints whose compiled grammar is kept
 GRAMMAR_CACHE_SIZE = 512
 #: JSON options: compact JSON (no free whitespace), so that a sampled
 #: object cannot run on with blanks until max_tokens; a schema's own
 #: ``x-guidance`` settings win
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def json_schema_constraint(schema: dict | str) -> StructuredOutput:
@@ -68,20 +73,21 @@ def lark_grammar(spec: StructuredOutput) -> str:
     import llguidance
 
     m = llguidance.LLMatcher
+    text = cast(str, spec.value)  # every kind but "choice" holds text
     if spec.kind == "json_schema":
         try:
-            return m.grammar_from_json_schema(spec.value, defaults=JSON_DEFAULTS)
+            return m.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
         except (ValueError, TypeError) as exc:
             raise RequestError("invalid_request", f"the JSON Schema is refused: {exc}") from None
     if spec.kind == "json_object":
         return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if spec.kind == "regex":
-        return m.grammar_from_regex(spec.value)
+        return m.grammar_from_regex(text)
     if spec.kind == "choice":
         # Lark string literals take JSON's escapes.
         return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
     if spec.kind == "grammar":
-        return m.grammar_from_lark(spec.value)
+        return m.grammar_from_lark(text)
     raise RequestError("invalid_request", f"unknown structured output kind {spec.kind!r}")
 
 
@@ -111,7 +117,7 @@ class StructuredBackend:
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
         self.num_compiled = 0  # distinct grammars compiled (the cache's misses)
-        self._executor = None  # llguidance's parallel mask filler (fill_masks)
+        self._executor: llguidance.LLExecutor | None = None  # llguidance's parallel mask filler (fill_masks)
 
     def prepare(self) -> None:
         """Build llguidance's tokenizer now (seconds at a 49k vocabulary on a
@@ -209,7 +215,7 @@ class StructuredBackend:
 class Constraint:
     """One request's matcher and the output tokens it has consumed."""
 
-    pristine: object  # the cached, never advanced matcher
+    pristine: llguidance.LLMatcher  # the cached, never advanced matcher
     num_words: int
     tokenizer_words: int
     error: str | None = None

@@ -86,6 +86,8 @@ default, ``blocks``, has the block-major decode path.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -256,9 +258,11 @@ class KVCache:
         """Shape-only cache (``jax.ShapeDtypeStruct`` leaves) for ``jit(...).lower``."""
         k_shape, v_shape = layer_shapes(num_blocks, block_size, num_kv_heads, head_dim, layout)
         st = storage_dtype(dtype, layout)
+        # a ShapeDtypeStruct stands for an array of that shape when lowering
+        spec = cast("Callable[..., jax.Array]", jax.ShapeDtypeStruct)
         return cls(
-            k=tuple(jax.ShapeDtypeStruct(k_shape, st) for _ in range(num_layers)),
-            v=tuple(jax.ShapeDtypeStruct(v_shape, st) for _ in range(num_layers)),
+            k=tuple(spec(k_shape, st) for _ in range(num_layers)),
+            v=tuple(spec(v_shape, st) for _ in range(num_layers)),
             block_size=block_size,
             dtype_name=jnp.dtype(dtype).name,
             layout=layout,
@@ -268,7 +272,7 @@ class KVCache:
     def from_stacked(cls, k: jax.Array, v: jax.Array, block_size: int, dtype=None) -> KVCache:
         """From stacked ``[layers, ...]`` storage arrays (``cache_shapes``)."""
         name = None if dtype is None else jnp.dtype(dtype).name
-        return cls(k=k, v=v, block_size=block_size, dtype_name=name)
+        return cls(k=tuple(k), v=tuple(v), block_size=block_size, dtype_name=name)
 
     def stacked(self) -> tuple[jax.Array, jax.Array]:
         """Stacked ``[layers, ...]`` copies of the key and value storage."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -358,7 +359,7 @@ def _block_major_decode(
     k = from_storage(k_cache, cdtype)  # [NB, kvh, D, BS]
     v = from_storage(v_cache, cdtype)  # [NB, kvh, BS, D]
     s = jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32)
-    kpos = meta.block_index[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+    kpos = cast(jax.Array, meta.block_index)[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)[None, :]
     valid = kpos < row_limit[owner][:, None]
     if lower is not None:
         row_lower = jnp.zeros(rows, jnp.int32).at[token_seq].set(lower, mode="drop")

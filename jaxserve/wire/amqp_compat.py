@@ -207,7 +207,7 @@ def install() -> None:
     decode.TABLE_MAPPING[b"F"] = field_table
     aio_pika.message.decode_expiration.register(bytes, lambda raw: raw)
     cls = aio_pika.message.IncomingMessage
-    cls.__init__ = _wrap_incoming_init(cls.__init__)
+    cls.__init__ = _wrap_incoming_init(cls.__init__)  # type: ignore[method-assign]  # the patch this module is for
     # Last: installed() reads this one.
     decode.METHODS["timestamp"] = timestamp
     decode.METHODS["table"] = field_table

@@ -69,7 +69,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
 from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
@@ -184,12 +184,12 @@ def _unframe(buffer: bytearray) -> Iterator[tuple]:
     del buffer[:start]
 
 
-def _map_status(fd: int) -> memoryview:
+def _map_status(fd: int) -> memoryview[float]:
     """The shared status array: float64 slots in a file both processes map."""
     return memoryview(mmap.mmap(fd, _SLOTS * 8)).cast("d")
 
 
-def _new_status_file() -> tuple[Any, memoryview]:
+def _new_status_file() -> tuple[Any, memoryview[float]]:
     """An unlinked temporary file sized for the status array (its descriptor
     is inherited by the engine process), mapped here, every slot NaN."""
     handle = tempfile.TemporaryFile()
@@ -341,7 +341,7 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
         name=name,
     )
     thread.start()
-    commands = {
+    commands: dict[str, Callable[..., Any]] = {
         "add": thread.add_request,
         "score": thread.add_score_request,
         "abort": thread.abort,
@@ -586,7 +586,7 @@ class EngineProcess:
 
     def _engine_process_gone(self) -> None:
         try:
-            code = self._proc.wait(0.5)  # reap it, for its exit code
+            code = cast(subprocess.Popen, self._proc).wait(0.5)  # reap it, for its exit code (it was started)
         except subprocess.TimeoutExpired:
             code = None
         if self._built is not None and not self._built.done():
