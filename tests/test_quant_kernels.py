@@ -1,8 +1,8 @@
 """The C++ quantized matmul (``kernels/cpu/qmatmul_cpu.cc``) against a numpy
 reference of the same quantized math (``jaxserve.models.quant.reference_matmul``:
 activations quantized per token and block of 32, exact integer block dots,
-float64 sums), at decode sizes (1-16 tokens, the rows-streamed loop) and
-prefill sizes (17 and up, tokens in vector lanes), with odd token counts, an
+float64 sums), at decode sizes (1-8 tokens, the rows-streamed loop) and
+prefill sizes (9 and up, tokens in vector lanes), with odd token counts, an
 odd number of blocks per row (a half 64-weight chunk) and row counts that
 leave partial tiles. The portable build (what a CPU without AVX-512 VNNI
 compiles, AVX2-only EPYCs among them) is checked the same way in a
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels una
 
 # (O, I): I = 96 has 3 blocks (a half chunk), 13 rows leave partial row tiles
 SHAPES = [(13, 64), (40, 96), (100, 576)]
-TOKENS = [1, 2, 3, 5, 8, 16, 17, 33, 64, 70]
+TOKENS = [1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 70]
 
 
 def _case(O: int, I: int, T: int, kind: str, seed: int):

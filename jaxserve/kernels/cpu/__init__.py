@@ -325,7 +325,8 @@ def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     ``benchmarks/quant_kernel_ab.py``): at 1-16 tokens on a VNNI build and
     an even number of blocks per row, float activations against weights
     widened to float instead (the alternative the kernel was measured
-    against). Call :func:`available` first."""
+    against); ``mode=2``: the prefill loop (tokens in lanes) at any token
+    count. Call :func:`available` first."""
     if not qmatmul_serves(w, x):
         raise ValueError(
             f"qmatmul_cpu takes a quantized [O, I] weight @ float [I, T], not "

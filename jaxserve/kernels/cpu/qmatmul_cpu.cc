@@ -12,24 +12,30 @@
 // jaxserve.models.quant.quantize_activations does, and each block's product
 // is an exact int32 dot of the weight's integers and xq, then
 // out += d * dx * dot (q4_0: dot - 8 * sum(xq); q4_1: + m * dx * sum(xq)).
-// Chosen by measurement over float FMAs on dequantized weights
-// (benchmarks/quant_kernel_ab.py; BENCHMARKS.md has the figures): with
-// VNNI one vpdpbusd does 64 multiply-adds of bytes where an FMA does 16 of
-// floats, and the weights are never widened.
+// Chosen by measurement over float FMAs on widened weights
+// (benchmarks/quant_kernel_ab.py, the two alternated in one process over
+// one SmolLM2-135M layer and its vocabulary projection, q8_0, medians of 3
+// rounds on a shared, heavily loaded 2-core AVX-512 VNNI machine, so
+// indicative only): float/integer time 1.87x at 1 token, 1.54x at 2, 1.26x
+// at 4, 1.43x at 8, 1.05x at 16 (float FMAs in the same loop), and 2.49x at
+// 64 tokens against XLA's float32 matmul on a dequantized copy (the float
+// side at its best). With VNNI one vpdpbusd does 64 multiply-adds of bytes
+// where an FMA does 16 of floats, and the weights are never widened.
 //
 // Two loops, by token count:
 //
-// - decode (T <= 16): every weight row is streamed once; a tile of up to 4
+// - decode (T <= 8): every weight row is streamed once; a tile of up to 4
 //   rows x up to 4 tokens holds 16-lane float accumulators; per 64 weights
 //   (two blocks) and (row, token) one vpdpbusd into an int32 vector that
 //   starts at the block's offset correction, one conversion, one FMA with
 //   the two blocks' d * dx (lanes 0-7 block 0, 8-15 block 1).
-// - prefill (T > 16): tokens in the vector lanes, 16 a vector, so each
+// - prefill (T > 8): tokens in the vector lanes, 16 a vector, so each
 //   4-byte group of a weight row is broadcast once for 2 x 16 tokens and
 //   each activation vector serves a tile of 6 rows; a block's 8 vpdpbusd
 //   per (row, token vector) are summed in int32 before one conversion and
 //   FMA per block, a quarter of the instructions of float FMAs on the same
-//   products.
+//   products. At 16 tokens it took 0.47x the decode loop's time, at 8
+//   1.30x (the same A/B, mode 2), hence the boundary at 8.
 //
 // vpdpbusd multiplies unsigned by signed bytes: the weights are the
 // unsigned side (the nibbles are 0..15 already; int8 weights are flipped to
@@ -63,7 +69,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kDecodeMaxTokens = 16;
+constexpr int64_t kDecodeMaxTokens = 8;  // above: the prefill loop (benchmarks/quant_kernel_ab.py)
 enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
 float HalfToFloat(uint16_t h) {
@@ -513,10 +519,11 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   job->mins = static_cast<const uint16_t*>(mins.untyped_data());
   job->out = out->typed_data();
   job->O = O;
-  job->prefill = T > kDecodeMaxTokens;
+  job->prefill = T > kDecodeMaxTokens || mode == 2;  // mode 2: the prefill loop at any T (A/B)
 #if defined(JAXSERVE_QUANT_VNNI)
-  if (mode == 1 && !job->prefill && (I / kGroup) % 2 == 0) {  // the A/B alternative
+  if (mode == 1 && T <= 16 && (I / kGroup) % 2 == 0) {  // the A/B alternative
     job->float_decode = true;
+    job->prefill = false;
     job->a.I = I;
     job->a.T = T;
     job->xt.resize(static_cast<size_t>(T * I));
