@@ -75,6 +75,7 @@ def _output_constraint(json_schema_path: str | None, choices: str | None, labels
         if not options:
             raise click.BadParameter(f"give at least one comma-separated choice, got {choices!r}")
         return {"guided_choice": options}
+    assert json_schema_path is not None  # neither both nor none, and not --choices
     from pathlib import Path
 
     import llguidance

@@ -190,6 +190,7 @@ def loadtest(
         raise click.UsageError("give --concurrency or --rate, not both")
     closed = rate is None
     levels = _levels(concurrency or "1,4,8", "--concurrency", True) if closed else _levels(rate, "--rate", False)
+    assert levels is not None  # open: --rate was given
     try:
         weights = parse_mix(mix)
     except ValueError as exc:

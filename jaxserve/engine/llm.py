@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 from jaxserve.engine import scoring
 from jaxserve.engine.args import EngineArgs
@@ -83,8 +84,10 @@ class LLM:
         (its tokens encoded alone, without special tokens), in the labels'
         order; :func:`jaxserve.engine.scoring.best` picks the winner. A
         prompt the engine refuses yields its :class:`RequestError`."""
-        per_prompt = (
-            [list(labels)] * len(prompts) if labels and isinstance(labels[0], str) else [list(x) for x in labels]
+        # one list of names per prompt (labels: names, or lists of names)
+        per_prompt = cast(
+            list[list[str]],
+            [list(labels)] * len(prompts) if labels and isinstance(labels[0], str) else [list(x) for x in labels],
         )
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(per_prompt)} label lists")
@@ -105,9 +108,11 @@ class LLM:
                     done[out.request_id] = out.error if out.error is not None else out
         results: list[list[scoring.ScoredLabel] | RequestError] = []
         for request_id, names, ids in order:
-            out = done[request_id]
-            if isinstance(out, RequestError):
-                results.append(out)
+            res = done[request_id]
+            if isinstance(res, RequestError):
+                results.append(res)
                 continue
-            results.append(scoring.combine(names, out.label_logprobs, [len(x) for x in ids], label_normalization))
+            # a finished score request without an error has its label scores
+            logprobs = cast(list[float], res.label_logprobs)
+            results.append(scoring.combine(names, logprobs, [len(x) for x in ids], label_normalization))
         return results

@@ -355,8 +355,8 @@ def make_plan(workload: PlanWorkload, profile: Profile, options: PlanOptions | N
     max_batched = max(C, b_star)
     cap_compute = 1.0 / s
     cap = cap_compute
-    if W_l is not None:
-        cap = min(cap, 1.0 / sc.loop_cpu_s_per_job)  # type: ignore[union-attr]
+    if sc is not None and sc.loop_cpu_s_per_job:  # as for W_l above
+        cap = min(cap, 1.0 / sc.loop_cpu_s_per_job)
     t_job = itl_star + s_p + Lo * itl_star
     in_flight = lam / workers * t_job
     say(

@@ -37,7 +37,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +205,9 @@ def _median_s(fn: Callable[[], float], repeats: int) -> float:
 def measure(
     model: str,
     *,
-    chunks: list[int] = (64, 128, 256, 512),
-    batches: list[int] = (1, 4, 16, 32),
-    contexts: list[int] = (128, 1024),
+    chunks: Sequence[int] = (64, 128, 256, 512),
+    batches: Sequence[int] = (1, 4, 16, 32),
+    contexts: Sequence[int] = (128, 1024),
     decode_steps: int = 16,
     repeats: int = 3,
     temperature: float = 1.0,
@@ -290,7 +290,7 @@ def measure(
                 max_tokens=decode_steps + math.ceil(b * ctx / budget) + 4, temperature=temperature, ignore_eos=True
             )
 
-            def once(b: int = b, ctx: int = ctx, params: SamplingParams = params) -> float:
+            def once_decode(b: int = b, ctx: int = ctx, params: SamplingParams = params) -> float:
                 rids = [f"decode-{next(ids)}" for _ in range(b)]
                 for rid in rids:
                     engine.add_request(rid, rng.choice(pool, size=ctx).tolist(), params)
@@ -311,8 +311,8 @@ def measure(
                 drain()
                 return elapsed / max(tokens, 1)
 
-            once()
-            per_token = _median_s(once, repeats)
+            once_decode()  # untimed: the first run of this shape
+            per_token = _median_s(once_decode, repeats)
             decode.setdefault(ctx, {})[b] = 1.0 / per_token
             decode_s[f"{ctx}x{b}"] = round(per_token * b, 6)
             say(
