@@ -45,7 +45,9 @@ def main() -> None:
     M = (args.context + BS) // BS  # blocks per sequence, the query's own slot included
     if T * M >= args.num_blocks:
         raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold {T} sequences of {M} blocks")
-    targets = kb.register_versions(args.baseline, "paged_attention_cpu.cc", "JaxservePagedAttentionCpuFm", "attention_ab")
+    targets = kb.register_versions(
+        args.baseline, "paged_attention_cpu.cc", "JaxservePagedAttentionCpuFm", "attention_ab"
+    )
 
     rng = np.random.default_rng(0)
     order = rng.permutation(np.arange(1, args.num_blocks))
@@ -74,21 +76,36 @@ def main() -> None:
     steps = {name: step_for(t) for name, t in targets.items()}
     outs = {name: np.asarray(f(q, ks, vs)) for name, f in steps.items()}
     same = bool(np.array_equal(*outs.values()))
-    times = eb.alternate({name: (lambda f=f: f(q, ks, vs).block_until_ready()) for name, f in steps.items()}, args.repeats)
+    times = eb.alternate(
+        {name: (lambda f=f: f(q, ks, vs).block_until_ready()) for name, f in steps.items()}, args.repeats
+    )
     kv_bytes = L * T * (args.context + 1) * KVH * D * 2 * 4
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows[name] = {"median_ms": round(1000 * med, 3), "kv_gb_s": round(kv_bytes / med / 1e9, 2),
-                      "runs_ms": [round(1000 * x, 3) for x in ts]}  # fmt: skip
+        rows[name] = {
+            "median_ms": round(1000 * med, 3),
+            "kv_gb_s": round(kv_bytes / med / 1e9, 2),
+            "runs_ms": [round(1000 * x, 3) for x in ts],
+        }
         print(f"{name}: {1000 * med:.2f} ms for {L} layers, {kv_bytes / med / 1e9:.1f} GB/s of keys and values read")
     speedup = rows["baseline"]["median_ms"] / rows["working tree"]["median_ms"]
     print(f"working tree / baseline: {speedup:.3f}x; bitwise the same outputs: {same}")
-    path = qc.write_stamped("attention-kernel-ab", {
-        "command": " ".join([".venv/bin/python", *sys.argv]), "baseline": args.baseline, "seqs": T,
-        "context": args.context, "layers": L, "num_blocks": args.num_blocks, "same_outputs": same,
-        "speedup": round(speedup, 3), "versions": rows, "machine": qc.machine_info(),
-    })  # fmt: skip
+    path = qc.write_stamped(
+        "attention-kernel-ab",
+        {
+            "command": " ".join([".venv/bin/python", *sys.argv]),
+            "baseline": args.baseline,
+            "seqs": T,
+            "context": args.context,
+            "layers": L,
+            "num_blocks": args.num_blocks,
+            "same_outputs": same,
+            "speedup": round(speedup, 3),
+            "versions": rows,
+            "machine": qc.machine_info(),
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -50,8 +50,12 @@ async def probe(url: str, seconds: float, every_s: float) -> list[dict]:
         if body in got:
             per_second.setdefault(int(t_wall), []).append(1000 * (got[body] - t_mono))
     return [
-        {"utc": time.strftime("%H:%M:%S", time.gmtime(s)), "n": len(xs), "median_ms": round(statistics.median(xs), 3),
-         "max_ms": round(max(xs), 3)}
+        {
+            "utc": time.strftime("%H:%M:%S", time.gmtime(s)),
+            "n": len(xs),
+            "median_ms": round(statistics.median(xs), 3),
+            "max_ms": round(max(xs), 3),
+        }
         for s, xs in sorted(per_second.items())
     ]
 

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-import queue_common as qc  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+import queue_common as qc
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = (REPO / ".." / "shared" / "peers" / "llmq").resolve()
@@ -43,7 +43,9 @@ LABELS = ["sports", "politics", "science", "business"]
 
 def make_docs(n: int, folder: Path) -> Path:
     out = folder / "llmq_jobs.jsonl"
-    subprocess.run([sys.executable, str(HARNESS / "gen_jobs.py"), str(n), str(out), "--seed", "0", "--prefix", "doc"], check=True)
+    subprocess.run(
+        [sys.executable, str(HARNESS / "gen_jobs.py"), str(n), str(out), "--seed", "0", "--prefix", "doc"], check=True
+    )
     return out
 
 
@@ -54,28 +56,54 @@ def jaxserve_inputs(llmq_jobs: Path, folder: Path) -> tuple[Path, Path]:
             job = json.loads(line)
             text = job["messages"][0]["content"]
             fl.write(json.dumps({"id": job["id"], "prompt": text}) + "\n")
-            fg.write(json.dumps({"id": job["id"], "prompt": text, "max_tokens": 8, "temperature": 0, "cache": False}) + "\n")
+            fg.write(
+                json.dumps({"id": job["id"], "prompt": text, "max_tokens": 8, "temperature": 0, "cache": False}) + "\n"
+            )
     return labels, generate
 
 
 def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.Namespace, extra: list[str]) -> dict:
     prefix = qc.new_prefix(f"cls-{name}")
-    engine = {"model": model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_model_len": args.max_model_len}
+    engine = {
+        "model": model,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+    }
     prefetch = args.batch_prefetch or args.max_num_seqs
     extra_args, env, launcher = list(args.worker_arg), {}, None
     profile_path = folder / f"{name}-worker-profile.json"
     if args.profile:  # benchmarks/queue_profile.py's instrumented worker and engine
         flags, env, launcher = qc.profiled_worker(profile_path)
         extra_args += flags
-    worker = qc.WorkerProc(prefix, engine, ["--store", "memory", "--log-level", "warning",
-                                            "--batch-prefetch", str(prefetch), *extra_args],
-                           folder / f"{name}-worker.log", env=env, launcher=launcher)  # fmt: skip
+    worker = qc.WorkerProc(
+        prefix,
+        engine,
+        ["--store", "memory", "--log-level", "warning", "--batch-prefetch", str(prefetch), *extra_args],
+        folder / f"{name}-worker.log",
+        env=env,
+        launcher=launcher,
+    )
     try:
         startup = worker.wait_consuming(timeout=600)
         out = folder / f"{name}-out.jsonl"
-        cmd = [qc.jaxserve_exe(), "batch", str(inp), "-o", str(out), "--prefix", prefix, "--amqp-url", qc.AMQP_URL,
-               "--no-progress", "--max-in-flight", str(args.max_in_flight), "--idle-timeout", "300", *extra]  # fmt: skip
+        cmd = [
+            qc.jaxserve_exe(),
+            "batch",
+            str(inp),
+            "-o",
+            str(out),
+            "--prefix",
+            prefix,
+            "--amqp-url",
+            qc.AMQP_URL,
+            "--no-progress",
+            "--max-in-flight",
+            str(args.max_in_flight),
+            "--idle-timeout",
+            "300",
+            *extra,
+        ]
         t0, m0 = time.perf_counter(), time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall, m1 = time.perf_counter() - t0, time.monotonic()
@@ -91,19 +119,36 @@ def run_jaxserve(name: str, inp: Path, folder: Path, model: str, args: argparse.
     ok = [x for x in lines if x.get("status") == "ok"]
     prompt_tokens = sum(x["usage"]["prompt_tokens"] for x in ok)
     return {
-        "system": name, "startup_s": round(startup, 1), "wall_s": round(wall, 2), "jobs": len(lines), "ok": len(ok),
-        "jobs_per_s": round(len(ok) / wall, 3), "prompt_tokens": prompt_tokens,
-        "prompt_tokens_per_s": round(prompt_tokens / wall, 1), "batch_rc": proc.returncode,
+        "system": name,
+        "startup_s": round(startup, 1),
+        "wall_s": round(wall, 2),
+        "jobs": len(lines),
+        "ok": len(ok),
+        "jobs_per_s": round(len(ok) / wall, 3),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_per_s": round(prompt_tokens / wall, 1),
+        "batch_rc": proc.returncode,
         "batch_summary": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
-        "example": (ok[0].get("text") if ok else None), "worker_profile": profile,
-    }  # fmt: skip
+        "example": (ok[0].get("text") if ok else None),
+        "worker_profile": profile,
+    }
 
 
 def run_llmq(llmq_jobs: Path, folder: Path, model: str, n: int, args: argparse.Namespace) -> dict:
     out_dir = folder / "llmq"
-    env = {**os.environ, "BASE_VENV": str(REPO / ".venv-vllm"), "LLMQ_VENV": str(REPO / ".venv-llmq"),
-           "LLMQ_COMPAT_DTYPE": "float32", "STEPS": "tput", "N1": str(n), "FORCE_N2": "0", "JOB_SEED": "0",
-           "VLLM_MAX_TOKENS": "8", "LOAD_MAX": str(args.load_max), "LOAD_WAIT_S": "300"}  # fmt: skip
+    env = {
+        **os.environ,
+        "BASE_VENV": str(REPO / ".venv-vllm"),
+        "LLMQ_VENV": str(REPO / ".venv-llmq"),
+        "LLMQ_COMPAT_DTYPE": "float32",
+        "STEPS": "tput",
+        "N1": str(n),
+        "FORCE_N2": "0",
+        "JOB_SEED": "0",
+        "VLLM_MAX_TOKENS": "8",
+        "LOAD_MAX": str(args.load_max),
+        "LOAD_WAIT_S": "300",
+    }
     subprocess.run(["bash", str(HARNESS / "run_llmq.sh"), model, str(out_dir)], env=env, check=False)
     summary = json.loads((out_dir / f"sum_n{n}.json").read_text())
     # the same prompts as jaxserve's, counted with the checkpoint's tokenizer
@@ -118,11 +163,18 @@ def run_llmq(llmq_jobs: Path, folder: Path, model: str, n: int, args: argparse.N
             startup = float(line.split("START-UP")[1].split()[0])
     wall = summary["wall_s"]
     return {
-        "system": "llmq", "startup_s": startup, "wall_s": wall, "jobs": summary["jobs_submitted"],
-        "ok": summary["unique_result_ids"], "jobs_per_s": round(summary["jobs_per_s"], 3), "prompt_tokens": prompt_tokens,
-        "prompt_tokens_per_s": round(prompt_tokens / wall, 1), "duplicates": summary["duplicate_results"],
-        "missing": summary["missing"], "example": summary.get("example_result"),
-    }  # fmt: skip
+        "system": "llmq",
+        "startup_s": startup,
+        "wall_s": wall,
+        "jobs": summary["jobs_submitted"],
+        "ok": summary["unique_result_ids"],
+        "jobs_per_s": round(summary["jobs_per_s"], 3),
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_per_s": round(prompt_tokens / wall, 1),
+        "duplicates": summary["duplicate_results"],
+        "missing": summary["missing"],
+        "example": summary.get("example_result"),
+    }
 
 
 def main() -> None:
@@ -132,15 +184,24 @@ def main() -> None:
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-model-len", type=int, default=1024,
-                    help="jaxserve engine max_model_len, as the llmq harness's VLLM_MAX_MODEL_LEN (it also sizes the KV "
-                         "cache: max_num_seqs requests of this length, which the worker allocates before it is ready)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=1024,
+        help="jaxserve engine max_model_len, as the llmq harness's VLLM_MAX_MODEL_LEN (it also sizes the KV "
+        "cache: max_num_seqs requests of this length, which the worker allocates before it is ready)",
+    )
     ap.add_argument("--max-in-flight", type=int, default=512)
-    ap.add_argument("--batch-prefetch", type=int, default=None, help="jaxserve worker --batch-prefetch (default: --max-num-seqs)")
+    ap.add_argument(
+        "--batch-prefetch", type=int, default=None, help="jaxserve worker --batch-prefetch (default: --max-num-seqs)"
+    )
     ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
-    ap.add_argument("--profile", action="store_true",
-                    help="jaxserve workers with benchmarks/queue_profile.py's instrumentation: engine occupancy per step, "
-                         "each job's phases (measurement only; the figures of a profiled run are not quoted as speed)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="jaxserve workers with benchmarks/queue_profile.py's instrumentation: engine occupancy per step, "
+        "each job's phases (measurement only; the figures of a profiled run are not quoted as speed)",
+    )
     ap.add_argument("--load-max", type=float, default=1.5, help="llmq harness: wait for a 1-min load below this")
     args = ap.parse_args()
     from jaxserve.presets import resolve_model
@@ -165,13 +226,21 @@ def main() -> None:
             raise SystemExit(f"unknown system {name!r}")
         print(json.dumps(rows[-1]), flush=True)
     llmq = next((r for r in rows if r["system"] == "llmq"), None)
-    result = {"stamp": stamp, "num_docs": args.num_docs, "model": args.model, "args": vars(args),
-              "machine": qc.machine_info(), "rows": rows}  # fmt: skip
+    result = {
+        "stamp": stamp,
+        "num_docs": args.num_docs,
+        "model": args.model,
+        "args": vars(args),
+        "machine": qc.machine_info(),
+        "rows": rows,
+    }
     (REPO / "benchmarks" / "results" / f"classify-{stamp}.json").write_text(json.dumps(result, indent=1))
-    print(f"\n| system | wall s | jobs/s | prompt tok/s | vs llmq jobs/s | start-up s |\n|---|---|---|---|---|---|")
+    print("\n| system | wall s | jobs/s | prompt tok/s | vs llmq jobs/s | start-up s |\n|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['jobs_per_s'] / llmq['jobs_per_s']:.2f}x" if llmq and llmq["jobs_per_s"] else "-"
-        print(f"| {r['system']} | {r['wall_s']} | {r['jobs_per_s']} | {r['prompt_tokens_per_s']} | {ratio} | {r['startup_s']} |")
+        print(
+            f"| {r['system']} | {r['wall_s']} | {r['jobs_per_s']} | {r['prompt_tokens_per_s']} | {ratio} | {r['startup_s']} |"
+        )
 
 
 if __name__ == "__main__":

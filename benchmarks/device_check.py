@@ -120,8 +120,18 @@ def environment() -> dict:
 
         out["packages"] = {
             name: metadata.version(name)
-            for name in ("flax", "numpy", "jax-cuda12-plugin", "jax-cuda13-plugin", "jax-cuda12-pjrt",
-                         "jax-cuda13-pjrt", "triton", "tokenizers", "structlog", "pytest")
+            for name in (
+                "flax",
+                "numpy",
+                "jax-cuda12-plugin",
+                "jax-cuda13-plugin",
+                "jax-cuda12-pjrt",
+                "jax-cuda13-pjrt",
+                "triton",
+                "tokenizers",
+                "structlog",
+                "pytest",
+            )
             if _has_dist(metadata, name)
         }
     except Exception as exc:  # noqa: BLE001 - informational
@@ -231,8 +241,18 @@ def make_runner(model, cfg, impl, *, max_num_seqs: int, context: int, block_size
 
 
 def _row() -> dict:
-    return dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0, repetition_penalty=1.0,
-                frequency_penalty=0.0, presence_penalty=0.0, logprobs=False)
+    return dict(
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed=0,
+        output_index=0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        logprobs=False,
+    )
 
 
 def decode_case(runner, batch: int, context: int, steps: int, repeats: int) -> dict:
@@ -320,8 +340,12 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
     model = build_model(cfg, dtype)
     jax.block_until_ready(nnx_state(model))
     auto, reason = select_attention(
-        "auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=args.block_size,
-        sliding_window=cfg.effective_sliding_window, cache_dtype=dtype,
+        "auto",
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_key_value_heads,
+        block_size=args.block_size,
+        sliding_window=cfg.effective_sliding_window,
+        cache_dtype=dtype,
     )
     impls = {"auto": auto, "reference": REFERENCE}
     if args.cpu_smoke:
@@ -331,11 +355,19 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
     copy_bw = results.get("copy_bandwidth", {}).get("bytes_per_s")
     decode = results.setdefault("decode", {})
     results["model"] = {
-        "preset": args.preset, "dtype": jnp.dtype(dtype).name, "layers": cfg.num_hidden_layers,
-        "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "intermediate": cfg.intermediate_size, "vocab": cfg.vocab_size,
+        "preset": args.preset,
+        "dtype": jnp.dtype(dtype).name,
+        "layers": cfg.num_hidden_layers,
+        "hidden": cfg.hidden_size,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate": cfg.intermediate_size,
+        "vocab": cfg.vocab_size,
         "parameters": sum(int(p.size) for p in jax.tree.leaves(nnx_state(model))),
-        "auto_attention": auto.kernel, "auto_reason": reason, "block_size": args.block_size,
+        "auto_attention": auto.kernel,
+        "auto_reason": reason,
+        "block_size": args.block_size,
     }
     results["peak_bandwidth"] = {"bytes_per_s": peak, "source": peak_source}
     max_seqs = max(args.batches)
@@ -350,8 +382,9 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
         runner = None
         try:
             t0 = time.perf_counter()
-            runner = make_runner(model, cfg, impl, max_num_seqs=max_seqs, context=args.context,
-                                 block_size=args.block_size, dtype=dtype)
+            runner = make_runner(
+                model, cfg, impl, max_num_seqs=max_seqs, context=args.context, block_size=args.block_size, dtype=dtype
+            )
             runner.warmup()
             entry["compile_s"] = round(time.perf_counter() - t0, 2)
             for batch in args.batches:
@@ -364,13 +397,14 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
                 case["bytes_read_per_step"] = moved
                 case["achieved_bytes_per_s"] = round(moved["total"] / seconds)
                 case["hbm_share_of_peak"] = None if peak is None else round(moved["total"] / seconds / peak, 4)
-                case["share_of_copy_bandwidth"] = (
-                    None if not copy_bw else round(moved["total"] / seconds / copy_bw, 4)
-                )
+                case["share_of_copy_bandwidth"] = None if not copy_bw else round(moved["total"] / seconds / copy_bw, 4)
                 entry[str(batch)] = case
                 save()
-                print(f"[device_check] decode {name} batch {batch}: {case['device_step_ms']} ms/step on device, "
-                      f"{case['tok_s_device']} tok/s, share of peak {case['hbm_share_of_peak']}", flush=True)
+                print(
+                    f"[device_check] decode {name} batch {batch}: {case['device_step_ms']} ms/step on device, "
+                    f"{case['tok_s_device']} tok/s, share of peak {case['hbm_share_of_peak']}",
+                    flush=True,
+                )
         except Exception as exc:  # noqa: BLE001 - record and go on
             entry["error"] = repr(exc)
             entry["traceback"] = traceback.format_exc()[-4000:]
@@ -378,8 +412,11 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
         finally:
             del runner
             gc.collect()
-    firsts = {name: {b: v.get("first_tokens") for b, v in d.items() if isinstance(v, dict)}
-              for name, d in decode.items() if isinstance(d, dict)}
+    firsts = {
+        name: {b: v.get("first_tokens") for b, v in d.items() if isinstance(v, dict)}
+        for name, d in decode.items()
+        if isinstance(d, dict)
+    }
     results["decode_first_tokens"] = firsts
     summary = results.setdefault("summary", {})
     for name, d in decode.items():
@@ -388,8 +425,14 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
             if isinstance(case, dict) and "device_step_ms" in case:
                 summary[f"{name}_batch{batch}"] = {
                     key: case[key]
-                    for key in ("tok_s_device", "tok_s_pipelined", "tok_s_host_sync", "device_step_ms",
-                                "hbm_share_of_peak", "share_of_copy_bandwidth")
+                    for key in (
+                        "tok_s_device",
+                        "tok_s_pipelined",
+                        "tok_s_host_sync",
+                        "device_step_ms",
+                        "hbm_share_of_peak",
+                        "share_of_copy_bandwidth",
+                    )
                 }
 
 
@@ -407,8 +450,7 @@ def run_engine_smoke(args, results: dict, save=lambda: None) -> None:
             continue
         try:
             t0 = time.perf_counter()
-            llm = LLM("tiny", attention_backend=backend, max_num_seqs=4, max_model_len=128,
-                      max_num_batched_tokens=64)
+            llm = LLM("tiny", attention_backend=backend, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             tokens[backend] = [o.token_ids for o in outs]

@@ -5,7 +5,8 @@ compiled programs against each other (``attention_kernel_ab.py``)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def load_on_default_kernel(model: str) -> tuple[Any, Any, str]:
@@ -20,8 +21,14 @@ def load_on_default_kernel(model: str) -> tuple[Any, Any, str]:
 
     loaded = load_model(resolve_model(model))
     cfg = loaded.config
-    impl, reason = select_attention("auto", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=64,
-                                    sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32)  # fmt: skip
+    impl, reason = select_attention(
+        "auto",
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_key_value_heads,
+        block_size=64,
+        sliding_window=cfg.effective_sliding_window,
+        cache_dtype=jnp.float32,
+    )
     loaded.model.attention = impl
     return loaded, impl, reason
 

@@ -36,8 +36,9 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,7 +64,9 @@ class Sizes:
     cuts: int = 8
     redis_jobs: int = 3000
     redis_outage_s: float = 20.0
-    sigkill_jobs: int = 1200  # max_tokens 16, temperature 0.9, no seed (300 ran out before the fifth kill once workers got faster)
+    sigkill_jobs: int = (
+        1200  # max_tokens 16, temperature 0.9, no seed (300 ran out before the fifth kill once workers got faster)
+    )
     sigkills: int = 5
     malformed: int = 10_000
     malformed_poison: int = 27  # 3 of each of the 9 undecodable-property variants
@@ -73,19 +76,47 @@ class Sizes:
     hostile_ordinary: int = 100
     flood_jobs: int = 100_000
     flood_max_length: int = 20_000
-    timeouts: dict[str, float] = dataclasses.field(default_factory=lambda: {
-        "broker_restart": 240, "connection_cuts": 300, "redis_outage": 300, "sigkill": 1200,
-        "malformed": 900, "hostile_reply_to": 240, "flood": 600,
-    })
+    timeouts: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {
+            "broker_restart": 240,
+            "connection_cuts": 300,
+            "redis_outage": 300,
+            "sigkill": 1200,
+            "malformed": 900,
+            "hostile_reply_to": 240,
+            "flood": 600,
+        }
+    )
 
 
 def quick_sizes() -> Sizes:
     return Sizes(
-        restart_jobs=150, restart_runs=1, restart_outage_s=3.0, cut_jobs=150, cuts=3, redis_jobs=200,
-        redis_outage_s=8.0, sigkill_jobs=96, sigkills=2, malformed=200, malformed_poison=9, malformed_huge=2,
-        malformed_ordinary=50, hostile_repeats=1, hostile_ordinary=40, flood_jobs=5000, flood_max_length=1000,
-        timeouts={"broker_restart": 150, "connection_cuts": 150, "redis_outage": 150, "sigkill": 900,
-                  "malformed": 300, "hostile_reply_to": 150, "flood": 240},
+        restart_jobs=150,
+        restart_runs=1,
+        restart_outage_s=3.0,
+        cut_jobs=150,
+        cuts=3,
+        redis_jobs=200,
+        redis_outage_s=8.0,
+        sigkill_jobs=96,
+        sigkills=2,
+        malformed=200,
+        malformed_poison=9,
+        malformed_huge=2,
+        malformed_ordinary=50,
+        hostile_repeats=1,
+        hostile_ordinary=40,
+        flood_jobs=5000,
+        flood_max_length=1000,
+        timeouts={
+            "broker_restart": 150,
+            "connection_cuts": 150,
+            "redis_outage": 150,
+            "sigkill": 900,
+            "malformed": 300,
+            "hostile_reply_to": 150,
+            "flood": 240,
+        },
     )
 
 
@@ -142,7 +173,9 @@ class Run:
         self.wall_s: float | None = None
 
     # ----------------------------------------------------------- helpers
-    def worker(self, args: list[str], *, env: dict[str, str] | None = None, url: str | None = None, echo: bool = True) -> WorkerProc:
+    def worker(
+        self, args: list[str], *, env: dict[str, str] | None = None, url: str | None = None, echo: bool = True
+    ) -> WorkerProc:
         n = len(self.workers)
         engine = ["--engine", ECHO_ENGINE] if echo else []
         # The suite is about faults, not admission: a fault that stalls the
@@ -151,8 +184,14 @@ class Run:
         # rightly answers them `overloaded`; out of reach here, as in
         # tests/test_queue_worker.py's stalled-prefetch test.
         admission = ["--target-ttft", "600"]
-        w = WorkerProc(self.ctx.src, self.dir / f"worker-{n}.log", url or self.ctx.url, self.prefix,
-                       [*engine, "--drain-timeout", "3", *admission, *args], env=env)
+        w = WorkerProc(
+            self.ctx.src,
+            self.dir / f"worker-{n}.log",
+            url or self.ctx.url,
+            self.prefix,
+            [*engine, "--drain-timeout", "3", *admission, *args],
+            env=env,
+        )
         self.workers.append(w)
         return w.start()
 
@@ -213,8 +252,15 @@ class Run:
             c = self.clients[0] if self.clients else await self.client()
             for queue, key in keys.items():
                 await asyncio.wait_for(
-                    c.publish({"prompt": f"probe after the fault on {queue}", "max_tokens": 2}, key=key, queue=queue,
-                              reply_to=self.collector.queue, expect_reply=False), 15)
+                    c.publish(
+                        {"prompt": f"probe after the fault on {queue}", "max_tokens": 2},
+                        key=key,
+                        queue=queue,
+                        reply_to=self.collector.queue,
+                        expect_reply=False,
+                    ),
+                    15,
+                )
         except Exception as exc:  # noqa: BLE001
             self.notes.append(f"probe publish failed: {type(exc).__name__}")
             return False
@@ -247,11 +293,16 @@ class Run:
                 await asyncio.sleep(1.0)
             self.info["job_queues_drained_after_s"] = round(time.monotonic() - t_settle, 1) if drained else None
         try:
-            self.info["queues_at_end"] = {q: {"ready": r, "unacked": u} for q, (r, u) in
-                                          (await asyncio.to_thread(self.ctx.broker.queue_counts, self.prefix)).items()
-                                          if q.endswith((".interactive", ".batch", ".dead", ".results"))}
-            left = [f"{q.rsplit('.', 1)[1]} {v['ready']} ready/{v['unacked']} unacked" for q, v in self.info["queues_at_end"].items()
-                    if q.endswith((".interactive", ".batch")) and (v["ready"] or v["unacked"])]
+            self.info["queues_at_end"] = {
+                q: {"ready": r, "unacked": u}
+                for q, (r, u) in (await asyncio.to_thread(self.ctx.broker.queue_counts, self.prefix)).items()
+                if q.endswith((".interactive", ".batch", ".dead", ".results"))
+            }
+            left = [
+                f"{q.rsplit('.', 1)[1]} {v['ready']} ready/{v['unacked']} unacked"
+                for q, v in self.info["queues_at_end"].items()
+                if q.endswith((".interactive", ".batch")) and (v["ready"] or v["unacked"])
+            ]
             if left:
                 self.notes.append("left in the job queues at the end: " + ", ".join(left))
         except Exception:  # noqa: BLE001
@@ -263,7 +314,7 @@ class Run:
         if self.collector is not None:
             recs = self.collector.records
             finals = [r for r in self.collector.finals() if not str(r.tag() or "").startswith("prb-")]
-            a = analyze(recs, finals, {k: c for k, c in self.expected.items()})
+            a = analyze(recs, finals, dict(self.expected))
             # keys the scenario excuses (dead-lettered) are not missing
             missing = [k for k in self.expected if not self.collector.final_count.get(k) and k not in self.excused]
             a["missing"] = len(missing)
@@ -281,20 +332,27 @@ class Run:
                 copies = a["answered_twice_identical_copies"]
                 errs = len(a["twice_with_errors"])
                 replays = len(a["twice_replayed_same_text"])
-                self.notes.append(f"{a['answered_twice']} keys answered more than once ({a['different_ok_texts']} with different ok texts; "
-                                  f"{replays} answered again from the store with the same text (replayed); "
-                                  f"{copies} byte-identical ok finals, i.e. one publish delivered twice; {errs} with error finals)")
+                self.notes.append(
+                    f"{a['answered_twice']} keys answered more than once ({a['different_ok_texts']} with different ok texts; "
+                    f"{replays} answered again from the store with the same text (replayed); "
+                    f"{copies} byte-identical ok finals, i.e. one publish delivered twice; {errs} with error finals)"
+                )
         for wk in self.workers:
-            self.info.setdefault("workers", []).append({
-                "pid": wk.pid, "alive": wk.alive(), "killed_by_suite": wk.killed, "exit": wk.proc.poll() if wk.proc else None,
-                "consuming_after_s": wk.consuming_after_s,
-                "amqp_reconnected": _count([e.get("connection") for e in wk.events("amqp_reconnected")]),
-                "amqp_connection_lost": len(wk.events("amqp_connection_lost")),
-                "errors_logged": wk.count_lines('"level": "error"'),
-                "log_tracebacks": wk.count_lines("Traceback"),
-                "settle_skipped": len(wk.events("settle_skipped_channel_closed")),
-                "log": str(wk.log_path),
-            })
+            self.info.setdefault("workers", []).append(
+                {
+                    "pid": wk.pid,
+                    "alive": wk.alive(),
+                    "killed_by_suite": wk.killed,
+                    "exit": wk.proc.poll() if wk.proc else None,
+                    "consuming_after_s": wk.consuming_after_s,
+                    "amqp_reconnected": _count([e.get("connection") for e in wk.events("amqp_reconnected")]),
+                    "amqp_connection_lost": len(wk.events("amqp_connection_lost")),
+                    "errors_logged": wk.count_lines('"level": "error"'),
+                    "log_tracebacks": wk.count_lines("Traceback"),
+                    "settle_skipped": len(wk.events("settle_skipped_channel_closed")),
+                    "log": str(wk.log_path),
+                }
+            )
         for fn in self.late_notes:
             try:
                 note = fn()
@@ -362,7 +420,9 @@ class Run:
     def summary(self) -> dict[str, Any]:
         c = self.info.get("counts", {})
         return {
-            "scenario": self.scenario, "run": self.index, "prefix": self.prefix,
+            "scenario": self.scenario,
+            "run": self.index,
+            "prefix": self.prefix,
             "jobs_sent": self.sent,
             "finals_received": c.get("finals_received"),
             "missing": c.get("missing"),
@@ -438,12 +498,14 @@ def published_by_batch(run: Run) -> int:
     """Distinct keys the batch command published to the job queues (firehose;
     the key is found in the job's correlation id, which the command may scope)."""
     assert run.collector is not None
-    return len({r.tag() for r in run.collector.records if r.kind == "job" and r.source == "trace-publish"} & set(run.expected))
+    return len(
+        {r.tag() for r in run.collector.records if r.kind == "job" and r.source == "trace-publish"} & set(run.expected)
+    )
 
 
 def out_stats(run: Run, out_path: Path) -> dict[str, Any]:
     out = read_out(out_path)
-    keys = [k for k in run.expected]
+    keys = list(run.expected)
     missing = [k for k in keys if k not in out]
     return {
         "out_keys": sum(1 for k in keys if k in out),
@@ -467,8 +529,19 @@ async def scn_broker_restart(ctx: Ctx, run: Run) -> None:
     out = run.dir / "out.jsonl"
     run.sent = sz.restart_jobs
     keys = list(run.expected)
-    batch = asyncio.ensure_future(run_batch(ctx.src, inp, out, ctx.url, run.prefix, idle_timeout=45, timeout=ctx.sizes.timeouts["broker_restart"] - 40,
-                                            log_path=run.dir / "batch.log", procs=run.batch_procs))
+    batch = asyncio.ensure_future(
+        run_batch(
+            ctx.src,
+            inp,
+            out,
+            ctx.url,
+            run.prefix,
+            idle_timeout=45,
+            timeout=ctx.sizes.timeouts["broker_restart"] - 40,
+            log_path=run.dir / "batch.log",
+            procs=run.batch_procs,
+        )
+    )
     frac = run.rng.uniform(0.25, 0.6)
     reached = await wait_until(lambda: coll.answered(keys) >= frac * len(keys) or batch.done(), 90)
     if batch.done() or not reached:
@@ -488,10 +561,14 @@ async def scn_broker_restart(ctx: Ctx, run: Run) -> None:
     run.info["out"] = out_stats(run, out)
     run.info["jobs_published_by_batch"] = published_by_batch(run)
     run.sent = run.info["jobs_published_by_batch"]
-    run.info["reply_finals_unroutable"] = sum(1 for r in coll.records if r.source == "trace-publish" and r.kind == "result" and not r.routed)
+    run.info["reply_finals_unroutable"] = sum(
+        1 for r in coll.records if r.source == "trace-publish" and r.kind == "result" and not r.routed
+    )
     o = run.info["out"]
-    run.notes.append(f"batch published {run.sent}/{len(keys)}; OUT {o['out_keys']}/{len(keys)}; batch rc {res['rc']}"
-                     + (" (killed by the suite at its limit)" if res["timed_out"] else ""))
+    run.notes.append(
+        f"batch published {run.sent}/{len(keys)}; OUT {o['out_keys']}/{len(keys)}; batch rc {res['rc']}"
+        + (" (killed by the suite at its limit)" if res["timed_out"] else "")
+    )
     if run.info["reply_finals_unroutable"]:
         run.notes.append(f"{run.info['reply_finals_unroutable']} finals unroutable (reply queue gone)")
 
@@ -526,7 +603,7 @@ async def scn_connection_cuts(ctx: Ctx, run: Run) -> None:
     cuts = []
     last_cut = 0.0
     for frac in fracs:
-        await wait_until(lambda: coll.answered(keys) >= frac * len(keys), 30)
+        await wait_until(lambda frac=frac: coll.answered(keys) >= frac * len(keys), 30)
         while time.monotonic() - last_cut < 1.5:
             await asyncio.sleep(0.1)
         refuse = round(run.rng.uniform(0.0, 1.5), 2)
@@ -534,7 +611,9 @@ async def scn_connection_cuts(ctx: Ctx, run: Run) -> None:
         last_cut = time.monotonic()
         cuts.append({"answered": coll.answered(keys), "connections_cut": n, "refuse_s": refuse})
     await pub
-    end = await coll.wait_answered(keys, idle_s=45, timeout=max(10, ctx.sizes.timeouts["connection_cuts"] - (time.monotonic() - run.t0) - 20))
+    end = await coll.wait_answered(
+        keys, idle_s=45, timeout=max(10, ctx.sizes.timeouts["connection_cuts"] - (time.monotonic() - run.t0) - 20)
+    )
     run.rss_after = rss_mib(w.pid)
     run.info["cuts"] = cuts
     run.info["proxy"] = {"accepted": proxy.accepted, "refused": proxy.refused}
@@ -544,7 +623,9 @@ async def scn_connection_cuts(ctx: Ctx, run: Run) -> None:
     run.late_notes.append(run.reconnect_note)
     s = run.info["stream"]
     if s["chunks_not_matching_final"] or s["chunk_duplicates"]:
-        run.notes.append(f"streams: {s['chunk_duplicates']} dup chunks, {s['chunks_not_matching_final']} chunk/final mismatches")
+        run.notes.append(
+            f"streams: {s['chunk_duplicates']} dup chunks, {s['chunks_not_matching_final']} chunk/final mismatches"
+        )
 
 
 async def scn_redis_outage(ctx: Ctx, run: Run) -> None:
@@ -565,9 +646,19 @@ async def scn_redis_outage(ctx: Ctx, run: Run) -> None:
     # jaxserve batch should give up after --idle-timeout; if it does not,
     # the suite kills it at this limit (reported as "killed at limit")
     batch_limit = min(ctx.sizes.timeouts["redis_outage"] - 30, idle + sz.redis_outage_s + 120)
-    batch = asyncio.ensure_future(run_batch(ctx.src, inp, out, ctx.url, run.prefix, idle_timeout=idle,
-                                            timeout=batch_limit,
-                                            log_path=run.dir / "batch.log", procs=run.batch_procs))
+    batch = asyncio.ensure_future(
+        run_batch(
+            ctx.src,
+            inp,
+            out,
+            ctx.url,
+            run.prefix,
+            idle_timeout=idle,
+            timeout=batch_limit,
+            log_path=run.dir / "batch.log",
+            procs=run.batch_procs,
+        )
+    )
     reached = await wait_until(lambda: coll.answered(keys) >= len(keys) / 3 or batch.done(), 120)
     if batch.done() or not reached:
         run.notes.append("the batch ended (or stalled) before the outage")
@@ -577,7 +668,11 @@ async def scn_redis_outage(ctx: Ctx, run: Run) -> None:
     await asyncio.sleep(sz.redis_outage_s)
     during = coll.answered(keys) - at_stop
     await asyncio.to_thread(run.redis.start)
-    run.info["fault"] = {"answered_at_outage": at_stop, "answered_during_outage": during, "redis_down_s": round(time.monotonic() - t0, 2)}
+    run.info["fault"] = {
+        "answered_at_outage": at_stop,
+        "answered_during_outage": during,
+        "redis_down_s": round(time.monotonic() - t0, 2),
+    }
     res = await batch
     run.rss_after = rss_mib(w.pid)
     run.info["batch"] = res
@@ -585,9 +680,13 @@ async def scn_redis_outage(ctx: Ctx, run: Run) -> None:
     run.info["jobs_published_by_batch"] = published_by_batch(run)
     run.sent = run.info["jobs_published_by_batch"]
     o = run.info["out"]
-    run.info["worker_errors"] = {ev: len(w.events(ev)) for ev in ("worker_task_failed", "job_admit_failed", "claim_renew_failed")}
-    run.notes.append(f"batch published {run.sent}/{len(keys)}; OUT {o['out_keys']}/{len(keys)}; batch rc {res['rc']}"
-                     + (f" (still running at {batch_limit:.0f} s, killed by the suite)" if res["timed_out"] else ""))
+    run.info["worker_errors"] = {
+        ev: len(w.events(ev)) for ev in ("worker_task_failed", "job_admit_failed", "claim_renew_failed")
+    }
+    run.notes.append(
+        f"batch published {run.sent}/{len(keys)}; OUT {o['out_keys']}/{len(keys)}; batch rc {res['rc']}"
+        + (f" (still running at {batch_limit:.0f} s, killed by the suite)" if res["timed_out"] else "")
+    )
     fails = run.info["worker_errors"]
     if any(fails.values()):
         run.notes.append(", ".join(f"{k} {v}" for k, v in fails.items() if v))
@@ -651,31 +750,45 @@ async def scn_sigkill(ctx: Ctx, run: Run) -> None:
             coll.on_final = freeze
             try:
                 await asyncio.wait_for(frozen.wait(), 120)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             finally:
                 coll.on_final = None
-        kills.append({"mode": mode, "answered": coll.answered(keys), "progress_since_last": coll.answered(keys) - before})
+        kills.append(
+            {"mode": mode, "answered": coll.answered(keys), "progress_since_last": coll.answered(keys) - before}
+        )
         await asyncio.to_thread(cur.sigkill)
         nw = run.worker(args, echo=False)
         kills[-1]["restart_consuming_s"] = await nw.wait_consuming(600)
-    end = await coll.wait_answered(keys, idle_s=120, timeout=max(30, ctx.sizes.timeouts["sigkill"] - (time.monotonic() - run.t0) - 60))
+    end = await coll.wait_answered(
+        keys, idle_s=120, timeout=max(30, ctx.sizes.timeouts["sigkill"] - (time.monotonic() - run.t0) - 60)
+    )
     last = run.last_worker()
     run.rss_after = rss_mib(last.pid) if last else None
     run.info["kills"] = kills
     run.info["end"] = end
-    run.notes.append(f"{len(kills)} SIGKILLs ({', '.join(k['mode'] for k in kills)}); restarts took "
-                     f"{', '.join(str(k.get('restart_consuming_s')) for k in kills)} s"
-                     + ("; --state-dir used" if run.info["state_dir"] else "; the worker has no --state-dir option"))
+    run.notes.append(
+        f"{len(kills)} SIGKILLs ({', '.join(k['mode'] for k in kills)}); restarts took "
+        f"{', '.join(str(k.get('restart_consuming_s')) for k in kills)} s"
+        + ("; --state-dir used" if run.info["state_dir"] else "; the worker has no --state-dir option")
+    )
 
 
 def _ordinary_raw(tag: str, reply_to: str, prefix: str, now_ms: int, i: int) -> dict[str, Any]:
     prompt = f"ordinary job {i} alpha beta"
     return {
-        "tag": tag, "category": "ordinary", "rk": f"{prefix}.{'interactive' if i % 10 == 0 else 'batch'}",
+        "tag": tag,
+        "category": "ordinary",
+        "rk": f"{prefix}.{'interactive' if i % 10 == 0 else 'batch'}",
         "body": json.dumps({"prompt": prompt, "max_tokens": 6}).encode(),
-        "props": {"message_id": tag, "correlation_id": tag, "reply_to": reply_to, "content_type": "application/json",
-                  "delivery_mode": 2, "headers": {"x-published-at-ms": now_ms}},
+        "props": {
+            "message_id": tag,
+            "correlation_id": tag,
+            "reply_to": reply_to,
+            "content_type": "application/json",
+            "delivery_mode": 2,
+            "headers": {"x-published-at-ms": now_ms},
+        },
         "prompt": prompt,
     }
 
@@ -683,8 +796,12 @@ def _ordinary_raw(tag: str, reply_to: str, prefix: str, now_ms: int, i: int) -> 
 async def _raw(ctx: Ctx, run: Run, cmd: str, arg: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
     helper = HERE / "faults_support" / "rawamqp.py"
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, str(helper), cmd, ctx.url, arg, str(out)],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        subprocess.run,
+        [sys.executable, str(helper), cmd, ctx.url, arg, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 
@@ -737,12 +854,20 @@ async def scn_malformed(ctx: Ctx, run: Run) -> None:
         raise RuntimeError(f"raw publisher failed: {p.stderr[-1500:]}")
     pub = json.loads(pub_out.read_text())
     published = set(pub["published"])
-    run.info["publish"] = {"published": len(published), "failed": len(pub["failed"]), "publisher_reconnects": pub["reconnects"],
-                           "failed_sample": dict(list(pub["failed"].items())[:5])}
+    run.info["publish"] = {
+        "published": len(published),
+        "failed": len(pub["failed"]),
+        "publisher_reconnects": pub["reconnects"],
+        "failed_sample": dict(list(pub["failed"].items())[:5]),
+    }
     for m in msgs:
         if m["tag"] in published:
-            run.add_job(m["tag"], "ordinary" if m["category"] == "ordinary" else "malformed",
-                        m.get("prompt"), 6 if m["category"] == "ordinary" else None)
+            run.add_job(
+                m["tag"],
+                "ordinary" if m["category"] == "ordinary" else "malformed",
+                m.get("prompt"),
+                6 if m["category"] == "ordinary" else None,
+            )
     run.sent = len(published)
     dead: list[dict] = []
     dead_tags: dict[str, int] = {}
@@ -765,7 +890,7 @@ async def scn_malformed(ctx: Ctx, run: Run) -> None:
     while time.monotonic() - run.t0 < limit:
         await asyncio.sleep(5)
         n = await drain_dead(ctx, run, f"{run.prefix}.dead", dead)
-        for d in dead[len(dead) - n:]:
+        for d in dead[len(dead) - n :]:
             t = tag_of_dead(d)
             if t is not None:
                 dead_tags[t] = dead_tags.get(t, 0) + 1
@@ -785,12 +910,14 @@ async def scn_malformed(ctx: Ctx, run: Run) -> None:
             break
         if busy and time.monotonic() - progress_at > 90:
             run.info["ended"] = f"stalled: {busy} jobs still queued, no reply and no dead letter for 90 s"
-            run.notes.append(f"worker stalled with {busy} jobs still in the job queues (no reply, no dead letter for 90 s)")
+            run.notes.append(
+                f"worker stalled with {busy} jobs still in the job queues (no reply, no dead letter for 90 s)"
+            )
             break
     else:
         run.timed_out = True
     n = await drain_dead(ctx, run, f"{run.prefix}.dead", dead)
-    for d in dead[len(dead) - n:]:
+    for d in dead[len(dead) - n :]:
         t = tag_of_dead(d)
         if t is not None:
             dead_tags[t] = dead_tags.get(t, 0) + 1
@@ -828,26 +955,41 @@ async def scn_malformed(ctx: Ctx, run: Run) -> None:
         by_cat[cat][o] = by_cat[cat].get(o, 0) + 1
     run.info["outcomes"] = outcome
     run.info["outcomes_by_category"] = by_cat
-    run.info["malformed_answered_ok"] = sum(1 for k, c in run.expected.items() if c == "malformed" and any(r.status == "ok" for r in finals_by_tag.get(k, [])))
+    run.info["malformed_answered_ok"] = sum(
+        1
+        for k, c in run.expected.items()
+        if c == "malformed" and any(r.status == "ok" for r in finals_by_tag.get(k, []))
+    )
     reasons_by_cat: dict[str, dict[str, int]] = {}
     for d in dead:
         t = tag_of_dead(d)
         cat = cats.get(t or "", "untraceable")
         reasons_by_cat.setdefault(cat, {})
-        reasons_by_cat[cat][str(d.get("first_death_reason"))] = reasons_by_cat[cat].get(str(d.get("first_death_reason")), 0) + 1
+        reasons_by_cat[cat][str(d.get("first_death_reason"))] = (
+            reasons_by_cat[cat].get(str(d.get("first_death_reason")), 0) + 1
+        )
     run.info["dead_letter_reasons_by_category"] = reasons_by_cat
-    run.info["dead_letters"] = {"total": len(dead), "reasons": _count([d.get("first_death_reason") for d in dead]),
-                                "ordinary_reasons": _count([d.get("first_death_reason") for d in dead if cats.get(tag_of_dead(d) or "") == "ordinary"]),
-                                "untraceable": sum(1 for d in dead if tag_of_dead(d) is None)}
-    run.info["answers_on_results_queue"] = sum(1 for r in coll.records if r.source.endswith(".results") and r.kind == "result")
+    run.info["dead_letters"] = {
+        "total": len(dead),
+        "reasons": _count([d.get("first_death_reason") for d in dead]),
+        "ordinary_reasons": _count(
+            [d.get("first_death_reason") for d in dead if cats.get(tag_of_dead(d) or "") == "ordinary"]
+        ),
+        "untraceable": sum(1 for d in dead if tag_of_dead(d) is None),
+    }
+    run.info["answers_on_results_queue"] = sum(
+        1 for r in coll.records if r.source.endswith(".results") and r.kind == "result"
+    )
     ord_dead = outcome.get("ordinary_dead_lettered", 0) + outcome.get("ordinary_answered_and_dead_lettered", 0)
     refused = sum(1 for v in pub["failed"].values() if v.startswith("refused by the broker"))
-    run.notes.append(f"ordinary jobs dead-lettered {ord_dead}/{sz.malformed_ordinary}; malformed: answered once "
-                     f"{outcome.get('answered_once', 0)}, more than once {outcome.get('answered_more_than_once', 0)}, "
-                     f"dead-lettered {outcome.get('dead_lettered', 0)}, both {outcome.get('answered_and_dead_lettered', 0)}, "
-                     f"unaccounted {outcome.get('unaccounted', 0)}; dead letters by reason "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(run.info["dead_letters"]["reasons"].items()))
-                     + f"; {refused} publishes refused by the broker itself (it closes the connection)")
+    run.notes.append(
+        f"ordinary jobs dead-lettered {ord_dead}/{sz.malformed_ordinary}; malformed: answered once "
+        f"{outcome.get('answered_once', 0)}, more than once {outcome.get('answered_more_than_once', 0)}, "
+        f"dead-lettered {outcome.get('dead_lettered', 0)}, both {outcome.get('answered_and_dead_lettered', 0)}, "
+        f"unaccounted {outcome.get('unaccounted', 0)}; dead letters by reason "
+        + ", ".join(f"{k} {v}" for k, v in sorted(run.info["dead_letters"]["reasons"].items()))
+        + f"; {refused} publishes refused by the broker itself (it closes the connection)"
+    )
     run.late_notes.append(run.reconnect_note)
 
 
@@ -865,8 +1007,12 @@ async def scn_hostile_reply_to(ctx: Ctx, run: Run) -> None:
     client = await run.client()
     p = run.prefix
     hostile = {
-        "own_interactive": f"{p}.interactive", "own_batch": f"{p}.batch", "own_dead": f"{p}.dead",
-        "dlx_exchange": f"{p}.dlx", "control_exchange": f"{p}.control", "nonexistent_queue": f"{p}.no-such-queue",
+        "own_interactive": f"{p}.interactive",
+        "own_batch": f"{p}.batch",
+        "own_dead": f"{p}.dead",
+        "dlx_exchange": f"{p}.dlx",
+        "control_exchange": f"{p}.control",
+        "nonexistent_queue": f"{p}.no-such-queue",
         "direct_reply_garbage": "amq.rabbitmq.reply-to.garbage",
         "direct_reply_garbage_long": "amq.rabbitmq.reply-to.g2gCZAAXcmFiYml0QGxvY2FsaG9zdAAAAAAAAAAA" + "x" * 20,
         "direct_reply_bare": "amq.rabbitmq.reply-to",
@@ -910,7 +1056,9 @@ async def scn_hostile_reply_to(ctx: Ctx, run: Run) -> None:
     await drain_dead(ctx, run, f"{p}.dead", dead)
     per_kind: dict[str, dict[str, Any]] = {}
     for key, kind in kinds.items():
-        d = per_kind.setdefault(kind, {"jobs": 0, "refused_per_rule": 0, "answers_on_results": 0, "answers_elsewhere": 0, "codes": {}})
+        d = per_kind.setdefault(
+            kind, {"jobs": 0, "refused_per_rule": 0, "answers_on_results": 0, "answers_elsewhere": 0, "codes": {}}
+        )
         d["jobs"] += 1
         mine = [r for r in coll.records if r.kind == "result" and r.tag() == key]
         on_results = [r for r in mine if r.source == f"{p}.results"]
@@ -919,7 +1067,11 @@ async def scn_hostile_reply_to(ctx: Ctx, run: Run) -> None:
         for r in mine:
             code = r.code or r.status or "?"
             d["codes"][code] = d["codes"].get(code, 0) + 1
-        if len(on_results) == 1 and on_results[0].code == "invalid_request" and "reply_to" in (on_results[0].message or ""):
+        if (
+            len(on_results) == 1
+            and on_results[0].code == "invalid_request"
+            and "reply_to" in (on_results[0].message or "")
+        ):
             d["refused_per_rule"] += 1
     run.info["hostile"] = per_kind
     run.info["finals_in_dead_queue"] = sum(1 for d in dead if d.get("body_type") == "result")
@@ -929,15 +1081,25 @@ async def scn_hostile_reply_to(ctx: Ctx, run: Run) -> None:
     refused = sum(d["refused_per_rule"] for d in per_kind.values())
     # Hostile jobs are judged by the rule, not by "missing"
     run.excused = set(kinds)
-    not_refused = [f"{k} ({', '.join(f'{c} {n}' for c, n in d['codes'].items()) or 'no answer'})"
-                   for k, d in per_kind.items() if d["refused_per_rule"] < d["jobs"]]
-    unroutable = len(w.events("reply_unroutable")) + sum(1 for e in w.events("reply_not_confirmed") if e.get("outcome") == "unroutable")
+    not_refused = [
+        f"{k} ({', '.join(f'{c} {n}' for c, n in d['codes'].items()) or 'no answer'})"
+        for k, d in per_kind.items()
+        if d["refused_per_rule"] < d["jobs"]
+    ]
+    unroutable = len(w.events("reply_unroutable")) + sum(
+        1 for e in w.events("reply_not_confirmed") if e.get("outcome") == "unroutable"
+    )
     run.info["worker_reply_unroutable"] = unroutable
-    run.notes.append(f"refused per rule {refused}/{len(kinds)}" + (f"; not refused: {', '.join(not_refused)}" if not_refused else "")
-                     + f"; publish-connection reconnects {pub_rec}; finals that landed in the dead-letter queue "
-                     f"{run.info['finals_in_dead_queue']}; unroutable replies {unroutable}")
+    run.notes.append(
+        f"refused per rule {refused}/{len(kinds)}"
+        + (f"; not refused: {', '.join(not_refused)}" if not_refused else "")
+        + f"; publish-connection reconnects {pub_rec}; finals that landed in the dead-letter queue "
+        f"{run.info['finals_in_dead_queue']}; unroutable replies {unroutable}"
+    )
     if refused_by_broker:
-        run.notes.append(f"{len(refused_by_broker)} jobs with reply_to amq.rabbitmq.reply-to refused by the broker at publish (406)")
+        run.notes.append(
+            f"{len(refused_by_broker)} jobs with reply_to amq.rabbitmq.reply-to refused by the broker at publish (406)"
+        )
 
 
 async def scn_flood(ctx: Ctx, run: Run) -> None:
@@ -972,7 +1134,13 @@ async def scn_flood(ctx: Ctx, run: Run) -> None:
         key = f"flood-{i:06d}"
         async with sem:
             try:
-                await client.publish({"prompt": f"f {i}", "max_tokens": 1}, key=key, queue="batch", reply_to=coll.queue, expect_reply=False)
+                await client.publish(
+                    {"prompt": f"f {i}", "max_tokens": 1},
+                    key=key,
+                    queue="batch",
+                    reply_to=coll.queue,
+                    expect_reply=False,
+                )
                 accepted.append(key)
             except QueueFull:
                 refused.append(key)
@@ -986,21 +1154,33 @@ async def scn_flood(ctx: Ctx, run: Run) -> None:
         for k in accepted:
             run.add_job(k, "ordinary", f"f {int(k.split('-')[1])}", 1)
         run.sent = len(accepted)
-        end = await coll.wait_answered(accepted, idle_s=60, timeout=max(30, ctx.sizes.timeouts["flood"] - (time.monotonic() - run.t0) - 30))
+        end = await coll.wait_answered(
+            accepted, idle_s=60, timeout=max(30, ctx.sizes.timeouts["flood"] - (time.monotonic() - run.t0) - 30)
+        )
     finally:
         sampler.cancel()
     run.rss_after = rss_mib(w.pid)
     refused_answered = sum(1 for k in refused if coll.final_count.get(k))
     grow = (run.rss_after - run.rss_before) if (run.rss_after and run.rss_before) else None
     run.info["flood"] = {
-        "published": sz.flood_jobs, "accepted": len(accepted), "refused": len(refused), "errors": errors,
-        "publish_s": round(pub_s, 1), "publish_rate_per_s": round(sz.flood_jobs / pub_s) if pub_s else None,
-        "refused_but_answered": refused_answered, "end": end, "rss_peak_mib": peak[0],
-        "rss_growth_kib_per_accepted_job": round(grow * 1024 / len(accepted), 3) if grow is not None and accepted else None,
+        "published": sz.flood_jobs,
+        "accepted": len(accepted),
+        "refused": len(refused),
+        "errors": errors,
+        "publish_s": round(pub_s, 1),
+        "publish_rate_per_s": round(sz.flood_jobs / pub_s) if pub_s else None,
+        "refused_but_answered": refused_answered,
+        "end": end,
+        "rss_peak_mib": peak[0],
+        "rss_growth_kib_per_accepted_job": round(grow * 1024 / len(accepted), 3)
+        if grow is not None and accepted
+        else None,
     }
     f = run.info["flood"]
-    run.notes.append(f"accepted {f['accepted']}, refused {f['refused']} (QueueFull), other errors {sum(errors.values())}; "
-                     f"RSS growth {f['rss_growth_kib_per_accepted_job']} KiB/accepted job, peak {f['rss_peak_mib']} MiB")
+    run.notes.append(
+        f"accepted {f['accepted']}, refused {f['refused']} (QueueFull), other errors {sum(errors.values())}; "
+        f"RSS growth {f['rss_growth_kib_per_accepted_job']} KiB/accepted job, peak {f['rss_peak_mib']} MiB"
+    )
 
 
 SCENARIO_FUNCS: dict[str, Callable[[Ctx, Run], Awaitable[None]]] = {
@@ -1028,7 +1208,7 @@ async def run_one(ctx: Ctx, name: str, index: int) -> dict[str, Any]:
     try:
         try:
             await asyncio.wait_for(fn(ctx, run), limit)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             run.timed_out = True
             run.notes.append(f"TIMED OUT after {limit:.0f} s")
         except Exception as exc:  # noqa: BLE001 - report, do not crash the suite
@@ -1053,19 +1233,27 @@ async def run_one(ctx: Ctx, name: str, index: int) -> dict[str, Any]:
 
 def combine(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row per scenario: sums over its runs (notes per run)."""
+
     def total(k: str) -> Any:
         vals = [r[k] for r in runs if r.get(k) is not None]
         return sum(vals) if vals else None
 
     row = {
-        "scenario": name, "runs": len(runs),
-        "jobs_sent": total("jobs_sent"), "finals_received": total("finals_received"), "missing": total("missing"),
-        "answered_twice": total("answered_twice"), "different_ok_texts": total("different_ok_texts"),
+        "scenario": name,
+        "runs": len(runs),
+        "jobs_sent": total("jobs_sent"),
+        "finals_received": total("finals_received"),
+        "missing": total("missing"),
+        "answered_twice": total("answered_twice"),
+        "different_ok_texts": total("different_ok_texts"),
         "ordinary_harmed": total("ordinary_harmed"),
-        "worker_alive_end": all(r["worker_alive_end"] for r in runs) if all(r["worker_alive_end"] is not None for r in runs) else None,
+        "worker_alive_end": all(r["worker_alive_end"] for r in runs)
+        if all(r["worker_alive_end"] is not None for r in runs)
+        else None,
         "worker_responsive_end": all(bool(r["worker_responsive_end"]) for r in runs),
         "probe": {q: all((r["info"].get("probe") or {}).get(q, False) for r in runs) for q in ("interactive", "batch")},
-        "worker_rss_mib_before": runs[0]["worker_rss_mib_before"], "worker_rss_mib_after": runs[-1]["worker_rss_mib_after"],
+        "worker_rss_mib_before": runs[0]["worker_rss_mib_before"],
+        "worker_rss_mib_after": runs[-1]["worker_rss_mib_after"],
         "wall_s": round(sum(r["wall_s"] or 0 for r in runs), 1),
         "timed_out": any(r["timed_out"] for r in runs),
         "error": "; ".join(r["error"] for r in runs if r["error"]) or None,
@@ -1080,8 +1268,10 @@ def combine(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 # ============================================================ the document
 BEGIN = "<!-- faults-table:begin (written by benchmarks/faults.py; rows of scenarios not rerun are kept) -->"
 END = "<!-- faults-table:end -->"
-HEADER = ("| scenario | ran | jobs sent | finals received | missing | answered twice | different ok texts | "
-          "ordinary harmed | worker alive at end | worker RSS MiB before → after | wall s | notes |")
+HEADER = (
+    "| scenario | ran | jobs sent | finals received | missing | answered twice | different ok texts | "
+    "ordinary harmed | worker alive at end | worker RSS MiB before → after | wall s | notes |"
+)
 INTRO = """# Reliability
 
 How the queue worker behaves under faults: a broker restart, cut
@@ -1135,9 +1325,11 @@ def row_md(row: dict[str, Any], ran: str) -> str:
         notes = [f"**suite error**: {row['error'][:200]}", *notes]
     text = "; ".join(n.replace("|", "/") for n in notes)
     rss = f"{fmt(row['worker_rss_mib_before'])} → {fmt(row['worker_rss_mib_after'])}"
-    return (f"| `{row['scenario']}` | {ran} | {fmt(row['jobs_sent'])} | {fmt(row['finals_received'])} | {fmt(row['missing'])} | "
-            f"{fmt(row['answered_twice'])} | {fmt(row['different_ok_texts'])} | {fmt(row['ordinary_harmed'])} | {alive_s} | "
-            f"{rss} | {fmt(row['wall_s'])} | {text} |")
+    return (
+        f"| `{row['scenario']}` | {ran} | {fmt(row['jobs_sent'])} | {fmt(row['finals_received'])} | {fmt(row['missing'])} | "
+        f"{fmt(row['answered_twice'])} | {fmt(row['different_ok_texts'])} | {fmt(row['ordinary_harmed'])} | {alive_s} | "
+        f"{rss} | {fmt(row['wall_s'])} | {text} |"
+    )
 
 
 def write_doc(rows: list[dict[str, Any]], ran: str) -> None:
@@ -1167,7 +1359,9 @@ def write_doc(rows: list[dict[str, Any]], ran: str) -> None:
 def code_version(src: Path) -> dict[str, Any]:
     def git(*a: str) -> str:
         try:
-            return subprocess.run(["git", "-C", str(src), *a], capture_output=True, text=True, timeout=30).stdout.strip()
+            return subprocess.run(
+                ["git", "-C", str(src), *a], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -1178,23 +1372,33 @@ def code_version(src: Path) -> dict[str, Any]:
         h.update(str(f.relative_to(src)).encode())
         h.update(f.read_bytes())
     label = (head or "unknown") + (" (dirty)" if dirty_files else "")
-    return {"src": str(src), "commit": head or None, "dirty": bool(dirty_files), "dirty_files": dirty_files[:50],
-            "label": label, "jaxserve_tree_sha256": h.hexdigest()[:16]}
+    return {
+        "src": str(src),
+        "commit": head or None,
+        "dirty": bool(dirty_files),
+        "dirty_files": dirty_files[:50],
+        "label": label,
+        "jaxserve_tree_sha256": h.hexdigest()[:16],
+    }
 
 
 def start_broker(args: argparse.Namespace, run_dir: Path) -> Any:
     if args.amqp_url:
         if not args.i_own_the_broker:
-            raise SystemExit("--amqp-url points the suite at an existing broker, which it will restart and flood: "
-                             "pass --i-own-the-broker if nobody else uses it")
+            raise SystemExit(
+                "--amqp-url points the suite at an existing broker, which it will restart and flood: "
+                "pass --i-own-the-broker if nobody else uses it"
+            )
         return services.ExternalRabbit(args.amqp_url, args.node)
     broker = services.PrivateRabbit(run_dir)
     try:
         took = broker.start()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to start ends the run with the hint below
         broker.stop()
-        raise SystemExit(f"could not start a private RabbitMQ node ({exc}).\nThe suite will not use the shared broker; "
-                         "give --amqp-url URL --node NODE --i-own-the-broker for a broker you own.") from None
+        raise SystemExit(
+            f"could not start a private RabbitMQ node ({exc}).\nThe suite will not use the shared broker; "
+            "give --amqp-url URL --node NODE --i-own-the-broker for a broker you own."
+        ) from None
     print(f"[faults] private RabbitMQ {broker.node} on 127.0.0.1:{broker.port} (started in {took:.1f} s)", flush=True)
     return broker
 
@@ -1220,8 +1424,16 @@ async def amain(args: argparse.Namespace) -> int:
     broker = await asyncio.to_thread(start_broker, args, run_dir)
     ctx = Ctx(args, broker, run_dir, sizes)
     results: dict[str, Any] = {
-        "started_utc": started, "quick": args.quick, "seed": args.seed, "code": version, "sizes": dataclasses.asdict(sizes),
-        "broker": {"private": not args.amqp_url, "node": getattr(broker, "node", None), "port": getattr(broker, "port", None)},
+        "started_utc": started,
+        "quick": args.quick,
+        "seed": args.seed,
+        "code": version,
+        "sizes": dataclasses.asdict(sizes),
+        "broker": {
+            "private": not args.amqp_url,
+            "node": getattr(broker, "node", None),
+            "port": getattr(broker, "port", None),
+        },
         "machine": {"nproc": os.cpu_count(), "loadavg_start": os.getloadavg()},
         "scenarios": {},
     }
@@ -1235,11 +1447,14 @@ async def amain(args: argparse.Namespace) -> int:
                 print(f"[faults] {name} run {i + 1}/{nruns} ...", flush=True)
                 s = await run_one(ctx, name, i)
                 runs.append(s)
-                print(f"[faults] {name} run {i + 1}/{nruns}: sent {fmt(s['jobs_sent'])}, finals {fmt(s['finals_received'])}, "
-                      f"missing {fmt(s['missing'])}, twice {fmt(s['answered_twice'])}, different ok {fmt(s['different_ok_texts'])}, "
-                      f"harmed {fmt(s['ordinary_harmed'])}, alive {fmt(s['worker_alive_end'])}, "
-                      f"responsive {fmt(s['worker_responsive_end'])}, rss {fmt(s['worker_rss_mib_before'])}->{fmt(s['worker_rss_mib_after'])} MiB, "
-                      f"{s['wall_s']} s{' TIMED OUT' if s['timed_out'] else ''}{' ERROR ' + s['error'] if s['error'] else ''}", flush=True)
+                print(
+                    f"[faults] {name} run {i + 1}/{nruns}: sent {fmt(s['jobs_sent'])}, finals {fmt(s['finals_received'])}, "
+                    f"missing {fmt(s['missing'])}, twice {fmt(s['answered_twice'])}, different ok {fmt(s['different_ok_texts'])}, "
+                    f"harmed {fmt(s['ordinary_harmed'])}, alive {fmt(s['worker_alive_end'])}, "
+                    f"responsive {fmt(s['worker_responsive_end'])}, rss {fmt(s['worker_rss_mib_before'])}->{fmt(s['worker_rss_mib_after'])} MiB, "
+                    f"{s['wall_s']} s{' TIMED OUT' if s['timed_out'] else ''}{' ERROR ' + s['error'] if s['error'] else ''}",
+                    flush=True,
+                )
                 for n in s["notes"]:
                     print(f"[faults]     {n}", flush=True)
             row = combine(name, runs)
@@ -1274,18 +1489,26 @@ def _write_json(results: dict[str, Any], started: str) -> Path:
 def main() -> None:
     for name in ("aio_pika", "aiormq"):  # their reconnect chatter is expected here
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--scenarios", default=None, help=f"comma-separated subset of {','.join(SCENARIOS)}")
     ap.add_argument("--quick", action="store_true", help="shrink every scenario for a smoke run")
     ap.add_argument("--seed", type=int, default=20251201, help="seed of generated jobs and fault moments")
-    ap.add_argument("--src", default=str(REPO), help="source tree whose jaxserve (and tests/) the workers run (default: this repo)")
+    ap.add_argument(
+        "--src", default=str(REPO), help="source tree whose jaxserve (and tests/) the workers run (default: this repo)"
+    )
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every per-scenario time limit")
     ap.add_argument("--no-doc", action="store_true", help="do not touch RELIABILITY.md")
     ap.add_argument("--keep-scratch", action="store_true", help="keep the scratch directory (worker logs, inputs)")
     ap.add_argument("--keep-broker", action="store_true", help="leave the private broker running (debugging)")
-    ap.add_argument("--amqp-url", default=None, help="use this broker instead of a private one (needs --i-own-the-broker)")
+    ap.add_argument(
+        "--amqp-url", default=None, help="use this broker instead of a private one (needs --i-own-the-broker)"
+    )
     ap.add_argument("--node", default="rabbit@localhost", help="with --amqp-url: its node name for rabbitmqctl")
-    ap.add_argument("--i-own-the-broker", action="store_true", help="allow --amqp-url: the suite restarts and floods it")
+    ap.add_argument(
+        "--i-own-the-broker", action="store_true", help="allow --amqp-url: the suite restarts and floods it"
+    )
     args = ap.parse_args()
     sys.exit(asyncio.run(amain(args)))
 

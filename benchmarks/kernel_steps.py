@@ -69,34 +69,60 @@ def main() -> None:
     loaded = load_model(resolve_model(args.model))
     cfg = loaded.config
     bs = 64
-    layer_params = sum(int(np.prod(np.shape(a))) for layer in loaded.model.layers
-                       for k, a in layer.arrays().items() if a is not None and k.startswith(("w",)))  # fmt: skip
+    layer_params = sum(
+        int(np.prod(np.shape(a)))
+        for layer in loaded.model.layers
+        for k, a in layer.arrays().items()
+        if a is not None and k.startswith(("w",))
+    )
     flops_per_token = 2 * layer_params
     greedy = {"temperature": 0.0, "logprobs": False}
     rng = np.random.default_rng(0)
 
     def prefill_work(length: int, n: int) -> list:
         nb = -(-length // bs)
-        return [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, length).tolist(), start_pos=0,
-                        block_ids=list(range(1 + i * nb, 1 + (i + 1) * nb)), sampling=greedy) for i in range(n)]  # fmt: skip
+        return [
+            SeqWork(
+                token_ids=rng.integers(5, cfg.vocab_size - 5, length).tolist(),
+                start_pos=0,
+                block_ids=list(range(1 + i * nb, 1 + (i + 1) * nb)),
+                sampling=greedy,
+            )
+            for i in range(n)
+        ]
 
     seqs, ctx = DECODE
     nb = -(-(ctx + 1) // bs)
-    decode = [SeqWork(token_ids=[7], start_pos=ctx, block_ids=list(range(1 + i * nb, 1 + (i + 1) * nb)),
-                      sampling=greedy) for i in range(seqs)]  # fmt: skip
+    decode = [
+        SeqWork(token_ids=[7], start_pos=ctx, block_ids=list(range(1 + i * nb, 1 + (i + 1) * nb)), sampling=greedy)
+        for i in range(seqs)
+    ]
     cases = {f"prefill {n}x{length}": prefill_work(length, n) for length, n in PREFILL}
     cases[f"decode {seqs}x ctx {ctx}"] = decode
 
     runners = {}
     for backend in args.backends:
-        impl, reason = select_attention(backend, head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads,
-                                        block_size=bs, sliding_window=cfg.effective_sliding_window,
-                                        cache_dtype=jnp.float32)  # fmt: skip
+        impl, reason = select_attention(
+            backend,
+            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.num_key_value_heads,
+            block_size=bs,
+            sliding_window=cfg.effective_sliding_window,
+            cache_dtype=jnp.float32,
+        )
         loaded.model.attention = impl
-        runner = ModelRunner(loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                             head_dim=cfg.head_dim, num_blocks=max(seqs * nb, 32) + 1, block_size=bs,
-                             max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
-                             buckets=Buckets(tokens=(64, 1024, 2048), seqs=(64,)))  # fmt: skip
+        runner = ModelRunner(
+            loaded.model,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=max(seqs * nb, 32) + 1,
+            block_size=bs,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+            buckets=Buckets(tokens=(64, 1024, 2048), seqs=(64,)),
+        )
         runner.warmup()
         runners[backend] = runner
         print(f"{backend}: {reason}, compiled in {runner.compile_seconds:.1f} s", flush=True)
@@ -107,31 +133,52 @@ def main() -> None:
     times = {b: {c: [] for c in cases} for b in runners}
     for rep in range(args.repeats):
         for name, work in cases.items():
-            for backend in (runners if rep % 2 == 0 else reversed(list(runners))):
+            for backend in runners if rep % 2 == 0 else reversed(list(runners)):
                 t = time.perf_counter()
                 runners[backend].execute(work).fetch()
                 times[backend][name].append(time.perf_counter() - t)
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
     rate = max(rate_before, matmul_rate())
-    result = {"command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "repeats": args.repeats,
-              "matmul_gflop_s": round(rate, 1), "dense_mflop_per_token": round(flops_per_token / 1e6, 2),
-              "cases": {}}  # fmt: skip
+    result = {
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "model": args.model,
+        "repeats": args.repeats,
+        "matmul_gflop_s": round(rate, 1),
+        "dense_mflop_per_token": round(flops_per_token / 1e6, 2),
+        "cases": {},
+    }
     print(f"\nmachine float32 matmul: {rate:.1f} GFLOP/s\n")
-    print("| step | " + " | ".join(f"{b} ms" for b in runners) + " | " + " | ".join(f"{b} tok/s" for b in runners)
-          + " | " + " | ".join(f"{b} dense share" for b in runners) + " |")  # fmt: skip
+    print(
+        "| step | "
+        + " | ".join(f"{b} ms" for b in runners)
+        + " | "
+        + " | ".join(f"{b} tok/s" for b in runners)
+        + " | "
+        + " | ".join(f"{b} dense share" for b in runners)
+        + " |"
+    )
     print("|---" * (1 + 3 * len(runners)) + "|")
     for name, work in cases.items():
         tokens = sum(len(w.token_ids) for w in work)
         row = {}
         for b in runners:
             med = statistics.median(times[b][name])
-            row[b] = {"ms": round(1000 * med, 1), "tokens_per_s": round(tokens / med, 1),
-                      "dense_share": round(tokens * flops_per_token / med / 1e9 / rate, 3),
-                      "samples_ms": [round(1000 * t, 1) for t in times[b][name]]}  # fmt: skip
+            row[b] = {
+                "ms": round(1000 * med, 1),
+                "tokens_per_s": round(tokens / med, 1),
+                "dense_share": round(tokens * flops_per_token / med / 1e9 / rate, 3),
+                "samples_ms": [round(1000 * t, 1) for t in times[b][name]],
+            }
         result["cases"][name] = {"tokens": tokens, **row}
-        print(f"| {name} | " + " | ".join(f"{row[b]['ms']}" for b in runners) + " | "
-              + " | ".join(f"{row[b]['tokens_per_s']:.0f}" for b in runners) + " | "
-              + " | ".join(f"{100 * row[b]['dense_share']:.0f}%" for b in runners) + " |")  # fmt: skip
+        print(
+            f"| {name} | "
+            + " | ".join(f"{row[b]['ms']}" for b in runners)
+            + " | "
+            + " | ".join(f"{row[b]['tokens_per_s']:.0f}" for b in runners)
+            + " | "
+            + " | ".join(f"{100 * row[b]['dense_share']:.0f}%" for b in runners)
+            + " |"
+        )
     path = qc.write_stamped("kernel-steps", result)
     print(f"\nwrote {path}")
 

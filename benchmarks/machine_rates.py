@@ -37,8 +37,18 @@ from pathlib import Path
 PROBE_SRC = Path(__file__).resolve().parent / "int8_gemm_probe.cc"
 #: the CPU features a figure's reader needs to judge it (SIMD width, int8
 #: dot products, bf16, AMX)
-FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-                     "amx_tile", "amx_int8", "amx_bf16")
+FLAGS_OF_INTEREST = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -59,7 +69,7 @@ def numpy_matmul(sizes, repeats):
     for n in sizes:
         a = rng.standard_normal((n, n), dtype=np.float32)
         b = rng.standard_normal((n, n), dtype=np.float32)
-        seconds = _median_seconds(lambda: a @ b, repeats)
+        seconds = _median_seconds(lambda a=a, b=b: a @ b, repeats)
         out[n] = 2 * n**3 / seconds / 1e9
     return out
 
@@ -74,7 +84,7 @@ def jax_matmul(sizes, repeats):
         key_a, key_b = jax.random.split(jax.random.key(0))
         a = jax.random.normal(key_a, (n, n), jnp.float32)
         b = jax.random.normal(key_b, (n, n), jnp.float32)
-        seconds = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+        seconds = _median_seconds(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats)
         out[n] = 2 * n**3 / seconds / 1e9
     return out
 
@@ -88,7 +98,7 @@ def jax_int8_matmul(sizes, repeats):
     for n in sizes:
         a = jnp.ones((n, n), jnp.int8)
         b = jnp.ones((n, n), jnp.int8)
-        seconds = _median_seconds(lambda: dot(a, b).block_until_ready(), repeats)
+        seconds = _median_seconds(lambda a=a, b=b: dot(a, b).block_until_ready(), repeats)
         out[n] = 2 * n**3 / seconds / 1e9
     return out
 
@@ -101,8 +111,9 @@ def _probe_binary() -> Path | None:
     digest = hashlib.sha256(PROBE_SRC.read_bytes()).hexdigest()[:12]
     exe = Path(tempfile.gettempdir()) / f"jaxserve-int8-gemm-probe-{digest}"
     if not exe.exists():
-        build = subprocess.run([cxx, "-O3", "-march=native", "-fopenmp", str(PROBE_SRC), "-o", str(exe)],
-                               capture_output=True, text=True)
+        build = subprocess.run(
+            [cxx, "-O3", "-march=native", "-fopenmp", str(PROBE_SRC), "-o", str(exe)], capture_output=True, text=True
+        )
         if build.returncode != 0:
             return None
     return exe

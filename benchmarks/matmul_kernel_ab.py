@@ -50,8 +50,10 @@ def main() -> None:
     targets = kb.register_versions(args.baseline, source, symbol, f"{args.kernel}_ab")
     T = args.tokens
     rng = np.random.default_rng(0)
-    models = [[[jnp.asarray(0.05 * rng.standard_normal(s, np.float32)) for s in SHAPES] for _ in range(args.layers)]
-              for _ in range(args.copies)]  # fmt: skip
+    models = [
+        [[jnp.asarray(0.05 * rng.standard_normal(s, np.float32)) for s in SHAPES] for _ in range(args.layers)]
+        for _ in range(args.copies)
+    ]
     x = jnp.asarray(rng.standard_normal((SHAPES[0][1], T), np.float32))
 
     def chain_for(mm):
@@ -73,22 +75,36 @@ def main() -> None:
     outs = {name: np.asarray(f(models[0], x)) for name, f in chains.items()}
     same = bool(np.array_equal(outs["baseline"], outs["working tree"]))
     weights = itertools.cycle(models)  # each run the next copy
-    times = eb.alternate({name: (lambda f=f: f(next(weights), x).block_until_ready()) for name, f in chains.items()},
-                         args.repeats)  # fmt: skip
+    times = eb.alternate(
+        {name: (lambda f=f: f(next(weights), x).block_until_ready()) for name, f in chains.items()}, args.repeats
+    )
     flop = 2 * T * args.layers * sum(o * i for o, i in SHAPES)
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows[name] = {"median_ms": round(1000 * med, 3), "gflop_s": round(flop / med / 1e9, 1),
-                      "runs_ms": [round(1000 * t, 3) for t in ts]}  # fmt: skip
+        rows[name] = {
+            "median_ms": round(1000 * med, 3),
+            "gflop_s": round(flop / med / 1e9, 1),
+            "runs_ms": [round(1000 * t, 3) for t in ts],
+        }
         print(f"{name}: {1000 * med:.2f} ms for {args.layers} layers at {T} tokens ({flop / med / 1e9:.0f} GFLOP/s)")
     speedup = rows["baseline"]["median_ms"] / rows["working tree"]["median_ms"]
     print(f"working tree / baseline: {speedup:.3f}x; bitwise the same outputs: {same}")
-    path = qc.write_stamped("matmul-kernel-ab", {
-        "command": " ".join([".venv/bin/python", *sys.argv]), "baseline": args.baseline, "kernel": args.kernel,
-        "tokens": T, "layers": args.layers, "copies": args.copies, "same_outputs": same,
-        "speedup": round(speedup, 3), "versions": rows, "machine": qc.machine_info(),
-    })  # fmt: skip
+    path = qc.write_stamped(
+        "matmul-kernel-ab",
+        {
+            "command": " ".join([".venv/bin/python", *sys.argv]),
+            "baseline": args.baseline,
+            "kernel": args.kernel,
+            "tokens": T,
+            "layers": args.layers,
+            "copies": args.copies,
+            "same_outputs": same,
+            "speedup": round(speedup, 3),
+            "versions": rows,
+            "machine": qc.machine_info(),
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -48,27 +48,43 @@ def main() -> None:
         cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATMUL_MAX_ROWS = tokens, rows
         try:
             runners[name] = ModelRunner(
-                loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim, num_blocks=300, block_size=64, max_num_seqs=64, max_num_batched_tokens=512,
-                max_model_len=1024, buckets=Buckets(tokens=(64, 512), seqs=(64,)),
-            )  # fmt: skip
+                loaded.model,
+                num_layers=cfg.num_hidden_layers,
+                num_kv_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim,
+                num_blocks=300,
+                block_size=64,
+                max_num_seqs=64,
+                max_num_batched_tokens=512,
+                max_model_len=1024,
+                buckets=Buckets(tokens=(64, 512), seqs=(64,)),
+            )
             runners[name].warmup()
         finally:
             cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATMUL_MAX_ROWS = new
     greedy = {"temperature": 0.0, "logprobs": False}
     rng = np.random.default_rng(0)
     steps = {
-        "prefill 4 x 128": [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(), start_pos=0,
-                                    block_ids=[1 + 2 * i, 2 + 2 * i], sampling=greedy) for i in range(4)],
-        "decode 64 at 192": [SeqWork(token_ids=[5 + i], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)),
-                                     sampling=greedy) for i in range(64)],
-    }  # fmt: skip
+        "prefill 4 x 128": [
+            SeqWork(
+                token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(),
+                start_pos=0,
+                block_ids=[1 + 2 * i, 2 + 2 * i],
+                sampling=greedy,
+            )
+            for i in range(4)
+        ],
+        "decode 64 at 192": [
+            SeqWork(token_ids=[5 + i], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
+            for i in range(64)
+        ],
+    }
     out = {}
     for label, work in steps.items():
         tokens = {k: r.execute(work).fetch()[0].tolist() for k, r in runners.items()}
         cpu_s = {k: [] for k in runners}
 
-        def timed(k):
+        def timed(k, work=work, cpu_s=cpu_s):
             c = time.process_time()
             runners[k].execute(work).fetch()
             cpu_s[k].append(time.process_time() - c)
@@ -76,20 +92,33 @@ def main() -> None:
         wall = eb.alternate({k: (lambda k=k: timed(k)) for k in runners}, args.repeats)
         med = {k: 1000 * statistics.median(v) for k, v in wall.items()}
         cmed = {k: 1000 * statistics.median(v) for k, v in cpu_s.items()}
-        out[label] = {"wall_median_ms": {k: round(v, 1) for k, v in med.items()},
-                      "wall_ms": {k: [round(1000 * x, 1) for x in v] for k, v in wall.items()},
-                      "cpu_median_ms": {k: round(v, 1) for k, v in cmed.items()},
-                      "wall_ratio": round(med["old"] / med["new"], 3), "cpu_ratio": round(cmed["old"] / cmed["new"], 3),
-                      "same_tokens": tokens["new"] == tokens["old"]}  # fmt: skip
+        out[label] = {
+            "wall_median_ms": {k: round(v, 1) for k, v in med.items()},
+            "wall_ms": {k: [round(1000 * x, 1) for x in v] for k, v in wall.items()},
+            "cpu_median_ms": {k: round(v, 1) for k, v in cmed.items()},
+            "wall_ratio": round(med["old"] / med["new"], 3),
+            "cpu_ratio": round(cmed["old"] / cmed["new"], 3),
+            "same_tokens": tokens["new"] == tokens["old"],
+        }
         spread = {k: f"{1000 * min(v):.1f}-{1000 * max(v):.1f}" for k, v in wall.items()}
-        print(f"{label}: new {med['new']:.1f} ms ({spread['new']}), old {med['old']:.1f} ms ({spread['old']}): "
-              f"old/new {out[label]['wall_ratio']}x wall, {out[label]['cpu_ratio']}x CPU "
-              f"({cmed['new']:.1f} vs {cmed['old']:.1f} ms); same tokens: {out[label]['same_tokens']}")  # fmt: skip
-    path = qc.write_stamped("matmul-limits-ab", {
-        "command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "kernel": impl.kernel,
-        "reason": reason, "new": list(new), "old": [args.old_tokens, args.old_rows], "steps": out,
-        "machine": qc.machine_info(),
-    })  # fmt: skip
+        print(
+            f"{label}: new {med['new']:.1f} ms ({spread['new']}), old {med['old']:.1f} ms ({spread['old']}): "
+            f"old/new {out[label]['wall_ratio']}x wall, {out[label]['cpu_ratio']}x CPU "
+            f"({cmed['new']:.1f} vs {cmed['old']:.1f} ms); same tokens: {out[label]['same_tokens']}"
+        )
+    path = qc.write_stamped(
+        "matmul-limits-ab",
+        {
+            "command": " ".join([".venv/bin/python", *sys.argv]),
+            "model": args.model,
+            "kernel": impl.kernel,
+            "reason": reason,
+            "new": list(new),
+            "old": [args.old_tokens, args.old_rows],
+            "steps": out,
+            "machine": qc.machine_info(),
+        },
+    )
     print(f"wrote {path}")
 
 

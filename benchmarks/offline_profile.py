@@ -81,6 +81,7 @@ def profile_steps(llm, prompts, output_len) -> dict:
                 return fn(*a, **k)
             finally:
                 acc[current["kind"]][key] += time.perf_counter() - t0
+
         return wrapper
 
     orig_schedule = engine.scheduler.schedule
@@ -138,7 +139,8 @@ def profile_steps(llm, prompts, output_len) -> dict:
         d = dict(d)
         d["execute_host"] = d.get("execute_total", 0.0) - d.get("dispatch", 0.0)
         d["other_host"] = d.get("step_total", 0.0) - sum(
-            d.get(k, 0.0) for k in ("schedule", "execute_total", "wait", "update", "detokenize"))
+            d.get(k, 0.0) for k in ("schedule", "execute_total", "wait", "update", "detokenize")
+        )
         d.pop("execute_total", None)
         phases[kind] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
         if d.get("steps"):
@@ -162,14 +164,23 @@ def _decode_work(num_seqs, context, block_size, first_block=1):
     work = []
     for i in range(num_seqs):
         blocks = list(range(first_block + i * blocks_per_seq, first_block + (i + 1) * blocks_per_seq))
-        work.append(SeqWork(token_ids=[7], start_pos=context, block_ids=blocks,
-                            sampling=_greedy_row()))
+        work.append(SeqWork(token_ids=[7], start_pos=context, block_ids=blocks, sampling=_greedy_row()))
     return work
 
 
 def _greedy_row():
-    return {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "output_index": 0,
-            "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logprobs": False}
+    return {
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": 0,
+        "output_index": 0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "logprobs": False,
+    }
 
 
 def profile_programs(llm, num_seqs, contexts, prefill_tokens) -> dict:
@@ -193,19 +204,29 @@ def profile_programs(llm, num_seqs, contexts, prefill_tokens) -> dict:
 
     for ctx in contexts:
         work = _decode_work(num_seqs, ctx, bs)
-        out[f"decode_{num_seqs}x_ctx{ctx}_ms"] = round(1000 * _median_time(lambda: run(work)), 2)
+        out[f"decode_{num_seqs}x_ctx{ctx}_ms"] = round(1000 * _median_time(lambda work=work: run(work)), 2)
         # No row samples: the forward program alone (the difference is the sampler's program).
         silent = [dataclasses.replace(w, sampling=None) for w in work]
-        out[f"decode_{num_seqs}x_ctx{ctx}_forward_only_ms"] = round(1000 * _median_time(lambda: run_forward(silent)), 2)
+        out[f"decode_{num_seqs}x_ctx{ctx}_forward_only_ms"] = round(
+            1000 * _median_time(lambda silent=silent: run_forward(silent)), 2
+        )
         # The host part alone: build the arrays, skip the device.
-        out[f"decode_{num_seqs}x_ctx{ctx}_host_ms"] = round(1000 * _median_time(lambda: _host_only(runner, work)), 3)
+        out[f"decode_{num_seqs}x_ctx{ctx}_host_ms"] = round(
+            1000 * _median_time(lambda work=work: _host_only(runner, work)), 3
+        )
     # One prefill chunk of prefill_tokens tokens from as many 128-token prompts as fit.
     per = 128
     n = max(1, min(runner.max_num_seqs, prefill_tokens // per))
     blocks_per_seq = -(-per // bs)
-    work = [SeqWork(token_ids=[7] * per, start_pos=0,
-                    block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
-                    sampling=_greedy_row()) for i in range(n)]
+    work = [
+        SeqWork(
+            token_ids=[7] * per,
+            start_pos=0,
+            block_ids=list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)),
+            sampling=_greedy_row(),
+        )
+        for i in range(n)
+    ]
     out[f"prefill_{n}x{per}_ms"] = round(1000 * _median_time(lambda: run(work), repeats=5), 2)
     return out
 
@@ -261,6 +282,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
             h = h + o
             g, u = jnp.split(jnp.dot(lw["w_gate_up"], h), 2, axis=0)
             return h + jnp.dot(lw["w_down"], jax.nn.silu(g) * u), None
+
         h, _ = jax.lax.scan(body, x, w)
         return h
 
@@ -268,7 +290,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
     head = jax.jit(lambda x, wh: greedy_argmax(jnp.dot(wh, x.T), axis=0))
     for t in (num_seqs, prefill_tokens):
         x = jnp.ones((E, t), jnp.float32) * 0.01
-        s = _median_time(lambda: dense(x, w).block_until_ready())
+        s = _median_time(lambda x=x: dense(x, w).block_until_ready())
         out[f"dense_layers_T{t}_ms"] = round(1000 * s, 2)
         out[f"dense_layers_T{t}_gflop_s"] = round(t * layer_flops_per_token / s / 1e9, 1)
     x = jnp.ones((num_seqs, E), jnp.float32) * 0.01
@@ -296,9 +318,11 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
 
     def attn_all_layers(q, k_all, v_all, meta, positions):
         def body(acc, i):
-            o = paged_attention(q, k_all, v_all, meta, positions, block_size=bs, scale=D ** -0.5, layer=i,
-                                cache_dtype=kv.dtype)
+            o = paged_attention(
+                q, k_all, v_all, meta, positions, block_size=bs, scale=D**-0.5, layer=i, cache_dtype=kv.dtype
+            )
             return acc + o, None
+
         acc, _ = jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(cfg.num_hidden_layers))
         return acc
 
@@ -316,6 +340,7 @@ def profile_components(llm, num_seqs, context, prefill_tokens) -> dict:
             k_all, v_all = carry
             k_all, v_all = write_kv(k_all, v_all, new, new, slots, layer=i, cache_dtype=kv.dtype)
             return (k_all, v_all), None
+
         (k_all, v_all), _ = jax.lax.scan(body, (k_all, v_all), jnp.arange(cfg.num_hidden_layers))
         return k_all, v_all
 
@@ -372,6 +397,7 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
             vv = vc[i, bt].reshape(num_seqs, -1, KVH, D)
             p = jax.nn.softmax(jnp.einsum("skgd,sckd->skgc", q, kk), axis=-1)
             return acc + jnp.einsum("skgc,sckd->skgd", p, vv), None
+
         return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(L))[0]
 
     def attn_transposed(q, kc, vc, bt):
@@ -379,6 +405,7 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
             s = jnp.einsum("skgd,snkdc->skgnc", q, kc[i, bt]).reshape(num_seqs, KVH, G, -1)
             p = jax.nn.softmax(s, axis=-1).reshape(num_seqs, KVH, G, nb, BS)
             return acc + jnp.einsum("skgnc,snkcd->skgd", p, vc[i, bt]), None
+
         return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(L))[0]
 
     a, b = jax.jit(attn_now), jax.jit(attn_transposed)
@@ -388,8 +415,20 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
     del k_now, v_now, k_t, v_h
 
     # (c) Greedy sampling: the engine's sample() (two lax.conds) vs argmax + the chosen logprob.
-    rows = [{"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 0, "output_index": 0,
-             "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logprobs": False}] * num_seqs
+    rows = [
+        {
+            "temperature": 0.0,
+            "top_k": 0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "seed": 0,
+            "output_index": 0,
+            "repetition_penalty": 1.0,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "logprobs": False,
+        }
+    ] * num_seqs
     tensors = SamplingTensors(**{k: jnp.asarray(v) for k, v in host_sampling_tensors(rows, num_seqs, 256).items()})
     h, w = normal(num_seqs, E), normal(E, V)
 
@@ -404,8 +443,12 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
     # (d) The layers' matmuls: lax.scan over stacked [L, ...] weights vs one
     # array per layer (a Python loop at trace time), at 1, 8 (the smallest
     # token bucket) and num_seqs rows.
-    stacked = {"wqkv": normal(L, E, 1024), "wo": normal(L, 512, E), "w_gate_up": normal(L, E, 2 * I),
-               "w_down": normal(L, I, E)}
+    stacked = {
+        "wqkv": normal(L, E, 1024),
+        "wo": normal(L, 512, E),
+        "w_gate_up": normal(L, E, 2 * I),
+        "w_down": normal(L, I, E),
+    }
     per_layer = [{k: v[i] for k, v in stacked.items()} for i in range(L)]
 
     def layer(h, lw):
@@ -438,15 +481,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-components", action="store_true")
-    parser.add_argument("--experiments", action="store_true",
-                        help="also time alternatives (attention layout, greedy sampler, scan vs per-layer weights)")
+    parser.add_argument(
+        "--experiments",
+        action="store_true",
+        help="also time alternatives (attention layout, greedy sampler, scan vs per-layer weights)",
+    )
     parser.add_argument("--trace", default=None, help="also write a jax.profiler trace of a short run here")
     parser.add_argument("--json", default=None, help="write the result here too")
     args = parser.parse_args()
 
     sys.path.insert(0, str(HERE))
     from bench.scenarios.offline import make_prompts
-
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.types import SamplingParams
     from jaxserve.presets import resolve_model
@@ -456,8 +501,13 @@ def main() -> None:
     folder = Path(resolve_model(args.model))
     n = args.num_prompts
     t0 = time.perf_counter()
-    llm = LLM(str(folder), max_num_seqs=min(n, 256), max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max(args.input_len + args.output_len, 64), enable_prefix_caching=False)
+    llm = LLM(
+        str(folder),
+        max_num_seqs=min(n, 256),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(args.input_len + args.output_len, 64),
+        enable_prefix_caching=False,
+    )
     startup = time.perf_counter() - t0
     prompts = make_prompts(folder, n, args.input_len)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

@@ -80,9 +80,13 @@ class Scorer:
         cfg = model.config
         if cpu:
             impl, _ = select_attention(
-                "cpu", head_dim=cfg.head_dim, num_kv_heads=cfg.num_key_value_heads, block_size=BLOCK,
-                sliding_window=cfg.effective_sliding_window, cache_dtype=jnp.float32,
-            )  # fmt: skip
+                "cpu",
+                head_dim=cfg.head_dim,
+                num_kv_heads=cfg.num_key_value_heads,
+                block_size=BLOCK,
+                sliding_window=cfg.effective_sliding_window,
+                cache_dtype=jnp.float32,
+            )
             model.attention = impl
         self.model = model
         self.blocks = WINDOW // BLOCK
@@ -94,9 +98,14 @@ class Scorer:
         assert 0 < n <= WINDOW
         cfg = self.model.config
         cache = KVCache.create(
-            cfg.num_hidden_layers, self.blocks + 1, BLOCK, cfg.num_key_value_heads, cfg.head_dim, jnp.float32,
+            cfg.num_hidden_layers,
+            self.blocks + 1,
+            BLOCK,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            jnp.float32,
             layout=self.model.attention.layout,
-        )  # fmt: skip
+        )
         table = np.arange(1, self.blocks + 1, dtype=np.int32)[None, :]
         pos = np.arange(WINDOW, dtype=np.int32)
         slot = pos % BLOCK  # padding -> the null block 0
@@ -110,7 +119,9 @@ class Scorer:
             context_lens=jnp.asarray([n], jnp.int32),
             logits_indices=jnp.asarray(pos),
         )
-        out, _ = jit_step(self.graphdef, self.state, jnp.asarray(padded), jnp.asarray(np.minimum(pos, n - 1)), cache, meta)
+        out, _ = jit_step(
+            self.graphdef, self.state, jnp.asarray(padded), jnp.asarray(np.minimum(pos, n - 1)), cache, meta
+        )
         return np.asarray(out)[:n]
 
 
@@ -150,10 +161,9 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from jaxserve.tokenizer.tokenizer import Tokenizer
-    from jaxserve.presets import resolve_model
-
     from jaxserve.models.greedy import greedy_generate
+    from jaxserve.presets import resolve_model
+    from jaxserve.tokenizer.tokenizer import Tokenizer
 
     started = time.time()
     variants, folder = load_variants(args.model)
@@ -184,7 +194,7 @@ def main() -> None:
         for i, (ids, seq) in enumerate(zip(prompts, continuations)):
             logp = log_softmax(scorer.logits(seq))
             rows = np.arange(len(ids) - 1, len(seq) - 1)  # positions predicting the continuation
-            chosen = np.asarray(seq[len(ids):])
+            chosen = np.asarray(seq[len(ids) :])
             if name == "f32":
                 ref_logp.append(logp[rows, chosen])
             agree += int(np.sum(logp[rows].argmax(-1) == chosen))
@@ -214,10 +224,12 @@ def main() -> None:
         "int4_perplexity_within_10pct": results["int4"]["perplexity_vs_f32"] <= 1.10,
     }
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     record = {
         "benchmark": "quant_quality",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

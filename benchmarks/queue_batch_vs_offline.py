@@ -56,15 +56,49 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import queue_common as qc  # noqa: E402
+import queue_common as qc
 
 # ----------------------------------------------------------------- prompts
-_SUBJECTS = ["The phone", "This movie", "The hotel", "Our meal", "The book", "This chair", "The game",
-             "The lamp", "The bag", "The service", "The room", "This shoe", "The coffee", "The show"]
-_POS = ["was great", "is lovely", "works well", "was fun", "felt solid", "is excellent", "was worth it",
-        "was nice", "is fast and cheap", "was a treat"]
-_NEG = ["was awful", "is broken", "works badly", "was boring", "was weak", "is too slow", "was a waste",
-        "was bad", "is loud", "was late again"]
+_SUBJECTS = [
+    "The phone",
+    "This movie",
+    "The hotel",
+    "Our meal",
+    "The book",
+    "This chair",
+    "The game",
+    "The lamp",
+    "The bag",
+    "The service",
+    "The room",
+    "This shoe",
+    "The coffee",
+    "The show",
+]
+_POS = [
+    "was great",
+    "is lovely",
+    "works well",
+    "was fun",
+    "felt solid",
+    "is excellent",
+    "was worth it",
+    "was nice",
+    "is fast and cheap",
+    "was a treat",
+]
+_NEG = [
+    "was awful",
+    "is broken",
+    "works badly",
+    "was boring",
+    "was weak",
+    "is too slow",
+    "was a waste",
+    "was bad",
+    "is loud",
+    "was late again",
+]
 _TAILS = ["", "", "", " Never again.", " Five stars.", " Not for me.", " Loved it.", " So so.", " Buy it.", " Skip it."]
 PROMPT_HEAD = "Classify sentiment: "
 PROMPT_TAIL = "\nSentiment:"
@@ -89,8 +123,14 @@ def batch_child(stamps_path: str, cli_args: list[str]) -> None:
     import jaxserve.client.client as cc
     from jaxserve.cli.main import cli
 
-    stamps: dict[str, Any] = {"process_start": t_start, "first_publish": None, "last_publish": None,
-                              "last_result": None, "replies": 0, "publishes": 0}
+    stamps: dict[str, Any] = {
+        "process_start": t_start,
+        "first_publish": None,
+        "last_publish": None,
+        "last_result": None,
+        "replies": 0,
+        "publishes": 0,
+    }
     orig_publish = cc.AsyncClient.publish
     orig_on_reply = cc.AsyncClient._on_reply
 
@@ -137,8 +177,14 @@ def pipelined_child(stamps_path: str, prefix: str, inp: str, out: str, window: i
     from jaxserve.client.client import AsyncClient
 
     jobs = [json.loads(line) for line in open(inp)]
-    stamps: dict[str, Any] = {"process_start": t_start, "first_publish": None, "last_publish": None,
-                              "last_result": None, "replies": 0, "publishes": 0}
+    stamps: dict[str, Any] = {
+        "process_start": t_start,
+        "first_publish": None,
+        "last_publish": None,
+        "last_result": None,
+        "replies": 0,
+        "publishes": 0,
+    }
 
     async def main() -> None:
         pending = {j["id"] for j in jobs}
@@ -182,7 +228,7 @@ def pipelined_child(stamps_path: str, prefix: str, inp: str, out: str, window: i
         await client.delete_reply_queue()
         await client.close()
         with open(out, "wb") as f:
-            for key, msg in results.items():
+            for msg in results.values():
                 f.write(json.dumps(msg).encode() + b"\n")
 
     asyncio.run(main())
@@ -197,21 +243,46 @@ def write_jobs(path: Path, prompts: list[str], tag: str, max_tokens: int) -> lis
         for i, p in enumerate(prompts):
             key = f"{tag}-{i:05d}"
             keys.append(key)
-            f.write(json.dumps({"id": key, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "cache": False}) + "\n")
+            f.write(
+                json.dumps({"id": key, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "cache": False}) + "\n"
+            )
     return keys
 
 
-def run_queue(args: argparse.Namespace, worker: qc.WorkerProc, meter: qc.CpuMeter, prompts: list[str],
-              tag: str, tmp: Path) -> dict[str, Any]:
+def run_queue(
+    args: argparse.Namespace, worker: qc.WorkerProc, meter: qc.CpuMeter, prompts: list[str], tag: str, tmp: Path
+) -> dict[str, Any]:
     inp, out, stamps_path = tmp / f"{tag}.in.jsonl", tmp / f"{tag}.out.jsonl", tmp / f"{tag}.stamps.json"
     keys = write_jobs(inp, prompts, tag, args.max_tokens)
     if args.publisher == "batch":
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--batch-child", str(stamps_path),
-               "batch", str(inp), "-o", str(out), "--prefix", worker.prefix, "--amqp-url", qc.AMQP_URL,
-               "--no-progress", *args.batch_arg]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--batch-child",
+            str(stamps_path),
+            "batch",
+            str(inp),
+            "-o",
+            str(out),
+            "--prefix",
+            worker.prefix,
+            "--amqp-url",
+            qc.AMQP_URL,
+            "--no-progress",
+            *args.batch_arg,
+        ]
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--pipelined-child", str(stamps_path), worker.prefix,
-               str(inp), str(out), str(args.pipelined_window), str(args.pipelined_confirms)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--pipelined-child",
+            str(stamps_path),
+            worker.prefix,
+            str(inp),
+            str(out),
+            str(args.pipelined_window),
+            str(args.pipelined_confirms),
+        ]
     m0 = qc.scrape_metrics(worker.metrics_port)
     meter.start()
     t0 = time.monotonic()
@@ -246,8 +317,11 @@ def run_queue(args: argparse.Namespace, worker: qc.WorkerProc, meter: qc.CpuMete
         "cpu": cpu,
         # The command's CPU from its first publish on (children_s includes
         # its start: imports, connecting).
-        "command_cpu_after_first_publish_s": (round(st["cpu_at_end"] - st["cpu_at_first_publish"], 3)
-                                              if "cpu_at_end" in st and "cpu_at_first_publish" in st else None),
+        "command_cpu_after_first_publish_s": (
+            round(st["cpu_at_end"] - st["cpu_at_first_publish"], 3)
+            if "cpu_at_end" in st and "cpu_at_first_publish" in st
+            else None
+        ),
         "summary_line": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "",
         "_texts": texts,
         "_keys": keys,
@@ -305,22 +379,36 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=128)
-    ap.add_argument("--interactive-reserved-seqs", type=int, default=None,
-                    help="Both sides (default: the worker's default, max_num_seqs // 4).")
+    ap.add_argument(
+        "--interactive-reserved-seqs",
+        type=int,
+        default=None,
+        help="Both sides (default: the worker's default, max_num_seqs // 4).",
+    )
     ap.add_argument("--policy", default="priority", help="Both sides (the worker's default: priority).")
     ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
     ap.add_argument("--batch-arg", action="append", default=[], help="Extra flag for `jaxserve batch` (repeatable).")
-    ap.add_argument("--publisher", choices=["batch", "pipelined"], default="batch",
-                    help="batch: `jaxserve batch` (the benchmark). pipelined: ablation, the same client with "
-                         "concurrent publisher confirms.")
+    ap.add_argument(
+        "--publisher",
+        choices=["batch", "pipelined"],
+        default="batch",
+        help="batch: `jaxserve batch` (the benchmark). pipelined: ablation, the same client with "
+        "concurrent publisher confirms.",
+    )
     ap.add_argument("--pipelined-window", type=int, default=512)
     ap.add_argument("--pipelined-confirms", type=int, default=256)
-    ap.add_argument("--profile", action="store_true",
-                    help="Run the worker with benchmarks/queue_profile.py's instrumented engine factory and report "
-                         "engine occupancy and per-job phases (adds a little overhead; not for the headline numbers).")
-    ap.add_argument("--cprofile", action="store_true",
-                    help="With --profile: also cProfile the worker's event-loop thread and the batch command "
-                         "(both slow down; for the CPU breakdown only).")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="Run the worker with benchmarks/queue_profile.py's instrumented engine factory and report "
+        "engine occupancy and per-job phases (adds a little overhead; not for the headline numbers).",
+    )
+    ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="With --profile: also cProfile the worker's event-loop thread and the batch command "
+        "(both slow down; for the CPU breakdown only).",
+    )
     ap.add_argument("--warmup-prompts", type=int, default=200)
     ap.add_argument("--label", default="", help="Results file queue-[LABEL-]<date>.json (default: none).")
     ap.add_argument("--json-out", default=None, help="Write the results here instead of benchmarks/results/.")
@@ -365,8 +453,11 @@ def main() -> None:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
         lens = sorted(len(llm.engine.tokenizer.encode(p)) for p in prompts)
         ready_s = worker.wait_consuming()
-        print(f"worker consuming after {ready_s:.1f}s; prompt tokens min/median/max "
-              f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}", file=sys.stderr)
+        print(
+            f"worker consuming after {ready_s:.1f}s; prompt tokens min/median/max "
+            f"{lens[0]}/{lens[len(lens) // 2]}/{lens[-1]}",
+            file=sys.stderr,
+        )
         meter = qc.CpuMeter(worker.pid, qc.find_broker_pid())
 
         # Warm-up, untimed.
@@ -388,11 +479,14 @@ def main() -> None:
             row["queue"].pop("_keys")
             row["same_text"] = sum(1 for a, b in zip(q_texts, o_texts) if a == b)
             row["ratio"] = round(row["queue"]["window_s"] / row["offline"]["wall_s"], 3)
-            print(f"rep {rep}: queue {row['queue']['window_s']:.3f}s (publish span {row['queue']['publish_span_s']:.3f}s, "
-                  f"command {row['queue']['command_wall_s']:.3f}s) offline {row['offline']['wall_s']:.3f}s "
-                  f"ratio {row['ratio']:.2f} same_text {row['same_text']}/{len(prompts)}; tokens/step queue "
-                  f"{row['queue'].get('tokens_per_step')} offline {row['offline']['tokens_per_step']}; queue CPU "
-                  f"{json.dumps(row['queue']['cpu'])}", file=sys.stderr)
+            print(
+                f"rep {rep}: queue {row['queue']['window_s']:.3f}s (publish span {row['queue']['publish_span_s']:.3f}s, "
+                f"command {row['queue']['command_wall_s']:.3f}s) offline {row['offline']['wall_s']:.3f}s "
+                f"ratio {row['ratio']:.2f} same_text {row['same_text']}/{len(prompts)}; tokens/step queue "
+                f"{row['queue'].get('tokens_per_step')} offline {row['offline']['tokens_per_step']}; queue CPU "
+                f"{json.dumps(row['queue']['cpu'])}",
+                file=sys.stderr,
+            )
             reps.append(row)
     finally:
         rc = worker.stop()
@@ -432,15 +526,22 @@ def main() -> None:
         # the queue's per-job cost next to the engine's.
         "queue_cpu_ms_per_job": {
             name: round(1000 * qc.median([r["queue"]["cpu"][key] for r in reps]) / len(prompts), 3)
-            for name, key in (("worker_event_loop_thread", "worker_loop_thread_s"),
-                              ("worker_engine_and_xla_threads", "worker_other_threads_s"),
-                              ("broker", "broker_s"), ("batch_command_incl_startup", "children_s"))
+            for name, key in (
+                ("worker_event_loop_thread", "worker_loop_thread_s"),
+                ("worker_engine_and_xla_threads", "worker_other_threads_s"),
+                ("broker", "broker_s"),
+                ("batch_command_incl_startup", "children_s"),
+            )
             if all(key in r["queue"]["cpu"] for r in reps)
         },
         "batch_command_cpu_ms_per_job_after_first_publish": (
             round(1000 * qc.median([r["queue"]["command_cpu_after_first_publish_s"] for r in reps]) / len(prompts), 3)
-            if all(r["queue"].get("command_cpu_after_first_publish_s") is not None for r in reps) else None),
-        "offline_cpu_ms_per_prompt": round(1000 * qc.median([r["offline"]["cpu"]["bench_process_s"] for r in reps]) / len(prompts), 3),
+            if all(r["queue"].get("command_cpu_after_first_publish_s") is not None for r in reps)
+            else None
+        ),
+        "offline_cpu_ms_per_prompt": round(
+            1000 * qc.median([r["offline"]["cpu"]["bench_process_s"] for r in reps]) / len(prompts), 3
+        ),
         "queue_tokens_per_step_median": qc.median([r["queue"].get("tokens_per_step") or 0 for r in reps]),
         "offline_tokens_per_step_median": qc.median([r["offline"]["tokens_per_step"] for r in reps]),
         "queue_jobs_per_s": round(len(prompts) / q_med, 1),
@@ -452,9 +553,17 @@ def main() -> None:
         "worker_command": " ".join(worker.cmd).replace(str(qc.REPO) + "/", ""),
         "machine": {**machine, "loadavg_end": os.getloadavg()},
         "settings": {
-            "num_prompts": args.num_prompts, "repeats": args.repeats, "seed": args.seed, "max_tokens": args.max_tokens,
-            "temperature": 0, "engine": engine, "worker_args": args.worker_arg, "batch_args": args.batch_arg,
-            "publisher": args.publisher, "profile": args.profile, "cprofile": args.cprofile,
+            "num_prompts": args.num_prompts,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "engine": engine,
+            "worker_args": args.worker_arg,
+            "batch_args": args.batch_arg,
+            "publisher": args.publisher,
+            "profile": args.profile,
+            "cprofile": args.cprofile,
             "prompt_tokens": {"min": lens[0], "median": lens[len(lens) // 2], "max": lens[-1]},
             "example_prompt": prompts[0],
         },

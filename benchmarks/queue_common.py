@@ -85,13 +85,20 @@ def machine_info() -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         pass
     try:
-        info["rabbitmq"] = subprocess.run(["rabbitmqctl", "-q", "version"], capture_output=True, text=True, timeout=30).stdout.strip()
+        info["rabbitmq"] = subprocess.run(
+            ["rabbitmqctl", "-q", "version"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         info["rabbitmq"] = None
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "jaxserve"],
-                               capture_output=True, text=True).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "jaxserve"],
+            capture_output=True,
+            text=True,
+        ).stdout.split("\n")
         info["git_head"] = head
         info["jaxserve_uncommitted_files"] = sorted(line[3:] for line in dirty if line.strip())
     except OSError:
@@ -208,8 +215,8 @@ class CpuMeter:
         if self.broker_pid is not None and a.get("broker") is not None and b.get("broker") is not None:
             out["broker_s"] = b["broker"] - a["broker"]
         if a["system"] and b["system"]:
-            busy = (b["system"][0] - a["system"][0])
-            total = (b["system"][1] - a["system"][1])
+            busy = b["system"][0] - a["system"][0]
+            total = b["system"][1] - a["system"][1]
             out["machine_busy_s"] = busy
             out["machine_busy_frac"] = busy / total if total > 0 else None
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}
@@ -257,15 +264,33 @@ def worker_supports(flag: str) -> bool:
 class WorkerProc:
     """A ``jaxserve worker`` subprocess on its own prefix."""
 
-    def __init__(self, prefix: str, engine: dict[str, Any], extra: list[str], log_path: Path,
-                 metrics: bool = True, env: dict[str, str] | None = None, launcher: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        engine: dict[str, Any],
+        extra: list[str],
+        log_path: Path,
+        metrics: bool = True,
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
         """``launcher``: the command that stands for ``jaxserve`` (default:
         the installed script)."""
         self.prefix = prefix
         self.log_path = log_path
         self.metrics_port = free_port() if metrics and worker_supports("--metrics-port") else None
-        cmd = [*(launcher or [jaxserve_exe()]), "worker", "--model", str(engine.get("model", "tiny")), "--prefix", prefix,
-               "--amqp-url", AMQP_URL, "--log-format", "json"]
+        cmd = [
+            *(launcher or [jaxserve_exe()]),
+            "worker",
+            "--model",
+            str(engine.get("model", "tiny")),
+            "--prefix",
+            prefix,
+            "--amqp-url",
+            AMQP_URL,
+            "--log-format",
+            "json",
+        ]
         for k, v in engine.items():
             if k != "model" and v is not None:
                 cmd += ["--engine-arg", f"{k}={v}"]
@@ -274,8 +299,9 @@ class WorkerProc:
         cmd += extra
         self.cmd = cmd
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
+        )
         self.pid = self.proc.pid
         self.started = time.monotonic()
 
@@ -370,7 +396,13 @@ def delete_topology(prefix: str, extra_queues: list[str] = ()) -> list[str]:
         deleted = []
         conn = await aio_pika.connect(AMQP_URL)
         try:
-            for name in [f"{prefix}.interactive", f"{prefix}.batch", f"{prefix}.dead", f"{prefix}.results", *extra_queues]:
+            for name in [
+                f"{prefix}.interactive",
+                f"{prefix}.batch",
+                f"{prefix}.dead",
+                f"{prefix}.results",
+                *extra_queues,
+            ]:
                 ch = await conn.channel()
                 try:
                     await ch.queue_delete(name)
@@ -400,7 +432,9 @@ def delete_topology(prefix: str, extra_queues: list[str] = ()) -> list[str]:
 def leftover_queues(prefix: str) -> list[str]:
     """Queues whose name starts with ``prefix`` (rabbitmqctl; empty if absent)."""
     try:
-        out = subprocess.run(["rabbitmqctl", "-q", "list_queues", "name"], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["rabbitmqctl", "-q", "list_queues", "name"], capture_output=True, text=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip() for line in out.splitlines() if line.strip().startswith(prefix)]
@@ -433,5 +467,8 @@ def profiled_worker(profile_path: Path, factory: str = "build_engine") -> tuple[
     ``PYTHONPATH`` so both processes can import it."""
     path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
     launcher = [sys.executable, str(Path(__file__).resolve().parent / "queue_profile.py")]
-    return (["--engine", f"queue_profile:{factory}"], {"PYTHONPATH": path, "QUEUE_PROFILE_OUT": str(profile_path)},
-            launcher)
+    return (
+        ["--engine", f"queue_profile:{factory}"],
+        {"PYTHONPATH": path, "QUEUE_PROFILE_OUT": str(profile_path)},
+        launcher,
+    )

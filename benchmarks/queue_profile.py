@@ -231,15 +231,19 @@ def summarize(path: str, t_from: float, t_to: float) -> dict[str, Any]:
     for name, (a, b) in phases.items():
         xs = sorted(j[b] - j[a] for j in jobs if a in j and b in j)
         if xs:
-            ph[name] = {"median_ms": round(1000 * statistics.median(xs), 3),
-                        "p90_ms": round(1000 * xs[int(0.9 * (len(xs) - 1))], 3),
-                        "mean_ms": round(1000 * sum(xs) / len(xs), 3)}
+            ph[name] = {
+                "median_ms": round(1000 * statistics.median(xs), 3),
+                "p90_ms": round(1000 * xs[int(0.9 * (len(xs) - 1))], 3),
+                "mean_ms": round(1000 * sum(xs) / len(xs), 3),
+            }
     out["job_phases"] = ph
     lag = [x[1] for x in data["loop_lag"] if t_from <= x[0] <= t_to]
     if lag:
         lag.sort()
-        out["loop_lag_ms"] = {"median": round(1000 * statistics.median(lag), 3),
-                              "p90": round(1000 * lag[int(0.9 * (len(lag) - 1))], 3)}
+        out["loop_lag_ms"] = {
+            "median": round(1000 * statistics.median(lag), 3),
+            "p90": round(1000 * lag[int(0.9 * (len(lag) - 1))], 3),
+        }
     return out
 
 
@@ -263,7 +267,7 @@ def loop_breakdown(pstats_path: str, jobs: int) -> dict[str, Any]:
         "metrics (prometheus)": ("prometheus", "jaxserve/metrics"),
         "profiler shims (benchmarks/queue_profile)": ("queue_profile",),
     }
-    totals: dict[str, float] = {k: 0.0 for k in groups}
+    totals: dict[str, float] = dict.fromkeys(groups, 0.0)
     totals["other"] = 0.0
     top: list[tuple[float, str]] = []
     all_tt = 0.0
@@ -280,8 +284,13 @@ def loop_breakdown(pstats_path: str, jobs: int) -> dict[str, Any]:
     top.sort(reverse=True)
     return {
         "total_ms_per_job": round(1000 * all_tt / max(jobs, 1), 3),
-        "by_group_ms_per_job": {k: round(1000 * v / max(jobs, 1), 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-        "top_self_time": [{"fn": w.replace(os.getcwd() + "/", ""), "ms_per_job": round(1000 * t / max(jobs, 1), 4)} for t, w in top[:15]],
+        "by_group_ms_per_job": {
+            k: round(1000 * v / max(jobs, 1), 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
+        },
+        "top_self_time": [
+            {"fn": w.replace(os.getcwd() + "/", ""), "ms_per_job": round(1000 * t / max(jobs, 1), 4)}
+            for t, w in top[:15]
+        ],
     }
 
 

@@ -73,9 +73,17 @@ class FixedLatencyEngine:
     once, the rest wait in arrival order. ``step`` sleeps until the next
     finish, at most ``tick_s``, so new requests are admitted promptly."""
 
-    def __init__(self, *, latency_s: float = 0.04, tokens: int = 4, max_num_seqs: int = 4,
-                 interactive_reserved_seqs: int = 0, max_model_len: int = 4096, tick_s: float = 0.002,
-                 model_name: str = "fixed-latency") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        latency_s: float = 0.04,
+        tokens: int = 4,
+        max_num_seqs: int = 4,
+        interactive_reserved_seqs: int = 0,
+        max_model_len: int = 4096,
+        tick_s: float = 0.002,
+        model_name: str = "fixed-latency",
+    ) -> None:
         from jaxserve.engine.types import RequestOutput
 
         self._Output = RequestOutput
@@ -93,8 +101,16 @@ class FixedLatencyEngine:
     def warmup(self) -> None:
         pass
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, *, request_class: Any = None, priority: int = 0,
-                    deadline: float | None = None) -> None:  # fmt: skip
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        *,
+        request_class: Any = None,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         from jaxserve.engine.types import RequestError
 
         n = len(prompt) if not isinstance(prompt, str) else len(prompt.encode())
@@ -127,8 +143,18 @@ class FixedLatencyEngine:
             if due <= now:
                 del self.running[rid]
                 text = "ok " * k
-                outs.append(self._Output(rid, [1] * k, text, finished=True, finish_reason="length", text=text,
-                                         prompt_tokens=n, completion_tokens=k))  # fmt: skip
+                outs.append(
+                    self._Output(
+                        rid,
+                        [1] * k,
+                        text,
+                        finished=True,
+                        finish_reason="length",
+                        text=text,
+                        prompt_tokens=n,
+                        completion_tokens=k,
+                    )
+                )
         return outs
 
 
@@ -136,7 +162,15 @@ def make_fixed_latency_engine(model: str | None = None, **kwargs: Any) -> FixedL
     """Factory for ``jaxserve worker --engine benchmarks.scaleout:make_fixed_latency_engine
     --engine-arg latency_s=0.04 --engine-arg tokens=4 --engine-arg max_num_seqs=4``
     (``model`` and the worker's engine flags it does not use are ignored)."""
-    known = ("latency_s", "tokens", "max_num_seqs", "interactive_reserved_seqs", "max_model_len", "tick_s", "model_name")
+    known = (
+        "latency_s",
+        "tokens",
+        "max_num_seqs",
+        "interactive_reserved_seqs",
+        "max_model_len",
+        "tick_s",
+        "model_name",
+    )
     return FixedLatencyEngine(**{k: v for k, v in kwargs.items() if k in known})
 
 
@@ -145,11 +179,30 @@ def _launch(prefix: str, n: int, args: argparse.Namespace, logdir: Path, qc: Any
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     procs = []
     for i in range(n):
-        cmd = [qc.jaxserve_exe(), "worker", "--engine", "benchmarks.scaleout:make_fixed_latency_engine",
-               "--engine-arg", f"latency_s={args.latency_s}", "--engine-arg", f"tokens={args.tokens}",
-               "--engine-arg", f"max_num_seqs={args.max_num_seqs}", "--engine-arg", "interactive_reserved_seqs=0",
-               "--prefix", prefix, "--amqp-url", qc.AMQP_URL, "--store", "memory", "--log-format", "json",
-               "--log-level", args.log_level]  # fmt: skip
+        cmd = [
+            qc.jaxserve_exe(),
+            "worker",
+            "--engine",
+            "benchmarks.scaleout:make_fixed_latency_engine",
+            "--engine-arg",
+            f"latency_s={args.latency_s}",
+            "--engine-arg",
+            f"tokens={args.tokens}",
+            "--engine-arg",
+            f"max_num_seqs={args.max_num_seqs}",
+            "--engine-arg",
+            "interactive_reserved_seqs=0",
+            "--prefix",
+            prefix,
+            "--amqp-url",
+            qc.AMQP_URL,
+            "--store",
+            "memory",
+            "--log-format",
+            "json",
+            "--log-level",
+            args.log_level,
+        ]
         log = open(logdir / f"{prefix}-w{i}.log", "wb")
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -193,13 +246,18 @@ def _snap(procs: list[subprocess.Popen], broker_pid: int | None, qc: Any) -> dic
         totals.append(qc.proc_cpu_s(p.pid) or 0.0)
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return {
-        "t": time.monotonic(), "loop": sum(loops), "workers": sum(totals),
+        "t": time.monotonic(),
+        "loop": sum(loops),
+        "workers": sum(totals),
         "broker": qc.proc_cpu_s(broker_pid) if broker_pid else None,
-        "self": ru.ru_utime + ru.ru_stime, "system": qc._system_cpu_s(),
-    }  # fmt: skip
+        "self": ru.ru_utime + ru.ru_stime,
+        "system": qc._system_cpu_s(),
+    }
 
 
-async def _run_jobs(prefix: str, procs: list[subprocess.Popen], args: argparse.Namespace, broker_pid: int | None, qc: Any) -> dict[str, Any]:
+async def _run_jobs(
+    prefix: str, procs: list[subprocess.Popen], args: argparse.Namespace, broker_pid: int | None, qc: Any
+) -> dict[str, Any]:
     from jaxserve.client import AsyncClient
 
     client = await AsyncClient(qc.AMQP_URL, prefix=prefix, name="bench-scaleout").connect()
@@ -285,11 +343,14 @@ def summarize(runs: list[dict[str, Any]], threshold: float, nproc: int | None) -
         "broker_jobs_per_s_per_core": None if not broker_ms else round(1000 / broker_ms, 1),
         "worker_loop_cpu_ms_per_job": runs[0]["worker_loop_cpu_ms_per_job"],
         "worker_loop_jobs_per_s_per_core": round(1000 / runs[0]["worker_loop_cpu_ms_per_job"], 1)
-        if runs[0]["worker_loop_cpu_ms_per_job"] else None,
-    }  # fmt: skip
+        if runs[0]["worker_loop_cpu_ms_per_job"]
+        else None,
+    }
     where = stops_at or runs[-1]
     busy = where.get("machine_busy_frac")
-    cpu_ms = where["worker_cpu_ms_per_job"] + where.get("broker_cpu_ms_per_job", 0.0) + where["bench_process_cpu_ms_per_job"]
+    cpu_ms = (
+        where["worker_cpu_ms_per_job"] + where.get("broker_cpu_ms_per_job", 0.0) + where["bench_process_cpu_ms_per_job"]
+    )
     ceiling = (nproc or 1) * 1000 / cpu_ms if cpu_ms else None
     summary["cpu_ms_per_job_total"] = round(cpu_ms, 4)
     summary["cpu_bound_ceiling_jobs_per_s"] = None if ceiling is None else round(ceiling, 1)
@@ -307,8 +368,10 @@ def summarize(runs: list[dict[str, Any]], threshold: float, nproc: int | None) -
 
 def markdown(runs: list[dict[str, Any]]) -> str:
     rows = [
-        "| workers | jobs/s | ideal jobs/s | efficiency | loop CPU ms/job | worker CPU ms/job | broker CPU ms/job "
-        "| broker cores | messages/s | machine busy |",
+        (
+            "| workers | jobs/s | ideal jobs/s | efficiency | loop CPU ms/job | worker CPU ms/job | broker CPU ms/job "
+            "| broker cores | messages/s | machine busy |"
+        ),
         "|" + "---|" * 10,
     ]
     for r in runs:
@@ -327,17 +390,21 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1500, help="Batch jobs per worker count.")
     ap.add_argument("--latency-s", type=float, default=0.04, help="The stand-in's per-job latency.")
     ap.add_argument("--tokens", type=int, default=4, help="Tokens per job (max_tokens).")
-    ap.add_argument("--max-num-seqs", type=int, default=4, help="Jobs one stand-in runs at once (= the batch prefetch).")
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=4, help="Jobs one stand-in runs at once (= the batch prefetch)."
+    )
     ap.add_argument("--prompt-words", type=int, default=8)
     ap.add_argument("--efficiency", type=float, default=0.75, help="Scaling stops where efficiency falls below this.")
-    ap.add_argument("--log-level", default="info", help="Workers' log level (info: the default deployment's per-job lines).")
+    ap.add_argument(
+        "--log-level", default="info", help="Workers' log level (info: the default deployment's per-job lines)."
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--settle", type=float, default=2.0, help="Seconds between worker counts.")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import queue_common as qc  # noqa: PLC0415 - benchmarks' helpers; not needed by the engine factory
+    import queue_common as qc
 
     counts = [int(x) for x in args.workers.split(",") if x.strip()]
     if not counts or counts[0] != 1:
@@ -358,12 +425,20 @@ def main() -> None:
             codes = _stop(procs)
             qc.delete_topology(prefix)
         left = qc.leftover_queues(prefix)
-        res.update(workers=n, ready_s=round(ready, 1), exit_codes=codes, leftover_queues=left,
-                   ideal_jobs_per_s=n * args.max_num_seqs / args.latency_s)  # fmt: skip
+        res.update(
+            workers=n,
+            ready_s=round(ready, 1),
+            exit_codes=codes,
+            leftover_queues=left,
+            ideal_jobs_per_s=n * args.max_num_seqs / args.latency_s,
+        )
         runs.append(res)
-        print(f"N={n}: {res['jobs_per_s']} jobs/s ({res['wall_s']} s, failed {res['failed']}); loop "
-              f"{res['worker_loop_cpu_ms_per_job']} ms/job, broker {res.get('broker_cpu_ms_per_job')} ms/job, "
-              f"machine busy {res.get('machine_busy_frac')}", file=sys.stderr)  # fmt: skip
+        print(
+            f"N={n}: {res['jobs_per_s']} jobs/s ({res['wall_s']} s, failed {res['failed']}); loop "
+            f"{res['worker_loop_cpu_ms_per_job']} ms/job, broker {res.get('broker_cpu_ms_per_job')} ms/job, "
+            f"machine busy {res.get('machine_busy_frac')}",
+            file=sys.stderr,
+        )
         time.sleep(args.settle)
     summary = summarize(runs, args.efficiency, machine.get("nproc"))
     data = {

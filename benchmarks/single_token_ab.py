@@ -38,10 +38,17 @@ def main() -> None:
     runners = {}
     for name, tokens in (("one", (1, 8, 256)), ("eight", (8, 256))):
         runners[name] = ModelRunner(
-            loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.head_dim, num_blocks=16, block_size=64, max_num_seqs=1, max_num_batched_tokens=256,
-            max_model_len=1024, buckets=Buckets(tokens=tokens, seqs=(1,)),
-        )  # fmt: skip
+            loaded.model,
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            num_blocks=16,
+            block_size=64,
+            max_num_seqs=1,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            buckets=Buckets(tokens=tokens, seqs=(1,)),
+        )
         runners[name].warmup()
     greedy = {"temperature": 0.0, "logprobs": False}
     blocks = list(range(1, 2 + args.context // 64))
@@ -53,13 +60,20 @@ def main() -> None:
     for k, v in ms.items():
         print(f"{k}-token program: median {med[k]:.2f} ms (min {v[0]:.2f}, max {v[-1]:.2f})")
     print(f"8-token / 1-token: {med['eight'] / med['one']:.3f}x; same tokens: {tokens['one'] == tokens['eight']}")
-    path = qc.write_stamped("single-token-ab", {
-        "command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "kernel": impl.kernel,
-        "reason": reason, "median_ms": {k: round(v, 2) for k, v in med.items()},
-        "runs_ms": {k: [round(x, 2) for x in v] for k, v in ms.items()},
-        "ratio": round(med["eight"] / med["one"], 3), "same_tokens": tokens["one"] == tokens["eight"],
-        "machine": qc.machine_info(),
-    })  # fmt: skip
+    path = qc.write_stamped(
+        "single-token-ab",
+        {
+            "command": " ".join([".venv/bin/python", *sys.argv]),
+            "model": args.model,
+            "kernel": impl.kernel,
+            "reason": reason,
+            "median_ms": {k: round(v, 2) for k, v in med.items()},
+            "runs_ms": {k: [round(x, 2) for x in v] for k, v in ms.items()},
+            "ratio": round(med["eight"] / med["one"], 3),
+            "same_tokens": tokens["one"] == tokens["eight"],
+            "machine": qc.machine_info(),
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -84,7 +84,10 @@ def run_jobs(llm, prompts: list[str], with_schema: bool, max_tokens: int, temper
     from jaxserve.engine.types import SamplingParams
 
     spec = json_schema_constraint(SCHEMA) if with_schema else None
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, structured=spec) for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, structured=spec)
+        for i in range(len(prompts))
+    ]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -97,8 +100,14 @@ def run_jobs(llm, prompts: list[str], with_schema: bool, max_tokens: int, temper
                 valid += o.finish_reason == "stop"
             except ValueError:
                 pass
-    return {"wall_s": wall, "jobs_per_s": len(prompts) / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
-            "errors": sum(o.error is not None for o in outs), **({"valid_json": valid} if with_schema else {})}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "jobs_per_s": len(prompts) / wall,
+        "tokens_per_s": tokens / wall,
+        "tokens": tokens,
+        "errors": sum(o.error is not None for o in outs),
+        **({"valid_json": valid} if with_schema else {}),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +130,15 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(args.model, max_num_seqs=args.rows)
     engine = llm.engine
-    result: dict = {"model": args.model, "rows": args.rows, "steps": args.steps, "rounds": args.rounds,
-                    "jobs": args.jobs, "max_tokens": args.max_tokens, "temperature": args.temperature}  # fmt: skip
+    result: dict = {
+        "model": args.model,
+        "rows": args.rows,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "jobs": args.jobs,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+    }
     if args.skip != "step":
         variants = [0, 1, args.rows]
         samples: dict[int, list[float]] = {v: [] for v in variants}
@@ -138,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = documents(args.jobs)
         runs: dict[str, list[dict]] = {"schema": [], "free": []}
         for r in range(args.rounds):
-            for name in (["schema", "free"] if r % 2 == 0 else ["free", "schema"]):
+            for name in ["schema", "free"] if r % 2 == 0 else ["free", "schema"]:
                 runs[name].append(run_jobs(llm, prompts, name == "schema", args.max_tokens, args.temperature))
         result["jobs_runs"] = runs
         result["jobs_per_s"] = {k: round(statistics.median(x["jobs_per_s"] for x in v), 3) for k, v in runs.items()}

@@ -41,15 +41,28 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     print(f"== {scenario.NAME}: {args.rounds} rounds (+{args.warmup_rounds} warm-up)", file=sys.stderr, flush=True)
     mach = machine.measure(quick=args.quick_machine)
-    ctx = SimpleNamespace(tmp=Path(tempfile.mkdtemp(prefix=f"jaxserve-{scenario.NAME}-")), rounds=args.rounds,
-                          warmup_rounds=args.warmup_rounds, machine=mach, smoke=args.smoke)
+    ctx = SimpleNamespace(
+        tmp=Path(tempfile.mkdtemp(prefix=f"jaxserve-{scenario.NAME}-")),
+        rounds=args.rounds,
+        warmup_rounds=args.warmup_rounds,
+        machine=mach,
+        smoke=args.smoke,
+    )
     print(f"   working files in {ctx.tmp}", file=sys.stderr, flush=True)
     figures, runs, settings = scenario.run(args, ctx)
     command = " ".join([".venv/bin/python", "benchmarks/suite.py", *map(shlex.quote, sys.argv[1:])])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items() if k != "func"}
     settings["wall_s"] = round(time.monotonic() - started, 1)
-    result = Result(scenario=scenario.NAME, command=command, machine=mach, git=machine.git_state(), settings=settings,
-                    figures=figures, runs=runs, smoke=args.smoke)
+    result = Result(
+        scenario=scenario.NAME,
+        command=command,
+        machine=mach,
+        git=machine.git_state(),
+        settings=settings,
+        figures=figures,
+        runs=runs,
+        smoke=args.smoke,
+    )
     path = result.write()
     print(f"wrote {path}", file=sys.stderr)
     print("\n".join([table.HEADER, "|---|---|---|---|---|---|---|---|", *table.result_rows(result, path)]))
@@ -64,18 +77,24 @@ def write_table() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the scenarios")
     sub.add_parser("table", help="regenerate BENCHMARKS.md's table from benchmarks/results/")
     run_p = sub.add_parser("run", help="run one scenario")
     scen = run_p.add_subparsers(dest="scenario", required=True)
     for name, mod in SCENARIOS.items():
-        p = scen.add_parser(name, help=mod.DESCRIPTION, description=mod.__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--rounds", type=int, default=getattr(mod, "DEFAULT_ROUNDS", 5),
-                       help="alternated rounds (the spread rule needs at least five)")
+        p = scen.add_parser(
+            name, help=mod.DESCRIPTION, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        p.add_argument(
+            "--rounds",
+            type=int,
+            default=getattr(mod, "DEFAULT_ROUNDS", 5),
+            help="alternated rounds (the spread rule needs at least five)",
+        )
         p.add_argument("--warmup-rounds", type=int, default=getattr(mod, "DEFAULT_WARMUP_ROUNDS", 1))
         p.add_argument("--smoke", action="store_true", help="one round, quick machine rates, results/smoke/, no table")
         p.add_argument("--quick-machine", action="store_true", help="small machine-rate probes")

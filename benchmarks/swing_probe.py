@@ -81,12 +81,8 @@ class Pair:
             "min_tok_s": min(rates),
             "max_tok_s": max(rates),
             "max_over_min": round(max(rates) / min(rates), 3),
-            "median_cpu_s_per_1k_tokens": round(
-                statistics.median(r.cpu_s_per_1k for r in self.runs), 3
-            ),
-            "median_nivcsw_per_token": round(
-                statistics.median(r.nivcsw_per_token for r in self.runs), 3
-            ),
+            "median_cpu_s_per_1k_tokens": round(statistics.median(r.cpu_s_per_1k for r in self.runs), 3),
+            "median_nivcsw_per_token": round(statistics.median(r.nivcsw_per_token for r in self.runs), 3),
         }
 
 
@@ -94,16 +90,12 @@ def parse_config(text: str) -> tuple[str, dict[str, str]]:
     """``NAME=VAR=VALUE,VAR=VALUE`` (or just ``NAME``) -> (name, environment)."""
     name, _, rest = text.partition("=")
     if not name:
-        raise argparse.ArgumentTypeError(
-            f"--config needs NAME[=VAR=VALUE,...], got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"--config needs NAME[=VAR=VALUE,...], got {text!r}")
     env = {}
     for item in filter(None, rest.split(",")):
         var, eq, value = item.partition("=")
         if not var or not eq:
-            raise argparse.ArgumentTypeError(
-                f"--config {name}: {item!r} is not VAR=VALUE"
-            )
+            raise argparse.ArgumentTypeError(f"--config {name}: {item!r} is not VAR=VALUE")
         env[var] = value
     return name, env
 
@@ -130,14 +122,13 @@ def process_counters(pid: int) -> tuple[float, int]:
 class Engine:
     """A served jaxserve engine (the offline peer's ``--serve`` protocol)."""
 
-    def __init__(
-        self, name: str, env: dict[str, str], argv: list[str], nice: int
-    ) -> None:
+    def __init__(self, name: str, env: dict[str, str], argv: list[str], nice: int) -> None:
         self.name = name
         if nice:
             argv = ["nice", "-n", str(nice), *argv]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **env})  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
         self.ready = self._read("ready")
 
     def _read(self, event: str) -> dict:
@@ -149,9 +140,7 @@ class Engine:
                     raise RuntimeError(f"{self.name}: {record.get('error')}")
                 if record.get("event") == event:
                     return record
-        raise RuntimeError(
-            f"{self.name}: the engine exited ({self.proc.wait()}) before {event!r}"
-        )
+        raise RuntimeError(f"{self.name}: the engine exited ({self.proc.wait()}) before {event!r}")
 
     def run_once(self) -> Run:
         assert self.proc.stdin is not None
@@ -161,8 +150,9 @@ class Engine:
         record = self._read("result")
         cpu1, cs1 = process_counters(self.proc.pid)
         tokens = record["output_tokens"]
-        return Run(record["output_tokens_per_s"], round((cpu1 - cpu0) * 1000 / tokens, 3),
-                   round((cs1 - cs0) / tokens, 3))  # fmt: skip
+        return Run(
+            record["output_tokens_per_s"], round((cpu1 - cpu0) * 1000 / tokens, 3), round((cs1 - cs0) / tokens, 3)
+        )
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -187,9 +177,7 @@ def start_background(kind: str, nice: int) -> subprocess.Popen | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-56m")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
@@ -219,9 +207,7 @@ def main() -> None:
         help="niceness of the engines and the busy loop (< 0: root)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--json", action="store_true", help="also print the summary as one JSON line"
-    )
+    ap.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     args = ap.parse_args()
     backgrounds = [b for b in args.busy.split(",") if b]
     for b in backgrounds:
@@ -230,15 +216,21 @@ def main() -> None:
     configs = args.config or [("default", {})]
 
     rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(100, 30000) for _ in range(args.input_len)]
-        for _ in range(args.num_prompts)
-    ]
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompts.json"
         prompt_file.write_text(json.dumps(prompts))
-        argv = [sys.executable, str(PEER), "--model", args.model, "--prompts", str(prompt_file),
-                "--output-len", str(args.output_len), "--serve"]  # fmt: skip
+        argv = [
+            sys.executable,
+            str(PEER),
+            "--model",
+            args.model,
+            "--prompts",
+            str(prompt_file),
+            "--output-len",
+            str(args.output_len),
+            "--serve",
+        ]
         if args.taskset:
             argv = ["taskset", "-c", args.taskset, *argv]
         engines = {name: Engine(name, env, argv, args.nice) for name, env in configs}
@@ -267,14 +259,20 @@ def main() -> None:
                 engine.close()
 
     summaries = [p.summary() for p in pairs.values()]
-    print(f"\n{args.model}, {args.num_prompts} prompts, {args.input_len} -> {args.output_len}, "
-          f"{args.rounds} rounds, nice {args.nice}, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(f"{'config':>12s} {'busy':>6s} {'median':>8s} {'min':>8s} {'max':>8s} {'max/min':>7s} "
-          f"{'cpu-s/1k':>8s} {'nivcsw/tok':>10s}")  # fmt: skip
+    print(
+        f"\n{args.model}, {args.num_prompts} prompts, {args.input_len} -> {args.output_len}, "
+        f"{args.rounds} rounds, nice {args.nice}, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'config':>12s} {'busy':>6s} {'median':>8s} {'min':>8s} {'max':>8s} {'max/min':>7s} "
+        f"{'cpu-s/1k':>8s} {'nivcsw/tok':>10s}"
+    )
     for s in summaries:
-        print(f"{s['config']:>12s} {s['background']:>6s} {s['median_tok_s']:8.1f} {s['min_tok_s']:8.1f} "
-              f"{s['max_tok_s']:8.1f} {s['max_over_min']:7.3f} {s['median_cpu_s_per_1k_tokens']:8.2f} "
-              f"{s['median_nivcsw_per_token']:10.2f}")  # fmt: skip
+        print(
+            f"{s['config']:>12s} {s['background']:>6s} {s['median_tok_s']:8.1f} {s['min_tok_s']:8.1f} "
+            f"{s['max_tok_s']:8.1f} {s['max_over_min']:7.3f} {s['median_cpu_s_per_1k_tokens']:8.2f} "
+            f"{s['median_nivcsw_per_token']:10.2f}"
+        )
     if args.json:
         print(
             json.dumps(

@@ -52,7 +52,9 @@ def main() -> None:
     ap.add_argument("--step", choices=["prefill", "decode", "mixed"], default="prefill")
     ap.add_argument("--seqs", type=int, default=64, help="decode: the number of sequences (1-64)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--top", type=int, default=0, help="also list the N costliest single ops (name, ms and calls per step)")
+    ap.add_argument(
+        "--top", type=int, default=0, help="also list the N costliest single ops (name, ms and calls per step)"
+    )
     args = ap.parse_args()
 
     import jax
@@ -63,29 +65,62 @@ def main() -> None:
     loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
     if args.step == "mixed":  # the shape of classify_docs.py's steps (256 sequences, 4096-token budget)
-        sizes = dict(num_blocks=900, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=1024,
-                     buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)))  # fmt: skip
+        sizes = dict(
+            num_blocks=900,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            max_model_len=1024,
+            buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)),
+        )
     else:
         # decode steps of fewer sequences run in the engine's smallest token bucket, 8
-        sizes = dict(num_blocks=300, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
-                     buckets=Buckets(tokens=tuple(sorted({max(8, args.seqs), 64, 2048})),
-                                     seqs=tuple(sorted({args.seqs, 64}))))  # fmt: skip
-    runner = ModelRunner(loaded.model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, block_size=64, **sizes)  # fmt: skip
+        sizes = dict(
+            num_blocks=300,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+            buckets=Buckets(tokens=tuple(sorted({max(8, args.seqs), 64, 2048})), seqs=tuple(sorted({args.seqs, 64}))),
+        )
+    runner = ModelRunner(
+        loaded.model,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        block_size=64,
+        **sizes,
+    )
     runner.warmup()
     greedy = {"temperature": 0.0, "logprobs": False}
     rng = np.random.default_rng(0)
     if args.step == "mixed":
-        work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 250).tolist(), start_pos=0,
-                        block_ids=list(range(1 + 5 * i, 6 + 5 * i)), sampling=greedy) for i in range(16)]  # fmt: skip
-        work += [SeqWork(token_ids=[7], start_pos=250, block_ids=list(range(100 + 5 * i, 105 + 5 * i)), sampling=greedy)
-                 for i in range(96)]  # fmt: skip
+        work = [
+            SeqWork(
+                token_ids=rng.integers(5, cfg.vocab_size - 5, 250).tolist(),
+                start_pos=0,
+                block_ids=list(range(1 + 5 * i, 6 + 5 * i)),
+                sampling=greedy,
+            )
+            for i in range(16)
+        ]
+        work += [
+            SeqWork(token_ids=[7], start_pos=250, block_ids=list(range(100 + 5 * i, 105 + 5 * i)), sampling=greedy)
+            for i in range(96)
+        ]
     elif args.step == "decode":
-        work = [SeqWork(token_ids=[5], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
-                for i in range(args.seqs)]  # fmt: skip
+        work = [
+            SeqWork(token_ids=[5], start_pos=192, block_ids=list(range(1 + 4 * i, 5 + 4 * i)), sampling=greedy)
+            for i in range(args.seqs)
+        ]
     else:
-        work = [SeqWork(token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(), start_pos=0,
-                        block_ids=list(range(1 + 2 * i, 3 + 2 * i)), sampling=greedy) for i in range(16)]  # fmt: skip
+        work = [
+            SeqWork(
+                token_ids=rng.integers(5, cfg.vocab_size - 5, 128).tolist(),
+                start_pos=0,
+                block_ids=list(range(1 + 2 * i, 3 + 2 * i)),
+                sampling=greedy,
+            )
+            for i in range(16)
+        ]
     for _ in range(3):
         runner.execute(work).fetch()
     folder = Path(tempfile.mkdtemp(prefix="jaxserve-trace-"))
@@ -107,16 +142,24 @@ def main() -> None:
             per_op[e["name"]] += e["dur"] / 1000 / args.repeats
             calls[e["name"]] += 1 / args.repeats
     ops = sum(per_step.values())
-    result = {"command": " ".join([".venv/bin/python", *sys.argv]), "model": args.model, "step": args.step,
-              "kernel": impl.kernel, "reason": reason, "step_ms_median": round(1000 * float(np.median(walls)), 1),
-              "ops_ms_per_step": {k: round(v, 2) for k, v in per_step.most_common()}}  # fmt: skip
+    result = {
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "model": args.model,
+        "step": args.step,
+        "kernel": impl.kernel,
+        "reason": reason,
+        "step_ms_median": round(1000 * float(np.median(walls)), 1),
+        "ops_ms_per_step": {k: round(v, 2) for k, v in per_step.most_common()},
+    }
     print(f"{args.step} step, {impl.kernel} attention: median {result['step_ms_median']} ms wall\n")
     print("| ops | ms per step | share of op time |\n|---|---|---|")
     for k, v in per_step.most_common(12):
         print(f"| {k} | {v:.1f} | {100 * v / ops:.0f}% |")
     if args.top:
-        result["top_ops"] = [{"name": k, "ms": round(v, 3), "calls": round(calls[k], 1)} for k, v in per_op.most_common(args.top)]
-        print(f"\n| op | ms per step | calls per step |\n|---|---|---|")
+        result["top_ops"] = [
+            {"name": k, "ms": round(v, 3), "calls": round(calls[k], 1)} for k, v in per_op.most_common(args.top)
+        ]
+        print("\n| op | ms per step | calls per step |\n|---|---|---|")
         for row in result["top_ops"]:
             print(f"| {row['name']} | {row['ms']:.2f} | {row['calls']:g} |")
     path = qc.write_stamped(f"trace-{args.step}", result)

@@ -59,7 +59,16 @@ def expected_completion(prompt: str, max_tokens: int, stop: tuple[str, ...] = ()
 
 
 class _Req:
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, rc: RequestClass, priority: int, deadline: float | None, tok: ByteTokenizer) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rc: RequestClass,
+        priority: int,
+        deadline: float | None,
+        tok: ByteTokenizer,
+    ) -> None:
         self.id = rid
         self.prompt_text = tok.decode(prompt_ids)
         self.prompt_tokens = len(prompt_ids)
@@ -137,7 +146,16 @@ class EchoEngine:
             time.sleep(self.warmup_s)
         self.warmed = True
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, request_class: RequestClass = RequestClass.BATCH, priority: int = 0, deadline: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_class: RequestClass = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         self.thread_ids.add(threading.get_ident())
         if not self.warmed:
             raise RuntimeError("add_request before warmup")
@@ -148,9 +166,20 @@ class EchoEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError("context_length_exceeded", "too long")
         self.add_count[job_key_of(request_id)] += 1  # counted per job key (the worker adds one id per run)
-        self.waiting.append(_Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer))
+        self.waiting.append(
+            _Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer)
+        )
 
-    def add_score_request(self, request_id: str, prompt: list[int], labels: list[list[int]], *, request_class: RequestClass = RequestClass.BATCH, priority: int = 0, deadline: float | None = None) -> None:
+    def add_score_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        labels: list[list[int]],
+        *,
+        request_class: RequestClass = RequestClass.BATCH,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         """Label scoring like the real engine's interface: one finished
         output whose ``label_logprobs`` are a deterministic function of the
         prompt and each label (the label sharing most bytes with the prompt
@@ -162,7 +191,9 @@ class EchoEngine:
             raise RequestError("context_length_exceeded", "too long")
         self.add_count[job_key_of(request_id)] += 1
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        req = _Req(request_id, list(prompt), params, RequestClass.parse(request_class), priority, deadline, self.tokenizer)
+        req = _Req(
+            request_id, list(prompt), params, RequestClass.parse(request_class), priority, deadline, self.tokenizer
+        )
         seen = set(prompt)
         req.label_logprobs = [-0.1 * len(ids) - 0.5 * sum(1 for t in ids if t not in seen) for ids in labels]
         req.label_tokens = sum(len(ids) for ids in labels)
@@ -198,7 +229,16 @@ class EchoEngine:
         for r in list(self.waiting):
             if r.deadline is not None and now >= r.deadline:
                 self.waiting.remove(r)
-                outs.append(RequestOutput(r.id, [], "", finished=True, finish_reason="error", error=RequestError("expired", "deadline passed while waiting")))
+                outs.append(
+                    RequestOutput(
+                        r.id,
+                        [],
+                        "",
+                        finished=True,
+                        finish_reason="error",
+                        error=RequestError("expired", "deadline passed while waiting"),
+                    )
+                )
         # admit like the real scheduler's priority policy: interactive first,
         # then the LOWER priority value, then arrival
         self.waiting.sort(key=lambda r: (int(r.rc), r.priority, r.arrival))
@@ -218,12 +258,24 @@ class EchoEngine:
                 # Like the real engine's containment: the request whose rows
                 # break the step fails alone, retryable.
                 del self.running[rid]
-                err = RequestError("internal", f"engine step failed for this request: injected ({FAIL_MARKER})", retryable=True)
+                err = RequestError(
+                    "internal", f"engine step failed for this request: injected ({FAIL_MARKER})", retryable=True
+                )
                 outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="error", error=err))
                 continue
             if r.label_logprobs is not None:
                 del self.running[rid]
-                outs.append(RequestOutput(rid, [], "", finished=True, finish_reason="stop", prompt_tokens=r.prompt_tokens + r.label_tokens, label_logprobs=list(r.label_logprobs)))
+                outs.append(
+                    RequestOutput(
+                        rid,
+                        [],
+                        "",
+                        finished=True,
+                        finish_reason="stop",
+                        prompt_tokens=r.prompt_tokens + r.label_tokens,
+                        label_logprobs=list(r.label_logprobs),
+                    )
+                )
                 continue
             if r.held_first:
                 r.held_first = False
@@ -234,7 +286,18 @@ class EchoEngine:
             r.pos += 1
             if r.pos >= len(r.pieces):
                 del self.running[rid]
-                outs.append(RequestOutput(rid, [1], delta, finished=True, finish_reason=r.reason, text=r.full, prompt_tokens=r.prompt_tokens, completion_tokens=len(r.pieces)))
+                outs.append(
+                    RequestOutput(
+                        rid,
+                        [1],
+                        delta,
+                        finished=True,
+                        finish_reason=r.reason,
+                        text=r.full,
+                        prompt_tokens=r.prompt_tokens,
+                        completion_tokens=len(r.pieces),
+                    )
+                )
             else:
                 outs.append(RequestOutput(rid, [1], delta))
         return outs
@@ -278,17 +341,37 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_worker_process(prefix: str, log_path, *extra: str, engine: str | None = "tests.queue_support:make_echo_engine", env: dict | None = None):
+def start_worker_process(
+    prefix: str,
+    log_path,
+    *extra: str,
+    engine: str | None = "tests.queue_support:make_echo_engine",
+    env: dict | None = None,
+):
     """``jaxserve worker`` as a subprocess (EchoEngine unless ``engine`` is
     None: then the real engine and its default model), JSON logs to
     ``log_path``."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "jaxserve.worker", "--amqp-url", AMQP_URL, "--prefix", prefix, "--heartbeat", "5", "--log-format", "json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve.worker",
+        "--amqp-url",
+        AMQP_URL,
+        "--prefix",
+        prefix,
+        "--heartbeat",
+        "5",
+        "--log-format",
+        "json",
+    ]
     if engine is not None:
         cmd += ["--engine", engine]
-    return subprocess.Popen([*cmd, *extra], cwd=REPO, env=env or worker_env(), stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [*cmd, *extra], cwd=REPO, env=env or worker_env(), stdout=open(log_path, "ab"), stderr=subprocess.STDOUT
+    )
 
 
 def wait_log(log_path, needle: str, timeout: float = 30.0) -> None:
@@ -305,8 +388,9 @@ def wait_log(log_path, needle: str, timeout: float = 30.0) -> None:
 
 
 def read_jsonl(path) -> list[dict]:
-    import orjson
     from pathlib import Path
+
+    import orjson
 
     path = Path(path)
     if not path.exists():
@@ -334,7 +418,9 @@ def unique_prefix() -> str:
 def rabbitmqctl(*args: str, timeout: float = 30.0) -> str:
     import subprocess
 
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout, check=True).stdout
+    return subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=timeout, check=True
+    ).stdout
 
 
 def unacked_counts(prefix: str) -> dict[str, int]:
@@ -354,7 +440,6 @@ def unacked_counts(prefix: str) -> dict[str, int]:
 # ---------------------------------------------------------------- fixtures
 import asyncio  # noqa: E402
 
-import pytest  # noqa: E402
 import pytest_asyncio  # noqa: E402
 
 AMQP_URL = os.environ.get("JAXSERVE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -401,7 +486,11 @@ class WorkerHarness:
         from jaxserve.worker.worker import Worker, WorkerConfig
 
         engine = engine or EchoEngine()
-        topo_kw = {k: cfg.pop(k) for k in list(cfg) if k in ("delivery_limit", "interactive_max_length", "batch_max_length", "interactive_ttl_ms")}
+        topo_kw = {
+            k: cfg.pop(k)
+            for k in list(cfg)
+            if k in ("delivery_limit", "interactive_max_length", "batch_max_length", "interactive_ttl_ms")
+        }
         config = WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=self.prefix, **topo_kw), **cfg)
         w = Worker(lambda: engine, config, store=store)
         await w.start()
@@ -437,12 +526,21 @@ async def client(prefix):
     await c.close()
 
 
-async def raw_publish(prefix: str, body: bytes, *, queue: str = "interactive", message_id: str | None = None, reply_to: str | None = None, correlation_id: str | None = None, content_type: str | None = "application/json", expiration=None) -> None:
+async def raw_publish(
+    prefix: str,
+    body: bytes,
+    *,
+    queue: str = "interactive",
+    message_id: str | None = None,
+    reply_to: str | None = None,
+    correlation_id: str | None = None,
+    content_type: str | None = "application/json",
+    expiration=None,
+) -> None:
     """Publish anything (bad jobs included) like a foreign AMQP client."""
-    import aio_pika
-
     import types
 
+    import aio_pika
     import aiormq.channel
 
     conn = await aio_pika.connect(AMQP_URL)
@@ -453,7 +551,14 @@ async def raw_publish(prefix: str, body: bytes, *, queue: str = "interactive", m
             # aiormq fills in a random message_id; suppress it for this publish.
             aiormq.channel.UUID = lambda **_: types.SimpleNamespace(hex=None)
         await ch.default_exchange.publish(
-            aio_pika.Message(body, message_id=message_id, reply_to=reply_to, correlation_id=correlation_id, content_type=content_type, expiration=expiration),
+            aio_pika.Message(
+                body,
+                message_id=message_id,
+                reply_to=reply_to,
+                correlation_id=correlation_id,
+                content_type=content_type,
+                expiration=expiration,
+            ),
             routing_key=f"{prefix}.{queue}",
             mandatory=False,
         )

@@ -19,12 +19,21 @@ PORT = int(os.environ.get("JAXSERVE_TEST_AMQP_PORT", "5672"))
 FRAME_END = b"\xce"
 # Basic property flag bits in wire order (AMQP 0-9-1 class basic), aio-pika names.
 PROP_BITS = (
-    ("content_type", 15, "s"), ("content_encoding", 14, "s"), ("headers", 13, "F"),
-    ("delivery_mode", 12, "o"), ("priority", 11, "o"), ("correlation_id", 10, "s"),
-    ("reply_to", 9, "s"), ("expiration", 8, "s"), ("message_id", 7, "s"),
-    ("timestamp", 6, "T"), ("type", 5, "s"), ("user_id", 4, "s"), ("app_id", 3, "s"),
+    ("content_type", 15, "s"),
+    ("content_encoding", 14, "s"),
+    ("headers", 13, "F"),
+    ("delivery_mode", 12, "o"),
+    ("priority", 11, "o"),
+    ("correlation_id", 10, "s"),
+    ("reply_to", 9, "s"),
+    ("expiration", 8, "s"),
+    ("message_id", 7, "s"),
+    ("timestamp", 6, "T"),
+    ("type", 5, "s"),
+    ("user_id", 4, "s"),
+    ("app_id", 3, "s"),
     ("cluster_id", 2, "s"),
-)  # fmt: skip
+)
 
 
 def shortstr(raw: bytes) -> bytes:
@@ -68,12 +77,17 @@ def _frame(kind: int, channel: int, payload: bytes) -> bytes:
 class RawPublisher:
     """Just enough AMQP to publish with confirms, independent of aiormq."""
 
-    async def open(self, host: str = HOST, port: int = PORT) -> "RawPublisher":
+    async def open(self, host: str = HOST, port: int = PORT) -> RawPublisher:
         self.tag = 0
         self.reader, self.writer = await asyncio.open_connection(host, port)
         self.writer.write(b"AMQP\x00\x00\x09\x01")
         await self._expect(commands.Connection.Start)
-        self._send(0, commands.Connection.StartOk(client_properties={"product": "amqpcompat-raw"}, mechanism="PLAIN", response="\0guest\0guest"))
+        self._send(
+            0,
+            commands.Connection.StartOk(
+                client_properties={"product": "amqpcompat-raw"}, mechanism="PLAIN", response="\0guest\0guest"
+            ),
+        )
         tune = await self._expect(commands.Connection.Tune)
         self._send(0, commands.Connection.TuneOk(channel_max=tune.channel_max, frame_max=tune.frame_max, heartbeat=0))
         self._send(0, commands.Connection.Open(virtual_host="/"))
@@ -100,7 +114,15 @@ class RawPublisher:
             pass
         return f
 
-    async def publish(self, routing_key: str, body: bytes, props: dict | None = None, *, exchange: str = "", raw_routing_key: bytes | None = None) -> None:
+    async def publish(
+        self,
+        routing_key: str,
+        body: bytes,
+        props: dict | None = None,
+        *,
+        exchange: str = "",
+        raw_routing_key: bytes | None = None,
+    ) -> None:
         """Publish ``props`` verbatim; return once the broker confirmed it."""
         method = pframe.marshal(commands.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True), 1)
         if raw_routing_key is not None:

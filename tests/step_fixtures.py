@@ -13,8 +13,18 @@ import numpy as np
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 
 
-def paged_step(vocab: int, starts: list[int], counts: list[int], *, tokens: int, block: int, num_blocks: int,
-               table_width: int, seed: int, logits_rows: int = 8):  # fmt: skip
+def paged_step(
+    vocab: int,
+    starts: list[int],
+    counts: list[int],
+    *,
+    tokens: int,
+    block: int,
+    num_blocks: int,
+    table_width: int,
+    seed: int,
+    logits_rows: int = 8,
+):
     """``(input_ids, positions, meta)`` of a ``tokens``-token step: sequence
     ``s`` computes positions ``starts[s] .. starts[s] + counts[s] - 1`` (its
     cached prefix is whatever the cache holds below), on blocks drawn at
@@ -37,8 +47,10 @@ def paged_step(vocab: int, starts: list[int], counts: list[int], *, tokens: int,
         slot[at : at + count] = tables[s, p // block] * block + p % block
         at += count
     meta = AttentionMetadata(
-        slot_mapping=jnp.asarray(slot), token_seq=jnp.asarray(seq), block_tables=jnp.asarray(tables),
+        slot_mapping=jnp.asarray(slot),
+        token_seq=jnp.asarray(seq),
+        block_tables=jnp.asarray(tables),
         context_lens=jnp.asarray([a + b for a, b in zip(starts, counts)] + [0], jnp.int32),
         logits_indices=jnp.zeros(logits_rows, jnp.int32),
-    )  # fmt: skip
+    )
     return jnp.asarray(ids), jnp.asarray(pos), meta

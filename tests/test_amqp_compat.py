@@ -136,10 +136,18 @@ CASES = {
     "nested_header_key": ({"headers": table((b"outer", b"F" + table((BAD, longstr(b"v")))))}, ["headers"]),
     "header_timestamp_value": ({"headers": table((b"t", b"T" + struct.pack(">Q", TS_MAX)))}, ["headers"]),
     "several": (
-        {"content_type": BAD, "headers": table((BAD, b"I" + struct.pack(">i", 1))), "correlation_id": b"fine", "reply_to": BAD, "message_id": b"m-1", "timestamp": TS_MAX, "app_id": BAD},
+        {
+            "content_type": BAD,
+            "headers": table((BAD, b"I" + struct.pack(">i", 1))),
+            "correlation_id": b"fine",
+            "reply_to": BAD,
+            "message_id": b"m-1",
+            "timestamp": TS_MAX,
+            "app_id": BAD,
+        },
         ["content_type", "headers", "reply_to", "timestamp", "app_id"],
     ),
-}  # fmt: skip
+}
 GOOD = {"content_type": b"application/json", "message_id": b"good", "timestamp": 1_700_000_000}
 
 
@@ -166,7 +174,11 @@ async def test_bad_property_delivered_once_without_dropping_connection(compat, n
             elif name != "headers":
                 assert value == BAD, (name, value)
         for m in (c.messages[b"before"], c.messages[b"after"]):
-            assert (m.content_type, m.message_id, m.timestamp) == ("application/json", "good", datetime.datetime.fromtimestamp(1_700_000_000, datetime.timezone.utc))
+            assert (m.content_type, m.message_id, m.timestamp) == (
+                "application/json",
+                "good",
+                datetime.datetime.fromtimestamp(1_700_000_000, datetime.UTC),
+            )
     finally:
         await c.stop()
     ch_conn = await aio_pika.connect(AMQP_URL)
@@ -181,7 +193,11 @@ async def test_header_values_and_keys_decoded(compat, names):
     q = names("headers")
     c = await Consumer(q).start()
     try:
-        hdr = table((BAD, longstr(b"v")), (b"nested", b"F" + table((b"k", b"A" + struct.pack(">I", 9) + b"T" + struct.pack(">Q", TS_MAX)))), (b"bin", longstr(BAD)))
+        hdr = table(
+            (BAD, longstr(b"v")),
+            (b"nested", b"F" + table((b"k", b"A" + struct.pack(">I", 9) + b"T" + struct.pack(">Q", TS_MAX)))),
+            (b"bin", longstr(BAD)),
+        )
         await publish_all(q, [(b"x", {"headers": hdr})])
         await wait_for(lambda: c.deliveries[b"x"] == 1)
         h = c.messages[b"x"].headers
@@ -210,23 +226,38 @@ async def test_valid_properties_unchanged(compat, names):
     q = names("valid")
     c = await Consumer(q).start()
     props = {
-        "content_type": "text/plain; charset=utf-8".encode(), "content_encoding": b"gzip",
-        "headers": table(("ключ".encode(), longstr("значение".encode())), (b"n", b"F" + table((b"i", b"l" + struct.pack(">q", -5))))),
-        "delivery_mode": 2, "priority": 3, "correlation_id": "корр".encode(), "reply_to": b"replies",
-        "expiration": b"60000", "message_id": "идентификатор".encode(), "timestamp": 1_700_000_000_123, "type": b"job",
-        "user_id": b"guest", "app_id": "приложение".encode(),
-    }  # fmt: skip
+        "content_type": b"text/plain; charset=utf-8",
+        "content_encoding": b"gzip",
+        "headers": table(
+            ("ключ".encode(), longstr("значение".encode())), (b"n", b"F" + table((b"i", b"l" + struct.pack(">q", -5))))
+        ),
+        "delivery_mode": 2,
+        "priority": 3,
+        "correlation_id": "корр".encode(),
+        "reply_to": b"replies",
+        "expiration": b"60000",
+        "message_id": "идентификатор".encode(),
+        "timestamp": 1_700_000_000_123,
+        "type": b"job",
+        "user_id": b"guest",
+        "app_id": "приложение".encode(),
+    }
     try:
         await publish_all(q, [(b"v", props)])
         await wait_for(lambda: c.deliveries[b"v"] == 1)
         m = c.messages[b"v"]
         assert compat.undecodable_properties(m) == []
         assert m.headers == {"ключ": "значение", "n": {"i": -5}}
-        assert (m.content_type, m.content_encoding, m.delivery_mode, m.priority) == ("text/plain; charset=utf-8", "gzip", 2, 3)
+        assert (m.content_type, m.content_encoding, m.delivery_mode, m.priority) == (
+            "text/plain; charset=utf-8",
+            "gzip",
+            2,
+            3,
+        )
         assert (m.correlation_id, m.reply_to, m.expiration, m.message_id) == ("корр", "replies", 60.0, "идентификатор")
         assert (m.type, m.user_id, m.app_id) == ("job", "guest", "приложение")
         # upstream's "above 2**32 is milliseconds" rule is kept
-        assert m.timestamp == datetime.datetime.fromtimestamp(1_700_000_000.123, datetime.timezone.utc)
+        assert m.timestamp == datetime.datetime.fromtimestamp(1_700_000_000.123, datetime.UTC)
         assert type(m.timestamp) is datetime.datetime
     finally:
         await c.stop()
@@ -272,7 +303,12 @@ def test_incoming_message_with_bytes_expiration(compat):
     from pamqp import header
 
     props = commands.Basic.Properties(expiration=BAD, message_id=BAD)
-    dm = DeliveredMessage(delivery=commands.Basic.Deliver(consumer_tag="t", delivery_tag=1, routing_key="r"), header=header.ContentHeader(properties=props), body=b"", channel=None)
+    dm = DeliveredMessage(
+        delivery=commands.Basic.Deliver(consumer_tag="t", delivery_tag=1, routing_key="r"),
+        header=header.ContentHeader(properties=props),
+        body=b"",
+        channel=None,
+    )
     m = aio_pika.IncomingMessage(dm)
     assert (m.expiration, m.message_id) == (BAD, BAD)
     assert compat.undecodable_properties(m) == ["expiration", "message_id"]
@@ -281,10 +317,24 @@ def test_incoming_message_with_bytes_expiration(compat):
 def test_install_is_idempotent(compat):
     from pamqp import decode
 
-    before = (decode.METHODS["shortstr"], decode.METHODS["timestamp"], decode.METHODS["table"], decode.TABLE_MAPPING[b"T"], decode.TABLE_MAPPING[b"F"], aio_pika.IncomingMessage.__init__)
+    before = (
+        decode.METHODS["shortstr"],
+        decode.METHODS["timestamp"],
+        decode.METHODS["table"],
+        decode.TABLE_MAPPING[b"T"],
+        decode.TABLE_MAPPING[b"F"],
+        aio_pika.IncomingMessage.__init__,
+    )
     compat.install()
     compat.install()
-    after = (decode.METHODS["shortstr"], decode.METHODS["timestamp"], decode.METHODS["table"], decode.TABLE_MAPPING[b"T"], decode.TABLE_MAPPING[b"F"], aio_pika.IncomingMessage.__init__)
+    after = (
+        decode.METHODS["shortstr"],
+        decode.METHODS["timestamp"],
+        decode.METHODS["table"],
+        decode.TABLE_MAPPING[b"T"],
+        decode.TABLE_MAPPING[b"F"],
+        aio_pika.IncomingMessage.__init__,
+    )
     assert before == after and compat.installed()
     assert decode.short_str is decode.METHODS["shortstr"] and decode.field_table is decode.TABLE_MAPPING[b"F"]
     # framing errors still raise
@@ -316,12 +366,23 @@ async def _unpatched_main(queues: list[str], seconds: float) -> dict:
         def emit(self, record):
             e = record.exc_info[1] if record.exc_info else None
             if e is not None and record.name == "aiormq.connection":
-                errors.append(f"{type(e).__name__}<-{type(e.__cause__).__name__}<-{type(e.__cause__.__cause__).__name__}" if e.__cause__ else type(e).__name__)
+                errors.append(
+                    f"{type(e).__name__}<-{type(e.__cause__).__name__}<-{type(e.__cause__.__cause__).__name__}"
+                    if e.__cause__
+                    else type(e).__name__
+                )
 
     logging.getLogger("aiormq.connection").addHandler(Grab())
     consumers = [await Consumer(q).start() for q in queues]
     await asyncio.sleep(seconds)
-    report = {c.queue_name: {"deliveries": {k.decode(): v for k, v in c.deliveries.items()}, "reconnects": c.reconnects, "closes": len(c.closes)} for c in consumers}
+    report = {
+        c.queue_name: {
+            "deliveries": {k.decode(): v for k, v in c.deliveries.items()},
+            "reconnects": c.reconnects,
+            "closes": len(c.closes),
+        }
+        for c in consumers
+    }
     for c in consumers:
         await c.stop()
     return {"queues": report, "errors": collections.Counter(errors)}
@@ -338,7 +399,16 @@ async def test_unpatched_connection_drops(names):
         await conn.close()
     for case, q in queues.items():
         await publish_all(q, [(b"before", GOOD), (b"bad", UNPATCHED_CASES[case]), (b"after", GOOD)])
-    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--unpatched", "1.5", *queues.values(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.path.dirname(__file__))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--unpatched",
+        "1.5",
+        *queues.values(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=os.path.dirname(__file__),
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 0, err.decode()[-3000:]
     report = json.loads(out.decode().strip().splitlines()[-1])
@@ -349,7 +419,10 @@ async def test_unpatched_connection_drops(names):
         assert "bad" not in r["deliveries"] and "after" not in r["deliveries"], (case, r)
         assert r["deliveries"]["before"] >= 3, (case, r)  # the innocent job is redelivered each time
     # InvalidFrameError <- pamqp UnmarshalingException <- UnicodeDecodeError / ValueError
-    assert set(report["errors"]) == {"InvalidFrameError<-UnmarshalingException<-UnicodeDecodeError", "InvalidFrameError<-UnmarshalingException<-ValueError"}, report
+    assert set(report["errors"]) == {
+        "InvalidFrameError<-UnmarshalingException<-UnicodeDecodeError",
+        "InvalidFrameError<-UnmarshalingException<-ValueError",
+    }, report
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--unpatched"]:

@@ -33,7 +33,9 @@ async def batch(prefix: str, inp: Path, out: Path, **kw):
     defaults = {k: kw.pop(k) for k in ("max_tokens", "temperature", "seed") if k in kw}
     opts = InputOptions(defaults=defaults, **{k: kw.pop(k) for k in list(kw) if k in InputOptions.__dataclass_fields__})
     _, items = read_items(inp, opts)
-    settings = BatchSettings(amqp_url=AMQP_URL, prefix=prefix, progress=False, idle_timeout=kw.pop("idle_timeout", 20), **kw)
+    settings = BatchSettings(
+        amqp_url=AMQP_URL, prefix=prefix, progress=False, idle_timeout=kw.pop("idle_timeout", 20), **kw
+    )
     return await asyncio.to_thread(run_batch, items, out, settings)
 
 
@@ -46,16 +48,27 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
     from openai.types.chat import ChatCompletion
 
     await harness.start(EchoEngine(step_s=0.001, model_name="echo"))
-    inp = write_jsonl(tmp_path / "in.jsonl", [
-        openai_line("c-1", "/v1/completions", {"model": "echo", "prompt": "alpha beta", "max_tokens": 4}),
-        openai_line("chat-1", "/v1/chat/completions", {"model": "echo", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}),
-        openai_line("emb-1", "/v1/embeddings", {"model": "echo", "input": "x"}),
-        openai_line("wrong-model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}),
-        openai_line("fmt", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
-        openai_line("lp", "/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}),
-        openai_line("too-long", "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}),
-        b"{this line is not json",
-    ])  # fmt: skip
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            openai_line("c-1", "/v1/completions", {"model": "echo", "prompt": "alpha beta", "max_tokens": 4}),
+            openai_line(
+                "chat-1",
+                "/v1/chat/completions",
+                {"model": "echo", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3},
+            ),
+            openai_line("emb-1", "/v1/embeddings", {"model": "echo", "input": "x"}),
+            openai_line("wrong-model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}),
+            openai_line(
+                "fmt",
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            ),
+            openai_line("lp", "/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}),
+            openai_line("too-long", "/v1/completions", {"prompt": "word " * 600, "max_tokens": 4}),
+            b"{this line is not json",
+        ],
+    )
     out = tmp_path / "out.jsonl"
     summary = await batch(prefix, inp, out, served_model_name="echo")
     got = {x["custom_id"]: x for x in lines(out)}
@@ -63,24 +76,43 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
     for x in got.values():
         assert x["id"].startswith("batch_req_") and set(x) == {"id", "custom_id", "response", "error"}
     comp = Completion.model_validate(got["c-1"]["response"]["body"])
-    assert comp.object == "text_completion" and comp.model == "echo" and comp.usage.total_tokens == comp.usage.prompt_tokens + 4
+    assert (
+        comp.object == "text_completion"
+        and comp.model == "echo"
+        and comp.usage.total_tokens == comp.usage.prompt_tokens + 4
+    )
     assert comp.choices[0].text == expected_completion("alpha beta", 4)[0] and got["c-1"]["error"] is None
     chat = ChatCompletion.model_validate(got["chat-1"]["response"]["body"])
-    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
-    for cid, code, needle in [("emb-1", "invalid_request", "/v1/embeddings"), ("wrong-model", "unknown_model", "gpt-9"),
-                              ("fmt", "invalid_request", "tools"), ("lp", "invalid_request", "echo"),
-                              ("too-long", "context_length_exceeded", "context length")]:  # fmt: skip
-        assert got[cid]["response"] is None and got[cid]["error"]["code"] == code and needle in got[cid]["error"]["message"], got[cid]
+    assert (
+        chat.object == "chat.completion"
+        and chat.choices[0].message.role == "assistant"
+        and chat.usage.completion_tokens == 3
+    )
+    for cid, code, needle in [
+        ("emb-1", "invalid_request", "/v1/embeddings"),
+        ("wrong-model", "unknown_model", "gpt-9"),
+        ("fmt", "invalid_request", "tools"),
+        ("lp", "invalid_request", "echo"),
+        ("too-long", "context_length_exceeded", "context length"),
+    ]:
+        assert (
+            got[cid]["response"] is None
+            and got[cid]["error"]["code"] == code
+            and needle in got[cid]["error"]["message"]
+        ), got[cid]
         assert BatchError.model_validate(got[cid]["error"]).code == code  # openai's own type for a request's error
     assert summary.bad_lines == 5 and summary.exit_status == 1  # the four refused here plus the broken line
 
 
 async def test_label_scoring_results_in_both_formats(harness, prefix, tmp_path):
     await harness.start(EchoEngine(step_s=0.001))
-    inp = write_jsonl(tmp_path / "in.jsonl", [
-        openai_line("d1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "the sports match"}]}),
-        {"id": "d2", "prompt": "stock markets fell"},
-    ])  # fmt: skip
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            openai_line("d1", "/v1/chat/completions", {"messages": [{"role": "user", "content": "the sports match"}]}),
+            {"id": "d2", "prompt": "stock markets fell"},
+        ],
+    )
     out = tmp_path / "out.jsonl"
     summary = await batch(prefix, inp, out, labels=["sports", "business", "science"])
     assert summary.ok == 2 and summary.exit_status == 0
@@ -92,7 +124,7 @@ async def test_label_scoring_results_in_both_formats(harness, prefix, tmp_path):
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 0
     plain = got["d2"]
     assert plain["status"] == "ok" and plain["text"] in ("sports", "business", "science") and len(plain["labels"]) == 3
-    prompt_tokens = len("stock markets fell".encode()) + sum(len(x.encode()) for x in ("sports", "business", "science"))
+    prompt_tokens = len(b"stock markets fell") + sum(len(x.encode()) for x in ("sports", "business", "science"))
     assert plain["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
 
 
@@ -147,9 +179,21 @@ async def test_rerun_skips_done_lines_and_retries_retryable_errors(harness, pref
     kept = []
     for x in lines(out):
         if x["custom_id"] == "j1":
-            x = {"type": "result", "id": x["id"], "status": "error", "custom_id": "j1", "error": {"code": "internal", "message": "x", "retryable": True}}
+            x = {
+                "type": "result",
+                "id": x["id"],
+                "status": "error",
+                "custom_id": "j1",
+                "error": {"code": "internal", "message": "x", "retryable": True},
+            }
         if x["custom_id"] == "j2":
-            x = {"type": "result", "id": x["id"], "status": "error", "custom_id": "j2", "error": {"code": "invalid_request", "message": "x", "retryable": False}}
+            x = {
+                "type": "result",
+                "id": x["id"],
+                "status": "error",
+                "custom_id": "j2",
+                "error": {"code": "invalid_request", "message": "x", "retryable": False},
+            }
         kept.append(x)
     write_jsonl(out, kept)
     second = await batch(prefix, inp, out)
@@ -191,7 +235,10 @@ async def test_identical_documents_are_computed_once_per_run(harness, prefix, tm
     eng = EchoEngine(step_s=0.001)
     await harness.start(eng)
     docs = ["same text"] * 5 + ["other text"] * 2
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"d{i}", "prompt": t, "max_tokens": 3, "temperature": 0, "cache": False} for i, t in enumerate(docs)])
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": f"d{i}", "prompt": t, "max_tokens": 3, "temperature": 0, "cache": False} for i, t in enumerate(docs)],
+    )
     out = tmp_path / "out.jsonl"
     summary = await batch(prefix, inp, out)
     assert summary.ok == 7 and summary.deduplicated == 5

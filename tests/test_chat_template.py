@@ -26,7 +26,7 @@ CHATS = {
         SYSTEM,
         {"role": "user", "content": "Bonjour, ça va ?"},
         {"role": "assistant", "content": "Oui, merci ! 你好"},
-        {"role": "user", "content": "Tell me a <b>joke</b> & \"quote\"."},
+        {"role": "user", "content": 'Tell me a <b>joke</b> & "quote".'},
     ],
     "ends_with_assistant": [
         SYSTEM,
@@ -58,10 +58,13 @@ TOOL_CHAT = [
         "role": "assistant",
         "content": None,
         "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}}}
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}},
+            }
         ],
     },
-    {"role": "tool", "content": "{\"temperature\": 21, \"sky\": \"sonnig ☀\"}"},
+    {"role": "tool", "content": '{"temperature": 21, "sky": "sonnig ☀"}'},
     {"role": "user", "content": "Thanks"},
 ]
 
@@ -190,7 +193,9 @@ def test_strftime_now_and_raise_exception():
 
 
 def test_trim_and_lstrip_blocks_and_loop_controls():
-    template = "{% for m in messages %}\n    {% if loop.index > 2 %}{% break %}{% endif %}\n[{{ m.content }}]\n{% endfor %}"
+    template = (
+        "{% for m in messages %}\n    {% if loop.index > 2 %}{% break %}{% endif %}\n[{{ m.content }}]\n{% endfor %}"
+    )
     messages = [{"role": "user", "content": str(i)} for i in range(5)]
     assert render_chat_template(template, messages) == "[0]\n[1]\n"
 
@@ -204,7 +209,10 @@ def test_sandbox_blocks_mutation_and_internals():
         render("{% set ns = namespace(_x=1) %}")
     with pytest.raises(ChatTemplateError, match="underscore"):
         render("{% set ns = namespace(a=1) %}{% set ns._hidden = 2 %}")
-    assert render("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}") == "1"
+    assert (
+        render("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}")
+        == "1"
+    )
     assert render("{{ dict(a=1)['a'] }}") == "1"
 
 

@@ -36,7 +36,14 @@ def jaxserve(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.Com
         "JAXSERVE_STATE_DIR": str(tmp_path / "state"),
     }
     env.pop("JAXSERVE_AMQP_URL", None)
-    return subprocess.run([sys.executable, "-m", "jaxserve", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -113,7 +120,9 @@ def test_generate_with_a_folder_that_is_not_a_model(tmp_path):
 
 
 def test_worker_with_a_model_folder_that_does_not_exist(tmp_path):
-    proc = jaxserve(tmp_path, "worker", "--prefix", "ops-noop", "--amqp-url", AMQP_URL, "--model", str(tmp_path / "no-such-model"))
+    proc = jaxserve(
+        tmp_path, "worker", "--prefix", "ops-noop", "--amqp-url", AMQP_URL, "--model", str(tmp_path / "no-such-model")
+    )
     assert_one_line_error(proc, "cannot load the model", "no-such-model")
 
 
@@ -157,8 +166,18 @@ def test_metrics_server_port_taken_later_is_translated_too():
 # ------------------------------------------------------------ producer side
 def test_batch_on_a_prefix_with_no_queues(tmp_path):
     (tmp_path / "docs.jsonl").write_text('{"prompt": "hello"}\n')
-    proc = jaxserve(tmp_path, "batch", "docs.jsonl", "-o", "out.jsonl", "--no-progress", "--prefix", "ops-noqueues",
-                    "--amqp-url", AMQP_URL)  # fmt: skip
+    proc = jaxserve(
+        tmp_path,
+        "batch",
+        "docs.jsonl",
+        "-o",
+        "out.jsonl",
+        "--no-progress",
+        "--prefix",
+        "ops-noqueues",
+        "--amqp-url",
+        AMQP_URL,
+    )
     assert_one_line_error(proc, "no queue 'ops-noqueues.batch'", "is a worker running")
 
 
@@ -189,8 +208,19 @@ def test_submit_that_gets_no_result_in_time_says_why(tmp_path):
 
     asyncio.run(declare(declare_topology))
     try:
-        proc = jaxserve(tmp_path, "submit", "--prefix", topo.prefix, "--timeout", "1", "--key", "k-late", "hello",
-                        "--amqp-url", AMQP_URL)  # fmt: skip
+        proc = jaxserve(
+            tmp_path,
+            "submit",
+            "--prefix",
+            topo.prefix,
+            "--timeout",
+            "1",
+            "--key",
+            "k-late",
+            "hello",
+            "--amqp-url",
+            AMQP_URL,
+        )
     finally:
         asyncio.run(declare(delete_topology))
     assert_one_line_error(proc, "no result for 'k-late' within 1s", "ops-noconsumer", "jaxserve status")

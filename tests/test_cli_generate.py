@@ -22,9 +22,23 @@ def test_generate_json_matches_transformers_generate(checkpoint):
 
     prompt = "The quick brown fox jumps over"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxserve", "generate", "--model", str(checkpoint), "--max-tokens", "24",
-         "--temperature", "0", "--json", prompt],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "jaxserve",
+            "generate",
+            "--model",
+            str(checkpoint),
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--json",
+            prompt,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -36,9 +50,12 @@ def test_generate_json_matches_transformers_generate(checkpoint):
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
-    expected = out[0, ids.shape[1]:].tolist()
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
+    expected = out[0, ids.shape[1] :].tolist()
+    eos = set(
+        model.generation_config.eos_token_id
+        if isinstance(model.generation_config.eos_token_id, list)
+        else [model.generation_config.eos_token_id]
+    )
     for i, t in enumerate(expected):  # transformers keeps the EOS it stopped on; jaxserve excludes it
         if t in eos:
             expected = expected[:i]
@@ -51,7 +68,9 @@ def test_generate_json_matches_transformers_generate(checkpoint):
 def test_generate_plain_prints_text_and_bad_model_errors(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxserve", "generate", "--model", str(tmp_path / "nope"), "hi"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "nope" in proc.stderr

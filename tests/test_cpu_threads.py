@@ -38,9 +38,7 @@ def test_cgroup_v1_quota(tmp_path: Path):
     assert cpu_threads.quota_cpus(tmp_path / "missing") is None
 
 
-def test_pool_follows_the_affinity_mask_capped_by_the_quota(
-    tmp_path: Path, monkeypatch
-):
+def test_pool_follows_the_affinity_mask_capped_by_the_quota(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(cpu_threads, "_backend_started", lambda: False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     env: dict[str, str] = {}
@@ -53,16 +51,12 @@ def test_pool_follows_the_affinity_mask_capped_by_the_quota(
     )
     assert cpu_threads.configure(env, root=tmp_path).source == "set"  # idempotent
 
-    (tmp_path / "cpu.max").write_text(
-        "200000 100000\n"
-    )  # a 2-CPU limit on an 8-CPU mask
+    (tmp_path / "cpu.max").write_text("200000 100000\n")  # a 2-CPU limit on an 8-CPU mask
     env = {}
     got = cpu_threads.configure(env, root=tmp_path)
     assert (got.cpus, got.intra_op_threads, env) == (2, 2, {"PJRT_NPROC": "2"})
 
-    monkeypatch.setattr(
-        os, "sched_getaffinity", lambda pid: {3}
-    )  # a 1-CPU mask under the 2-CPU limit
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})  # a 1-CPU mask under the 2-CPU limit
     env = {}
     assert cpu_threads.configure(env, root=tmp_path).intra_op_threads == 1
     assert env == {"PJRT_NPROC": "1"}
@@ -77,9 +71,7 @@ def test_operator_value_is_kept_and_checked(tmp_path: Path, monkeypatch):
         "environment",
         {"PJRT_NPROC": "4"},
     )
-    with pytest.raises(
-        ValueError, match=r"PJRT_NPROC must be a whole number of threads, got 'two'"
-    ):
+    with pytest.raises(ValueError, match=r"PJRT_NPROC must be a whole number of threads, got 'two'"):
         cpu_threads.configure({"PJRT_NPROC": "two"}, root=tmp_path)
     with pytest.raises(ValueError, match=r"got '-1'"):
         cpu_threads.configure({"PJRT_NPROC": "-1"}, root=tmp_path)
@@ -109,8 +101,12 @@ print(json.dumps({"planned": plan.intra_op_threads, "eigen": names.count("tf_XLA
 def _pool_in_fresh_process(mask: list[int], cgroup: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", _COUNT_POOL, ",".join(map(str, mask)), str(cgroup)],
-        check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

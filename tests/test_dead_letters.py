@@ -55,7 +55,11 @@ def dead_cli(topo: Topology, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run(
         [sys.executable, "-m", "jaxserve", "dead", *args, "--prefix", topo.prefix, "--amqp-url", AMQP_URL],
-        capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
     )
 
 
@@ -249,7 +253,9 @@ def test_requeue_one_key_then_all_to_their_original_queues(topo):
     headers = back.headers
     assert headers["tenant"] == "acme" and headers["x-published-at-ms"] == 1_700_000_000_000
     assert headers["jaxserve-requeues"] == 1
-    assert not [h for h in headers if h.startswith(("x-death", "x-first-death", "x-last-death")) or h == "jaxserve-death"]
+    assert not [
+        h for h in headers if h.startswith(("x-death", "x-first-death", "x-last-death")) or h == "jaxserve-death"
+    ]
     assert [r["key"] for r in list_json(topo)] == ["kr1", "kr3"]
 
     proc = dead_cli(topo, "requeue", "--all")
@@ -321,7 +327,9 @@ def test_death_record_survives_without_the_brokers_x_headers(topo):
         headers = {k: v for k, v in m.headers.items() if not k.startswith("x-")}
         assert json.loads(headers["jaxserve-death"])["queue"] == topo.batch
         ch = await conn.channel(publisher_confirms=True)
-        await ch.default_exchange.publish(aio_pika.Message(m.body, message_id=m.message_id, headers=headers), routing_key=topo.dead)
+        await ch.default_exchange.publish(
+            aio_pika.Message(m.body, message_id=m.message_id, headers=headers), routing_key=topo.dead
+        )
         await ch.close()
 
     amqp(strip_x_headers, topo)
@@ -335,7 +343,10 @@ def test_death_record_survives_without_the_brokers_x_headers(topo):
 def test_broker_not_reachable_is_one_line(topo):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxserve", "dead", "list", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "cannot reach RabbitMQ" in proc.stderr

@@ -104,7 +104,7 @@ def test_dockerfile_builds_a_wheel_then_installs_it():
     assert build["name"] == "build"
     build_runs = " ".join(rest for word, rest in build["lines"] if word == "RUN")
     assert "pip wheel" in build_runs and "--no-deps" in build_runs
-    runtime_lines = dict((w, r) for w, r in runtime["lines"] if w in ("ENTRYPOINT", "CMD", "USER"))
+    runtime_lines = {w: r for w, r in runtime["lines"] if w in ("ENTRYPOINT", "CMD", "USER")}
     assert any(w == "COPY" and "--from=build" in r for w, r in runtime["lines"])
     runtime_runs = " ".join(rest for word, rest in runtime["lines"] if word == "RUN")
     assert "pip install" in runtime_runs and ".whl" in runtime_runs
@@ -122,7 +122,9 @@ def test_dockerfile_builds_a_wheel_then_installs_it():
 
 def test_dockerignore_keeps_the_context_small_but_not_what_the_build_copies():
     patterns = [
-        line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
     ]
     for needed in (".git", ".venv", "benchmarks/results", "**/__pycache__", ".pytest_cache"):
         assert needed in patterns, needed
@@ -159,7 +161,10 @@ def test_wheel_carries_the_presets_and_runs_outside_the_repository(tmp_path):
     dist = tmp_path / "dist"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist), "."],
-        cwd=src, capture_output=True, text=True, timeout=300,
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = dist.glob("jaxserve-*.whl")
@@ -182,11 +187,19 @@ def test_wheel_carries_the_presets_and_runs_outside_the_repository(tmp_path):
     vpy = venv / "bin" / "python"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(vpy), "install", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stdout + install.stderr
-    site = Path(subprocess.run([str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(vpy), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site / "zz-test-deps.pth").write_text("\n".join(sorted(deps)) + "\n")
 
@@ -195,8 +208,16 @@ def test_wheel_carries_the_presets_and_runs_outside_the_repository(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXSERVE_", "PYTHON"))}
     env["JAXSERVE_CACHE_DIR"] = str(tmp_path / "cache")
     where = subprocess.run(
-        [str(vpy), "-c", "import jaxserve, jaxserve.presets as p; print(jaxserve.__file__); print(p.presets_dir()); print(p.list_presets())"],
-        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120,
+        [
+            str(vpy),
+            "-c",
+            "import jaxserve, jaxserve.presets as p; print(jaxserve.__file__); print(p.presets_dir()); print(p.list_presets())",
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert where.returncode == 0, where.stderr
     module_file, presets_dir, listed = where.stdout.splitlines()
@@ -207,7 +228,11 @@ def test_wheel_carries_the_presets_and_runs_outside_the_repository(tmp_path):
     # 4. the console script, from outside the repository
     run = subprocess.run(
         [str(venv / "bin" / "jaxserve"), "generate", "--max-tokens", "3", "hi"],
-        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip(), "generate printed no text"
@@ -304,28 +329,55 @@ def test_prometheus_scrapes_the_workers_and_rabbitmq(prometheus, compose):
 # /metrics/detailed (prefix rabbitmq_detailed_, per object, only the families
 # named in ?family=).
 RABBITMQ_FAMILIES = {
-    "queue_coarse_metrics": ["queue_messages_ready", "queue_messages_unacked", "queue_messages", "queue_process_reductions_total"],
+    "queue_coarse_metrics": [
+        "queue_messages_ready",
+        "queue_messages_unacked",
+        "queue_messages",
+        "queue_process_reductions_total",
+    ],
     "queue_consumer_count": ["queue_consumers"],
     "connection_churn_metrics": [
-        "connections_opened_total", "connections_closed_total", "channels_opened_total", "channels_closed_total",
-        "queues_declared_total", "queues_created_total", "queues_deleted_total",
+        "connections_opened_total",
+        "connections_closed_total",
+        "channels_opened_total",
+        "channels_closed_total",
+        "queues_declared_total",
+        "queues_created_total",
+        "queues_deleted_total",
     ],
     "channel_exchange_metrics": [
-        "channel_messages_published_total", "channel_messages_confirmed_total",
-        "channel_messages_unroutable_returned_total", "channel_messages_unroutable_dropped_total",
+        "channel_messages_published_total",
+        "channel_messages_confirmed_total",
+        "channel_messages_unroutable_returned_total",
+        "channel_messages_unroutable_dropped_total",
     ],
     "channel_queue_metrics": [
-        "channel_get_ack_total", "channel_get_total", "channel_messages_delivered_ack_total", "channel_messages_delivered_total",
-        "channel_messages_redelivered_total", "channel_messages_acked_total", "channel_get_empty_total",
+        "channel_get_ack_total",
+        "channel_get_total",
+        "channel_messages_delivered_ack_total",
+        "channel_messages_delivered_total",
+        "channel_messages_redelivered_total",
+        "channel_messages_acked_total",
+        "channel_get_empty_total",
     ],
     "node_coarse_metrics": [
-        "process_open_fds", "process_open_tcp_sockets", "process_resident_memory_bytes", "disk_space_available_bytes",
-        "erlang_processes_used", "erlang_gc_runs_total",
+        "process_open_fds",
+        "process_open_tcp_sockets",
+        "process_resident_memory_bytes",
+        "disk_space_available_bytes",
+        "erlang_processes_used",
+        "erlang_gc_runs_total",
     ],
 }
 RABBITMQ_TOTALS = ["connections", "channels", "consumers", "queues"]  # /metrics only
 # Prometheus' own series for every target.
-PROMETHEUS_SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped", "scrape_samples_post_metric_relabeling", "scrape_series_added"}
+PROMETHEUS_SYNTHETIC = {
+    "up",
+    "scrape_duration_seconds",
+    "scrape_samples_scraped",
+    "scrape_samples_post_metric_relabeling",
+    "scrape_series_added",
+}
 
 
 def rabbitmq_names(prometheus) -> set[str]:
@@ -349,7 +401,11 @@ def worker_names() -> set[str]:
     registry, by the type of each metric family)."""
     from jaxserve.metrics import EngineMetrics
 
-    suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_count", "_sum", "_created"], "gauge": [""]}
+    suffixes = {
+        "counter": ["_total", "_created"],
+        "histogram": ["_bucket", "_count", "_sum", "_created"],
+        "gauge": [""],
+    }
     names = set()
     for family in EngineMetrics("m").registry.collect():
         names |= {family.name + s for s in suffixes[family.type]}
@@ -400,14 +456,17 @@ def test_every_promql_expression_names_exported_series(prometheus):
         names = selected_metrics(expr)
         assert names, (where, expr)
         unknown = names - allowed
-        assert not unknown, f"{where}: {sorted(unknown)} is not exported by a worker or by RabbitMQ under ops/prometheus/prometheus.yml ({expr})"
+        assert not unknown, (
+            f"{where}: {sorted(unknown)} is not exported by a worker or by RabbitMQ under ops/prometheus/prometheus.yml ({expr})"
+        )
         used |= names
     # the per-queue panels and alerts really read the detailed endpoint
     assert {"rabbitmq_detailed_queue_messages_ready", "rabbitmq_detailed_queue_messages"} <= used
     # a selector check that can fail
     assert selected_metrics("sum(rate(jaxserve_nope_total[5m]))") - allowed == {"jaxserve_nope_total"}
-    assert "rabbitmq_detailed_queue_messages_ready" not in rabbitmq_names({"scrape_configs": [
-        {"job_name": "r", "static_configs": [{"targets": ["rabbitmq:15692"]}]}]})
+    assert "rabbitmq_detailed_queue_messages_ready" not in rabbitmq_names(
+        {"scrape_configs": [{"job_name": "r", "static_configs": [{"targets": ["rabbitmq:15692"]}]}]}
+    )
 
 
 def _selectors_and_groupings(expr: str) -> tuple[list[dict[str, tuple[str, str]]], list[list[str]]]:
@@ -456,7 +515,7 @@ def test_job_error_alert_ignores_refusals_and_cancellations():
     excluded = {o for o in ("ok", "replayed", *ERROR_CODES) if re.fullmatch(pattern, o)}
     assert excluded == {"ok", "replayed", "overloaded", "rate_limited", "cancelled"}
     # overload still has an alert of its own
-    assert any(w == "alert JaxserveOverloaded" and "code=\"overloaded\"" in e for w, e in promql_expressions())
+    assert any(w == "alert JaxserveOverloaded" and 'code="overloaded"' in e for w, e in promql_expressions())
 
 
 def test_dashboard_panels_use_the_provisioned_datasource():
@@ -475,9 +534,20 @@ def test_dashboard_panels_use_the_provisioned_datasource():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not on PATH")
 def test_promtool_checks_rules_and_config():
-    rules = subprocess.run(["promtool", "check", "rules", str(OPS / "prometheus" / "alerts.yml")], capture_output=True, text=True, timeout=60)
+    rules = subprocess.run(
+        ["promtool", "check", "rules", str(OPS / "prometheus" / "alerts.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    config = subprocess.run(["promtool", "check", "config", "prometheus.yml"], cwd=OPS / "prometheus", capture_output=True, text=True, timeout=60)
+    config = subprocess.run(
+        ["promtool", "check", "config", "prometheus.yml"],
+        cwd=OPS / "prometheus",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert config.returncode == 0, config.stdout + config.stderr
 
 
@@ -497,7 +567,11 @@ def strict_schema(schema: Any) -> Any:
     would prune them silently: a misspelt field must fail here)."""
     if isinstance(schema, dict):
         out = {k: strict_schema(v) for k, v in schema.items()}
-        if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):
@@ -521,7 +595,7 @@ def test_every_manifest_validates():
 
     k8s_version = kubernetes_validate.latest_version()
     kinds = set()
-    for name, doc in k8s_docs():
+    for _name, doc in k8s_docs():
         kinds.add(doc["kind"])
         group, _, version = doc["apiVersion"].rpartition("/")
         if group == "keda.sh":
@@ -586,12 +660,18 @@ def test_the_redis_the_worker_names_is_deployed_with_a_persistent_volume():
     url = urlsplit({e["name"]: e for e in worker_container()["env"]}["JAXSERVE_REDIS_URL"]["value"])
     (service,) = [s for s in by_kind("Service") if s["metadata"]["name"] == url.hostname]
     (port,) = [p for p in service["spec"]["ports"] if p["port"] == (url.port or 6379)]
-    pods = [w for kind in ("StatefulSet", "Deployment") for w in by_kind(kind)
-            if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+    pods = [
+        w
+        for kind in ("StatefulSet", "Deployment")
+        for w in by_kind(kind)
+        if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
     (redis,) = pods
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     assert container["image"].startswith("redis:")
-    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {p["containerPort"] for p in container["ports"]}
+    assert port["targetPort"] in {p.get("name") for p in container["ports"]} | {
+        p["containerPort"] for p in container["ports"]
+    }
     args = container["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
     data_dir = args[args.index("--dir") + 1]
@@ -605,7 +685,9 @@ def test_keda_scales_the_worker_on_both_job_queues():
     topo = Topology()
     (deployment,) = by_kind("Deployment")
     scaled = by_kind("ScaledObject")
-    targets = [(s["spec"]["scaleTargetRef"].get("kind", "Deployment"), s["spec"]["scaleTargetRef"]["name"]) for s in scaled]
+    targets = [
+        (s["spec"]["scaleTargetRef"].get("kind", "Deployment"), s["spec"]["scaleTargetRef"]["name"]) for s in scaled
+    ]
     # KEDA's webhook refuses a second ScaledObject on the same workload
     assert len(targets) == len(set(targets))
     (so,) = scaled
@@ -621,7 +703,11 @@ def test_keda_scales_the_worker_on_both_job_queues():
         assert meta["protocol"] == "amqp" and "host" not in meta  # the URL comes from the secret
         auth = auths[trigger["authenticationRef"]["name"]]
         (ref,) = auth["spec"]["secretTargetRef"]
-        assert ref["parameter"] == "host" and ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+        assert (
+            ref["parameter"] == "host"
+            and ref["name"] == secret["metadata"]["name"]
+            and ref["key"] in secret["stringData"]
+        )
         queues[meta["queueName"]] = float(meta["value"])
     assert set(queues) == {topo.batch, topo.interactive}
     assert queues[topo.interactive] < queues[topo.batch]  # interactive reacts to a shorter backlog

@@ -8,11 +8,10 @@ import pytest
 import torch
 from jax import monitoring
 
+from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.types import RequestError, SamplingParams
-
-from engine_fixtures import build_engine_checkpoint
 
 MAX_TOKENS = 20
 
@@ -41,7 +40,7 @@ def _run(engine: Engine, prompts, params_for, stagger: int = 0) -> dict[str, lis
             batch = pending if stagger == 0 else pending[:1]
             for i, prompt in batch:
                 engine.add_request(f"r{i}", prompt, params_for(i))
-            pending = pending[len(batch):]
+            pending = pending[len(batch) :]
         for out in engine.step():
             if out.finished:
                 assert out.error is None, out.error
@@ -57,8 +56,15 @@ def _greedy(_i=0):
 @pytest.fixture(scope="module")
 def alone(checkpoint):
     """Each prompt run by itself on a roomy engine."""
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=128,
-                               max_model_len=256, enable_prefix_caching=False))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            max_model_len=256,
+            enable_prefix_caching=False,
+        )
+    )
     engine.warmup()
     results = {}
     for i, prompt in enumerate(_prompts()):
@@ -70,10 +76,17 @@ def test_batched_chunked_prefix_cached_preempted_equals_alone(checkpoint, alone)
     # 15 usable blocks of 16 tokens for 10 requests of up to 90 tokens: the
     # scheduler must preempt; a 16-token budget forces chunked prefill; the
     # shared 40-token prefix hits the prefix cache.
-    engine = Engine(EngineArgs(
-        model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, block_size=16,
-        kv_cache_memory=16 * 8192, enable_prefix_caching=True,
-    ))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            max_model_len=128,
+            block_size=16,
+            kv_cache_memory=16 * 8192,
+            enable_prefix_caching=True,
+        )
+    )
     assert engine.num_blocks == 16
     engine.warmup()
     got = _run(engine, _prompts(), _greedy)
@@ -92,15 +105,18 @@ def test_greedy_matches_transformers(checkpoint, alone):
     for i, prompt in enumerate(_prompts()):
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                torch.tensor([prompt]),
+                max_new_tokens=MAX_TOKENS,
+                min_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
-        assert out[0, len(prompt):].tolist() == alone[f"r{i}"], f"prompt {i}"
+        assert out[0, len(prompt) :].tolist() == alone[f"r{i}"], f"prompt {i}"
 
 
 def test_no_compilation_while_serving(checkpoint):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=32,
-                               max_model_len=128))
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128))
     engine.warmup()
     compiles = []
     monitoring.register_event_duration_secs_listener(
@@ -113,8 +129,15 @@ def test_no_compilation_while_serving(checkpoint):
         kinds = [
             SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=0.0),
             SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=i),
-            SamplingParams(max_tokens=6, temperature=1.0, min_p=0.1, repetition_penalty=1.2,
-                           frequency_penalty=0.5, presence_penalty=0.3, seed=i),
+            SamplingParams(
+                max_tokens=6,
+                temperature=1.0,
+                min_p=0.1,
+                repetition_penalty=1.2,
+                frequency_penalty=0.5,
+                presence_penalty=0.3,
+                seed=i,
+            ),
             SamplingParams(max_tokens=10, temperature=0.0, stop=("a",), logprobs=True),
         ]
         return kinds[i % len(kinds)]
@@ -125,8 +148,7 @@ def test_no_compilation_while_serving(checkpoint):
 
 
 def test_seeded_sampling_independent_of_batch(checkpoint):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
-                               max_model_len=128))
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128))
     engine.warmup()
     prompts = _prompts()[:4]
 
@@ -140,8 +162,7 @@ def test_seeded_sampling_independent_of_batch(checkpoint):
 
 
 def test_admission_errors_name_the_problem(checkpoint):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
-                               max_model_len=64))
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64))
     with pytest.raises(RequestError) as err:
         engine.add_request("long", list(range(10, 70)), SamplingParams(max_tokens=10))
     assert err.value.code == "context_length_exceeded" and "64" in err.value.message
@@ -154,8 +175,7 @@ def test_admission_errors_name_the_problem(checkpoint):
 
 
 def test_abort_frees_blocks_and_stop_strings_end_requests(checkpoint):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
-                               max_model_len=128))
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128))
     engine.warmup()
     engine.add_request("a", list(range(10, 50)), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     engine.step()
@@ -174,8 +194,9 @@ def test_abort_frees_blocks_and_stop_strings_end_requests(checkpoint):
                 full = out
     assert full is not None and len(full.text) > 4
     stop = full.text[2:4]
-    engine.add_request("c", "hello there", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
-                                                          stop=(stop,)))
+    engine.add_request(
+        "c", "hello there", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop=(stop,))
+    )
     streamed, final = "", None
     while engine.has_unfinished():
         for out in engine.step():
@@ -191,8 +212,7 @@ def test_greedy_logprobs_match_the_full_sampler(checkpoint):
     """An all-greedy step runs the lean greedy program (with log-probabilities
     only when a row asks for them); its log-probabilities equal those of the
     full sampler, which a sampled neighbour in the batch forces."""
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
-                               max_model_len=128))
+    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128))
     engine.warmup()
     prompt = _prompts()[3]
     wants = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -223,9 +243,17 @@ def test_block_major_decode_steps_equal_alone(checkpoint, alone):
     steps run block-major attention (every cache block against its owner's
     query; the pure-JAX kernel's path, so asked for by name: the CPU's
     default is the C++ kernel), and every output equals the request run alone."""
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=128,
-                               max_model_len=128, block_size=16, enable_prefix_caching=False,
-                               attention_backend="reference"))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=4,
+            max_num_batched_tokens=128,
+            max_model_len=128,
+            block_size=16,
+            enable_prefix_caching=False,
+            attention_backend="reference",
+        )
+    )
     engine.warmup()
     picked = [0, 3, 5, 9]  # 3, 70, 51 and 40 prompt tokens
     prompts = [_prompts()[i] for i in picked]
@@ -254,8 +282,16 @@ def test_async_scheduling_equals_sync(checkpoint):
 
     results = {}
     for mode in (False, True):
-        engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
-                                   max_model_len=128, block_size=16, async_scheduling=mode))
+        engine = Engine(
+            EngineArgs(
+                model=str(checkpoint),
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_model_len=128,
+                block_size=16,
+                async_scheduling=mode,
+            )
+        )
         engine.warmup()
         if stop_id is None:  # a token request 1 really produces mid-stream
             alone_first = _run(engine, [prompts[1]], lambda _i: SamplingParams(max_tokens=9, temperature=0.0))
@@ -285,8 +321,16 @@ def test_a_request_admitted_by_before_plan_joins_that_plan(checkpoint, async_sch
     call; a request the ``before_plan`` hook adds (the worker's thread admits
     arrivals there) is in the step planned by that very call, so its first
     token comes back from the next call, not the one after."""
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64,
-                               block_size=16, async_scheduling=async_scheduling))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=2,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            block_size=16,
+            async_scheduling=async_scheduling,
+        )
+    )
     engine.warmup()
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine.add_request("r0", [11, 12, 13, 14], params)
@@ -321,12 +365,22 @@ def test_interactive_outputs_are_handed_over_before_the_next_plan(checkpoint):
 
     def params(i):
         if i == 4:
-            return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop_text,) if stop_text else ())
+            return SamplingParams(
+                max_tokens=12, temperature=0.0, ignore_eos=True, stop=(stop_text,) if stop_text else ()
+            )
         return SamplingParams(max_tokens=int(6 + i), temperature=0.0, ignore_eos=True)
 
     def run(hooked: bool):
-        engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
-                                   max_model_len=128, block_size=16, async_scheduling=False))
+        engine = Engine(
+            EngineArgs(
+                model=str(checkpoint),
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                max_model_len=128,
+                block_size=16,
+                async_scheduling=False,
+            )
+        )
         engine.warmup()
         events: list[tuple] = []
         got: dict[str, list] = {}
@@ -358,8 +412,15 @@ def test_interactive_outputs_are_handed_over_before_the_next_plan(checkpoint):
                 assert not (hooked and o.request_id in interactive), o.request_id
                 got.setdefault(o.request_id, []).append(o)
             step += 1
-        seen = {rid: ([t for o in outs for t in o.new_token_ids], "".join(o.new_text for o in outs),
-                      outs[-1].finish_reason, outs[-1].label_logprobs is not None) for rid, outs in got.items()}
+        seen = {
+            rid: (
+                [t for o in outs for t in o.new_token_ids],
+                "".join(o.new_text for o in outs),
+                outs[-1].finish_reason,
+                outs[-1].label_logprobs is not None,
+            )
+            for rid, outs in got.items()
+        }
         return seen, events, {rid: (added_at[rid], first_handed[rid]) for rid in first_handed}
 
     stop_text = None
@@ -385,8 +446,17 @@ def test_batch_prompts_capped_beside_interactive_work_equal_alone(checkpoint, al
     both classes stay exactly what each request gets alone)."""
     from jaxserve.engine.types import RequestClass
 
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=6, max_num_batched_tokens=128, max_model_len=128,
-                               block_size=16, interactive_batch_prefill_tokens=5, enable_prefix_caching=False))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=6,
+            max_num_batched_tokens=128,
+            max_model_len=128,
+            block_size=16,
+            interactive_batch_prefill_tokens=5,
+            enable_prefix_caching=False,
+        )
+    )
     engine.warmup()
     prompts = _prompts()
     interactive = {0, 4}
@@ -411,7 +481,13 @@ def test_batch_prompts_capped_beside_interactive_work_equal_alone(checkpoint, al
                 assert out.error is None, out.error
                 got[out.request_id] = out.token_ids
     assert got == {f"r{i}": alone[f"r{i}"] for i in range(len(prompts))}
-    batch_prompt_tokens = [sum(s.num_scheduled_tokens for s in plan.scheduled
-                               if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1)
-                           for plan in plans if any(int(s.request_id[1:]) in interactive for s in plan.scheduled)]
+    batch_prompt_tokens = [
+        sum(
+            s.num_scheduled_tokens
+            for s in plan.scheduled
+            if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1
+        )
+        for plan in plans
+        if any(int(s.request_id[1:]) in interactive for s in plan.scheduled)
+    ]
     assert max(batch_prompt_tokens) == 5, batch_prompt_tokens  # the cap held and was reached

@@ -11,12 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine import EngineBroken
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.types import RequestClass, SamplingParams
-
-from engine_fixtures import build_engine_checkpoint
 
 MAX_TOKENS = 8
 NUM_GOOD = 6
@@ -32,9 +31,18 @@ def _engine(checkpoint, async_scheduling: bool) -> Engine:
     # prompt has produced tokens), so the batch prompt and step caps beside
     # interactive work are off: they follow the wall clock for two seconds
     # after a test with interactive requests and would move those steps.
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=128,
-                               max_model_len=64, block_size=16, async_scheduling=async_scheduling,
-                               interactive_batch_prefill_tokens=0, interactive_step_tokens=0))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            max_model_len=64,
+            block_size=16,
+            async_scheduling=async_scheduling,
+            interactive_batch_prefill_tokens=0,
+            interactive_step_tokens=0,
+        )
+    )
     engine.warmup()
     return engine
 
@@ -224,8 +232,9 @@ def test_detokenizer_failure_is_the_requests_own(engines, monkeypatch):
 
 
 def test_lost_kv_cache_raises_engine_broken(checkpoint, monkeypatch):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
-                               max_model_len=32, block_size=16))
+    engine = Engine(
+        EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32, block_size=16)
+    )
     engine.warmup()
     for rid in ("a", "bad"):
         engine.add_request(rid, [11, 12, 13], _greedy(rid))
@@ -268,8 +277,9 @@ def test_a_suspect_aborted_during_the_isolation_is_dropped(engines, monkeypatch)
 
 
 def test_a_failed_recovery_raises_engine_broken(checkpoint, monkeypatch):
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32,
-                               max_model_len=32, block_size=16))
+    engine = Engine(
+        EngineArgs(model=str(checkpoint), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32, block_size=16)
+    )
     engine.warmup()
     engine.add_request("bad", [11, 12, 13], _greedy("bad"))
 

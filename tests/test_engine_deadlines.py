@@ -7,12 +7,11 @@ import time
 
 import pytest
 
+from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import RequestStatus
 from jaxserve.engine.types import RequestClass, SamplingParams
-
-from engine_fixtures import build_engine_checkpoint
 
 PROMPT_A = list(range(30, 50))
 PROMPT_B = list(range(60, 80))
@@ -23,8 +22,17 @@ def engine(tmp_path_factory):
     checkpoint = build_engine_checkpoint(tmp_path_factory.mktemp("deadline-ckpt"))
     # 6 blocks of 16 tokens (5 usable): two requests growing to 60 tokens (4
     # blocks each) cannot both stay, so the batch one is preempted.
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                               block_size=16, kv_cache_memory=6 * 8192, enable_prefix_caching=False))
+    engine = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            block_size=16,
+            kv_cache_memory=6 * 8192,
+            enable_prefix_caching=False,
+        )
+    )
     assert engine.num_blocks == 6
     engine.warmup()
     return engine

@@ -10,30 +10,68 @@ import math
 import numpy as np
 import pytest
 
+from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampler import sampler_seed
 from jaxserve.engine.types import RequestError, SamplingParams
 
-from engine_fixtures import build_engine_checkpoint
-
 BAD_VALUES = [
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2**31), ("max_tokens", 4.0), ("max_tokens", True),
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -math.inf), ("temperature", -0.5),
-    ("temperature", 100.5), ("temperature", "0.7"), ("temperature", None), ("temperature", 10**400),
-    ("top_p", math.nan), ("top_p", math.inf), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -1), ("top_k", 2**31), ("top_k", 2**40), ("top_k", 1.5), ("top_k", True),
-    ("min_p", math.nan), ("min_p", math.inf), ("min_p", -0.1), ("min_p", 1.1),
-    ("seed", -(2**63) - 1), ("seed", 2**64), ("seed", 2**70), ("seed", 1.0), ("seed", True), ("seed", "1"),
-    ("repetition_penalty", math.nan), ("repetition_penalty", math.inf), ("repetition_penalty", 0.0),
-    ("repetition_penalty", -1.0), ("repetition_penalty", 1e-40), ("repetition_penalty", 1e39),
-    ("frequency_penalty", math.nan), ("frequency_penalty", math.inf), ("frequency_penalty", 2.5),
-    ("presence_penalty", math.nan), ("presence_penalty", -math.inf), ("presence_penalty", -2.5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [2**31]), ("stop_token_ids", [1.0]),
-    ("stop_token_ids", [True]), ("stop_token_ids", 5),
-    ("logprobs", 1), ("logprobs", "yes"), ("logprobs", None),
+    ("max_tokens", 0),
+    ("max_tokens", -1),
+    ("max_tokens", 2**31),
+    ("max_tokens", 4.0),
+    ("max_tokens", True),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", -math.inf),
+    ("temperature", -0.5),
+    ("temperature", 100.5),
+    ("temperature", "0.7"),
+    ("temperature", None),
+    ("temperature", 10**400),
+    ("top_p", math.nan),
+    ("top_p", math.inf),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -1),
+    ("top_k", 2**31),
+    ("top_k", 2**40),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("min_p", math.nan),
+    ("min_p", math.inf),
+    ("min_p", -0.1),
+    ("min_p", 1.1),
+    ("seed", -(2**63) - 1),
+    ("seed", 2**64),
+    ("seed", 2**70),
+    ("seed", 1.0),
+    ("seed", True),
+    ("seed", "1"),
+    ("repetition_penalty", math.nan),
+    ("repetition_penalty", math.inf),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", 1e-40),
+    ("repetition_penalty", 1e39),
+    ("frequency_penalty", math.nan),
+    ("frequency_penalty", math.inf),
+    ("frequency_penalty", 2.5),
+    ("presence_penalty", math.nan),
+    ("presence_penalty", -math.inf),
+    ("presence_penalty", -2.5),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", 5),
+    ("logprobs", 1),
+    ("logprobs", "yes"),
+    ("logprobs", None),
     ("ignore_eos", 1),
-    ("stop", [""]), ("stop", 5),
+    ("stop", [""]),
+    ("stop", 5),
 ]
 
 
@@ -50,11 +88,25 @@ def test_validate_refuses_each_out_of_range_value(field, value):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("seed", -(2**63)), ("seed", -1), ("seed", 0), ("seed", 2**32 - 1), ("seed", 2**32), ("seed", 2**64 - 1),
-        ("seed", np.int64(-5)), ("top_k", 0), ("top_k", 2**31 - 1), ("max_tokens", 2**31 - 1),
-        ("temperature", 0), ("temperature", 100.0), ("temperature", np.float32(0.7)),
-        ("repetition_penalty", 1e-30), ("frequency_penalty", -2.0), ("presence_penalty", 2),
-        ("stop_token_ids", (0, 2**31 - 1)), ("stop_token_ids", [np.int32(3)]), ("stop", "x"),
+        ("seed", -(2**63)),
+        ("seed", -1),
+        ("seed", 0),
+        ("seed", 2**32 - 1),
+        ("seed", 2**32),
+        ("seed", 2**64 - 1),
+        ("seed", np.int64(-5)),
+        ("top_k", 0),
+        ("top_k", 2**31 - 1),
+        ("max_tokens", 2**31 - 1),
+        ("temperature", 0),
+        ("temperature", 100.0),
+        ("temperature", np.float32(0.7)),
+        ("repetition_penalty", 1e-30),
+        ("frequency_penalty", -2.0),
+        ("presence_penalty", 2),
+        ("stop_token_ids", (0, 2**31 - 1)),
+        ("stop_token_ids", [np.int32(3)]),
+        ("stop", "x"),
     ],
 )
 def test_validate_accepts_the_boundaries(field, value):
@@ -78,8 +130,9 @@ def test_sampler_seed_is_identity_on_uint32_and_folds_the_rest():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     checkpoint = build_engine_checkpoint(tmp_path_factory.mktemp("params-ckpt"))
-    engine = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64,
-                               max_model_len=64, block_size=16))
+    engine = Engine(
+        EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=16)
+    )
     engine.warmup()
     return engine
 
@@ -144,26 +197,35 @@ def test_seeds_outside_uint32_sample_reproducibly_in_any_batch(engine):
     assert len({tuple(alone[s]) for s in (-1, 2**40, -(2**63))}) == 3
     # the same seed again, now sharing the batch with other requests (greedy
     # and sampled, other prompts): the same tokens
-    together = _run(engine, {
-        **{f"w{i}": (prompt, _sampled(seed)) for i, seed in enumerate(WIDE_SEEDS[:3])},
-        "g": ([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=6, temperature=0.0)),
-    })
+    together = _run(
+        engine,
+        {
+            **{f"w{i}": (prompt, _sampled(seed)) for i, seed in enumerate(WIDE_SEEDS[:3])},
+            "g": ([5, 6, 7, 8, 9, 10, 11], SamplingParams(max_tokens=6, temperature=0.0)),
+        },
+    )
     assert [together[f"w{i}"] for i in range(3)] == [alone[s] for s in WIDE_SEEDS[:3]]
-    together = _run(engine, {
-        "other": ([300, 301, 302], _sampled(7)),
-        "w3": (prompt, _sampled(WIDE_SEEDS[3])),
-    })
+    together = _run(
+        engine,
+        {
+            "other": ([300, 301, 302], _sampled(7)),
+            "w3": (prompt, _sampled(WIDE_SEEDS[3])),
+        },
+    )
     assert together["w3"] == alone[WIDE_SEEDS[3]]
 
 
 def test_the_reported_job_runs(engine):
     """{"temperature": 0.7, "seed": -1} used to raise OverflowError while the
     step's sampler arrays were built, failing every request of the step."""
-    got = _run(engine, {
-        "seed-1": ([11, 12, 13, 14], SamplingParams(max_tokens=5, temperature=0.7, seed=-1)),
-        "seed2**64-1": ([15, 16], SamplingParams(max_tokens=5, temperature=0.7, seed=2**64 - 1)),
-        "plain": ([17, 18, 19], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
-    })
+    got = _run(
+        engine,
+        {
+            "seed-1": ([11, 12, 13, 14], SamplingParams(max_tokens=5, temperature=0.7, seed=-1)),
+            "seed2**64-1": ([15, 16], SamplingParams(max_tokens=5, temperature=0.7, seed=2**64 - 1)),
+            "plain": ([17, 18, 19], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+        },
+    )
     assert sorted(got) == ["plain", "seed-1", "seed2**64-1"]
     assert len(got["plain"]) == 5
     req_seed = engine._sampling_row  # the row the sampler gets carries the folded seed

@@ -25,8 +25,7 @@ import pytest
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
 from jaxserve.worker.engine_process import EngineBuildError, EngineProcess
 from jaxserve.worker.engine_thread import EngineThreadDead
-from queue_support import AMQP_URL, ByteTokenizer, EchoEngine, expected_completion
-from queue_support import client, prefix  # noqa: F401 - fixtures
+from queue_support import AMQP_URL, ByteTokenizer, EchoEngine, client, expected_completion, prefix  # noqa: F401 - fixtures
 
 
 @dataclasses.dataclass
@@ -98,8 +97,16 @@ class ScriptedEngine:
             state[1] += 1
             self.num_computed_tokens += 1
             done = state[0] == 0
-            outputs.append(RequestOutput(rid, [65 + state[1]], chr(65 + state[1]), finished=done,
-                                         finish_reason="length" if done else None, completion_tokens=state[1]))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    [65 + state[1]],
+                    chr(65 + state[1]),
+                    finished=done,
+                    finish_reason="length" if done else None,
+                    completion_tokens=state[1],
+                )
+            )
             if done:
                 del self.held[rid]
         return outputs
@@ -112,9 +119,14 @@ class Harness:
         self.stats: list = []
         self.step_errors: list[BaseException] = []
         self.fatal: list[BaseException] = []
-        self.proc = EngineProcess(functools.partial(ScriptedEngine, **engine_kw), self.loop, self.outputs.extend,
-                                  self.step_errors.append, on_step=lambda stats, _o: self.stats.append(stats),
-                                  on_fatal=self.fatal.append)
+        self.proc = EngineProcess(
+            functools.partial(ScriptedEngine, **engine_kw),
+            self.loop,
+            self.outputs.extend,
+            self.step_errors.append,
+            on_step=lambda stats, _o: self.stats.append(stats),
+            on_fatal=self.fatal.append,
+        )
 
     async def until(self, predicate, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -142,7 +154,11 @@ async def test_commands_outputs_and_statistics_cross_the_process_boundary():
         assert h.proc.pid != os.getpid() and h.proc.alive
         # what the worker reads of the engine, including a working tokenizer
         assert (engine.model_name, engine.max_num_seqs, engine.max_model_len, engine.interactive_reserved_seqs) == (
-            "scripted", 4, 64, 1)
+            "scripted",
+            4,
+            64,
+            1,
+        )
         assert engine.tokenizer.encode("hi") == [104, 105]
         assert await h.proc.warmup() == "warm"
         assert await h.proc.add_request("a", [1, 2], SamplingParams(max_tokens=3)) is None
@@ -355,8 +371,10 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
     from jaxserve.wire.topology import Topology
     from jaxserve.worker.worker import Worker, WorkerConfig
 
-    w = Worker(functools.partial(EchoEngine, step_s=0.001),
-               WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=prefix), engine_process=True))
+    w = Worker(
+        functools.partial(EchoEngine, step_s=0.001),
+        WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=prefix), engine_process=True),
+    )
     assert await w.start()
     engine_pid = w.engine_thread.pid
     try:

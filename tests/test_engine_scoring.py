@@ -35,8 +35,15 @@ def hf(checkpoint):
 
 
 def make_engine(checkpoint: Path, **kw) -> Engine:
-    args = dict(model=str(checkpoint), max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, block_size=16,
-                enable_prefix_caching=False, seed=0)  # fmt: skip
+    args = dict(
+        model=str(checkpoint),
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        max_model_len=256,
+        block_size=16,
+        enable_prefix_caching=False,
+        seed=0,
+    )
     args.update(kw)
     eng = Engine(EngineArgs(**args))
     eng.warmup()

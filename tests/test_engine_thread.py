@@ -66,8 +66,9 @@ class Harness:
     def __init__(self, engine: FakeEngine, **kw) -> None:
         self.loop = asyncio.get_running_loop()
         self.outputs, self.step_errors, self.fatal = [], [], []
-        self.thread = EngineThread(engine, self.loop, self.outputs.extend, self.step_errors.append,
-                                   on_fatal=self.fatal.append, **kw)
+        self.thread = EngineThread(
+            engine, self.loop, self.outputs.extend, self.step_errors.append, on_fatal=self.fatal.append, **kw
+        )
         self.thread.start()
 
     async def until(self, predicate, timeout: float = 5.0) -> None:
@@ -209,7 +210,9 @@ async def test_admissions_queued_during_a_step_join_its_plan_other_commands_wait
     stop_c = h.thread.abort("c")
     d = h.thread.add_request("d", [1], params)
     busy_during = []
-    engine.before_plan = (lambda hook: lambda: (hook(), busy_during.append(h.thread.busy_since_mono)))(engine.before_plan)
+    engine.before_plan = (lambda hook: lambda: (hook(), busy_during.append(h.thread.busy_since_mono)))(
+        engine.before_plan
+    )
     engine.release.set()
     await asyncio.wait_for(asyncio.gather(a, b, stop_c, d), 5)
     await h.until(lambda: engine.log.count("plan") == 2)
@@ -228,6 +231,11 @@ def test_the_worker_engine_defaults_favour_interactive_jobs(monkeypatch):
     monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, **kw: seen.append(kw) or kw))
     build_engine("tiny", max_num_seqs=8)
     build_engine("tiny", **parse_engine_args(["async_scheduling=true", "policy=fcfs"]))
-    assert seen[0] == {"model": "tiny", "max_num_seqs": 8, "policy": "priority", "async_scheduling": False,
-                       "interactive_reserved_seqs": 2}
+    assert seen[0] == {
+        "model": "tiny",
+        "max_num_seqs": 8,
+        "policy": "priority",
+        "async_scheduling": False,
+        "interactive_reserved_seqs": 2,
+    }
     assert seen[1]["async_scheduling"] is True and seen[1]["policy"] == "fcfs"

@@ -65,10 +65,13 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def _random_kquant_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Valid K-quant blocks (random quants and sub-scales, small f16 super-scales)."""
     n = cols // 256
+
     def f16(value: float, count: int) -> np.ndarray:
         return (value * (0.5 + rng.random((rows, n, 1)))).astype(np.float16).view(np.uint8)
+
     def rand(count: int) -> np.ndarray:
         return rng.integers(0, 256, (rows, n, count), dtype=np.uint8)
+
     if qtype == QT.Q4_K:
         d = 2e-4
         parts = [f16(d, 1), f16(d * 7.5, 1), rand(12), rand(128)]
@@ -99,10 +102,13 @@ def hf_weights(vocab: int, *, seed: int, tied: bool, qkv_bias: bool = False) -> 
     """Random Hugging Face-layout Llama weights (norms around 1; q/k/v biases
     as Qwen2 has them when ``qkv_bias``)."""
     rng = np.random.default_rng(seed)
+
     def mat(rows: int, cols: int, std: float = 0.08) -> np.ndarray:
         return (std * rng.standard_normal((rows, cols))).astype(np.float32)
+
     def norm() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
+
     w = {"model.embed_tokens.weight": mat(vocab, E, 0.5)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
@@ -141,8 +147,11 @@ _GGUF_NAMES = {
 
 
 def _gguf_name(hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in fixed:
         return fixed[hf]
     _, _, index, rest = hf.split(".", 3)
@@ -203,8 +212,12 @@ def _add_vocab(w, meta: dict) -> None:
         w.add_token_scores(meta["scores"])
     if "merges" in meta:
         w.add_token_merges(meta["merges"])
-    for key, fn in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("unk", w.add_unk_token_id),
-                    ("pad", w.add_pad_token_id)):
+    for key, fn in (
+        ("bos", w.add_bos_token_id),
+        ("eos", w.add_eos_token_id),
+        ("unk", w.add_unk_token_id),
+        ("pad", w.add_pad_token_id),
+    ):
         if key in meta:
             fn(meta[key])
     if "add_bos" in meta:
@@ -237,11 +250,15 @@ def gpt2_vocab(pre: str, size: int = 480) -> dict:
         )
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     trainer = trainers.BpeTrainer(
-        vocab_size=size, special_tokens=GPT2_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=size,
+        special_tokens=GPT2_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
@@ -250,8 +267,18 @@ def gpt2_vocab(pre: str, size: int = 480) -> dict:
     tokens = [t for t, _ in by_id] + ["<think>"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     types = [3 if t in GPT2_SPECIALS else 1 for t in tokens[:-1]] + [4]
-    return {"model": "gpt2", "pre": pre, "tokens": tokens, "types": types, "merges": merges,
-            "bos": 1, "eos": 2, "pad": 0, "add_bos": False, "chat_template": CHATML}
+    return {
+        "model": "gpt2",
+        "pre": pre,
+        "tokens": tokens,
+        "types": types,
+        "merges": merges,
+        "bos": 1,
+        "eos": 2,
+        "pad": 0,
+        "add_bos": False,
+        "chat_template": CHATML,
+    }
 
 
 def spm_vocab(size: int = 420) -> dict:
@@ -268,8 +295,7 @@ def spm_vocab(size: int = 420) -> dict:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
-    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores,
-            "bos": 1, "eos": 2, "unk": 0}
+    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, "bos": 1, "eos": 2, "unk": 0}
 
 
 # ------------------------------------------------------------------ fixtures
@@ -391,9 +417,8 @@ def _greedy_pair(folder: Path, name: str, prompt: str, new: int = 12):
     ours = greedy_generate(load_model(model_folder), ids, new)
     hf = _hf_model(folder, name)
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    return ids, ours, out[0, len(ids):].tolist()
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return ids, ours, out[0, len(ids) :].tolist()
 
 
 def test_greedy_tokens_equal_transformers_every_tensor_type(mixed, cache):

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_attention import NUM_PAD, SCALE, SEQS, _build, _reference
 
 from jaxserve.kernels import cpu
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import select_attention
 from jaxserve.kernels.paged_attention import paged_attention, write_kv
+from test_paged_attention import NUM_PAD, SCALE, SEQS, _build, _reference
 
 
 def test_the_kernel_builds_where_a_compiler_exists():
@@ -39,8 +39,9 @@ def _cpu_step(q, kc, vc, k_new, v_new, meta, positions):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mixed_batch_matches_dense_and_padding_gets_zeros(seed):
     case = _build(seed=seed)
-    out = np.asarray(_cpu_step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
-                               case["positions"]))  # fmt: skip
+    out = np.asarray(
+        _cpu_step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    )
     ref, n_real = _reference(case)
     np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
     assert n_real == sum(n for _, n in SEQS) and out.shape[0] == n_real + NUM_PAD
@@ -51,10 +52,14 @@ def test_mixed_batch_matches_dense_and_padding_gets_zeros(seed):
 def test_sliding_window_matches_dense():
     case = _build(seed=3)
     window = 9
-    step = jax.jit(lambda q, kc, vc, kn, vn, meta, pos: cpu.paged_attention_cpu(
-        q, *write_kv(kc, vc, kn, vn, meta.slot_mapping), meta, pos, scale=SCALE, sliding_window=window))  # fmt: skip
-    out = np.asarray(step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
-                          case["positions"]))  # fmt: skip
+    step = jax.jit(
+        lambda q, kc, vc, kn, vn, meta, pos: cpu.paged_attention_cpu(
+            q, *write_kv(kc, vc, kn, vn, meta.slot_mapping), meta, pos, scale=SCALE, sliding_window=window
+        )
+    )
+    out = np.asarray(
+        step(case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"])
+    )
     ref, n_real = _reference(case, sliding_window=window)
     np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
 
@@ -96,14 +101,21 @@ def test_matches_the_pure_jax_kernel(block_size, head_dim, group):
     # decodes at block boundaries and mid-block, a long prefill chunk over a
     # cached prefix, a fresh prompt; 64 x 64 takes the unrolled code path
     seqs = [(200, 1), (block_size - 1, 1), (block_size, 1), (70, 40), (0, 23)]
-    q, k, v, meta, positions = _paged_case(7, block_size=block_size, head_dim=head_dim, kv_heads=2, group=group,
-                                           seqs=seqs)  # fmt: skip
+    q, k, v, meta, positions = _paged_case(
+        7, block_size=block_size, head_dim=head_dim, kv_heads=2, group=group, seqs=seqs
+    )
     scale = head_dim**-0.5
     for window in (None, 50):
-        ref = jax.jit(lambda q, k, v: paged_attention(q, k, v, meta, positions, block_size=block_size, scale=scale,
-                                                      sliding_window=window))(q, k, v)  # fmt: skip
-        out = jax.jit(lambda q, k, v: cpu.paged_attention_cpu(q, k, v, meta, positions, scale=scale,
-                                                               sliding_window=window))(q, k, v)  # fmt: skip
+        ref = jax.jit(
+            lambda q, k, v, window=window: paged_attention(
+                q, k, v, meta, positions, block_size=block_size, scale=scale, sliding_window=window
+            )
+        )(q, k, v)
+        out = jax.jit(
+            lambda q, k, v, window=window: cpu.paged_attention_cpu(
+                q, k, v, meta, positions, scale=scale, sliding_window=window
+            )
+        )(q, k, v)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=3e-5, atol=3e-5)
 
 
@@ -174,7 +186,8 @@ def test_feature_major_unrotated_queries_match_rotated_ones(window):
         got = cpu.paged_attention_cpu_fm(q_fm, cos, sin, kc, vc, meta, pos, scale=SCALE, sliding_window=window)
         return want, got
 
-    want, got = both(q, q_fm, cos, sin, case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"],
-                     case["positions"])  # fmt: skip
+    want, got = both(
+        q, q_fm, cos, sin, case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"]
+    )
     assert got.shape == (T, H, D)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -149,16 +149,28 @@ def _case(seqs, *, seed: int, dtype=jnp.float32, num_blocks: int = NUM_BLOCKS):
     kb, vb = keys_from_slots(to_storage(k_slots, dtype), BS), values_from_slots(to_storage(v_slots, dtype), BS)
     heads = jnp.transpose(jnp.stack([k_slots, v_slots]).reshape(2, num_blocks, BS, KVH, D), (0, 3, 1, 2, 4))
     return dict(
-        q=q, meta=meta, positions=jnp.asarray(np.array(pos, np.int32)), n_real=n_real, dtype=dtype,
-        blocks=(kb, vb), heads=(heads[0], heads[1]),
+        q=q,
+        meta=meta,
+        positions=jnp.asarray(np.array(pos, np.int32)),
+        n_real=n_real,
+        dtype=dtype,
+        blocks=(kb, vb),
+        heads=(heads[0], heads[1]),
     )
 
 
 def _reference(case, sliding_window=None):
     kb, vb = case["blocks"]
     return paged_attention(
-        case["q"], kb, vb, case["meta"], case["positions"], block_size=BS, scale=SCALE,
-        sliding_window=sliding_window, cache_dtype=case["dtype"],
+        case["q"],
+        kb,
+        vb,
+        case["meta"],
+        case["positions"],
+        block_size=BS,
+        scale=SCALE,
+        sliding_window=sliding_window,
+        cache_dtype=case["dtype"],
     )
 
 
@@ -180,10 +192,29 @@ def test_heads_layout_write_and_reference_equal_blocks_layout():
     np.testing.assert_array_equal(np.asarray(back[0]), np.asarray(kb2))
     np.testing.assert_array_equal(np.asarray(back[1]), np.asarray(vb2))
     for window in (None, 9):
-        ref = paged_attention(case["q"], kb2, vb2, case["meta"], case["positions"], block_size=BS, scale=SCALE,
-                              sliding_window=window, chunk_tokens=2 * BS)
-        got = paged_attention(case["q"], kh2, vh2, case["meta"], case["positions"], block_size=BS, scale=SCALE,
-                              sliding_window=window, chunk_tokens=2 * BS, layout="heads")
+        ref = paged_attention(
+            case["q"],
+            kb2,
+            vb2,
+            case["meta"],
+            case["positions"],
+            block_size=BS,
+            scale=SCALE,
+            sliding_window=window,
+            chunk_tokens=2 * BS,
+        )
+        got = paged_attention(
+            case["q"],
+            kh2,
+            vh2,
+            case["meta"],
+            case["positions"],
+            block_size=BS,
+            scale=SCALE,
+            sliding_window=window,
+            chunk_tokens=2 * BS,
+            layout="heads",
+        )
         # the same float32 operands, gathered differently: on the CPU a few ulps at most; on an
         # accelerator XLA may pick other dot algorithms (split-K, TF32) per layout
         tol = 1e-6 if PLATFORM == "cpu" else 5e-3
@@ -191,8 +222,9 @@ def test_heads_layout_write_and_reference_equal_blocks_layout():
 
 
 def test_heads_cache_shapes_and_storage():
-    c = KVCache.create(num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16,
-                       layout="heads")
+    c = KVCache.create(
+        num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=jnp.bfloat16, layout="heads"
+    )
     # typed bfloat16 (no uint16 bits: that is the CPU's blocks-layout workaround)
     assert c.k[0].shape == c.v[1].shape == (2, 5, 4, 8) and c.k[0].dtype == jnp.bfloat16
     assert (c.num_blocks, c.num_kv_heads, c.head_dim, c.layout) == (5, 2, 8, "heads")
@@ -234,8 +266,9 @@ def test_gpu_kernel_matches_reference(seqs, dtype):
     _needs("gpu")
     case = _case(seqs, seed=3, dtype=dtype)
     kh, vh = case["heads"]
-    fn = jax.jit(lambda q, k, v, meta, pos: pallas.gpu_paged_attention(
-        q, k, v, meta, pos, scale=SCALE, interpret=INTERPRET))
+    fn = jax.jit(
+        lambda q, k, v, meta, pos: pallas.gpu_paged_attention(q, k, v, meta, pos, scale=SCALE, interpret=INTERPRET)
+    )
     out = fn(case["q"], kh, vh, case["meta"], case["positions"])
     assert out.dtype == dtype
     _check(out, _reference(case), case["n_real"], dtype)
@@ -264,14 +297,16 @@ def test_tpu_paged_kernel_matches_reference(dtype):
     _needs("tpu")
     case = _case(DECODE, seed=5, dtype=dtype)
     kh, vh = case["heads"]
-    out = pallas.tpu_paged_attention(case["q"], kh, vh, case["meta"], case["positions"], scale=SCALE,
-                                     interpret=INTERPRET, pages_per_compute_block=4)
+    out = pallas.tpu_paged_attention(
+        case["q"], kh, vh, case["meta"], case["positions"], scale=SCALE, interpret=INTERPRET, pages_per_compute_block=4
+    )
     assert out.dtype == dtype
     _check(out, _reference(case), case["n_real"], dtype, bf16_kv=True)
 
 
-@pytest.mark.parametrize("dtype,num_blocks", [(jnp.float32, NUM_BLOCKS), (jnp.bfloat16, NUM_BLOCKS),
-                                              (jnp.float32, 2 * NUM_BLOCKS)])
+@pytest.mark.parametrize(
+    "dtype,num_blocks", [(jnp.float32, NUM_BLOCKS), (jnp.bfloat16, NUM_BLOCKS), (jnp.float32, 2 * NUM_BLOCKS)]
+)
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_ragged_adapter_matches_reference(sliding_window, dtype, num_blocks):
     """The adapter's layout conversion and sequence metadata, through the ragged
@@ -287,8 +322,16 @@ def test_ragged_adapter_matches_reference(sliding_window, dtype, num_blocks):
     np.testing.assert_array_equal(np.asarray(inputs["num_seqs"]), [n_seqs])
     want_cu = np.concatenate([[0], np.cumsum([n for _, n in MIXED]), [case["n_real"]] * EXTRA_ROWS])
     np.testing.assert_array_equal(np.asarray(inputs["cu_q_lens"]), want_cu)
-    out = pallas.tpu_ragged_attention(case["q"], kh, vh, case["meta"], case["positions"], scale=SCALE,
-                                      sliding_window=sliding_window, kernel=ref_ragged_paged_attention)
+    out = pallas.tpu_ragged_attention(
+        case["q"],
+        kh,
+        vh,
+        case["meta"],
+        case["positions"],
+        scale=SCALE,
+        sliding_window=sliding_window,
+        kernel=ref_ragged_paged_attention,
+    )
     _check(out, _reference(case, sliding_window), case["n_real"], dtype)
 
 
@@ -297,22 +340,29 @@ def test_ragged_kernel_interpret_mode_limitation():
     """Pins the documented limitation: JAX 0.10.2's TPU interpreter cannot run
     the ragged kernel (a reshaped ref). If this starts passing, run the real
     kernel in test_ragged_adapter_matches_reference instead."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
     from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
     d = 128  # below 128 it fails at trace time instead (its 128-lane softmax statistics)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((8, 4, d)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((6, 4, 4, d)), jnp.float32)
-    args = (q, kv, jnp.asarray([5, 3], jnp.int32), jnp.asarray([[1, 2], [3, 0]], jnp.int32),
-            jnp.asarray([0, 4, 7], jnp.int32), jnp.asarray([2], jnp.int32))
+    args = (
+        q,
+        kv,
+        jnp.asarray([5, 3], jnp.int32),
+        jnp.asarray([[1, 2], [3, 0]], jnp.int32),
+        jnp.asarray([0, 4, 7], jnp.int32),
+        jnp.asarray([2], jnp.int32),
+    )
     with pytest.raises(Exception, match="ReshapeTransform"):
         with pltpu.force_tpu_interpret_mode():
             jax.block_until_ready(ragged_paged_attention(*args, num_kv_pages_per_block=1, num_queries_per_block=4))
     with pytest.raises(AssertionError):
         with pltpu.force_tpu_interpret_mode():
-            ragged_paged_attention(q[..., :64], kv[..., :64], *args[2:], num_kv_pages_per_block=1,
-                                   num_queries_per_block=4)
+            ragged_paged_attention(
+                q[..., :64], kv[..., :64], *args[2:], num_kv_pages_per_block=1, num_queries_per_block=4
+            )
 
 
 # -------------------------------------------------------------- selection
@@ -328,8 +378,11 @@ def test_select_attention():
     assert tpu == AttentionImpl(kernel="tpu", ragged=False) and "head_dim a multiple of 128" in reason
     assert select_attention("auto", platform="tpu", **{**kw, "head_dim": 128})[0].ragged
     # shapes the GPU kernel cannot take: auto falls back, pallas refuses and says why
-    for bad, match in (({"sliding_window": 4096}, "sliding window"), ({"head_dim": 80}, "head_dim"),
-                       ({"block_size": 48}, "block_size")):
+    for bad, match in (
+        ({"sliding_window": 4096}, "sliding window"),
+        ({"head_dim": 80}, "head_dim"),
+        ({"block_size": 48}, "block_size"),
+    ):
         assert select_attention("auto", platform="gpu", **{**kw, **bad})[0] == REFERENCE
         with pytest.raises(ValueError, match=match):
             select_attention("pallas", platform="gpu", **{**kw, **bad})
@@ -345,10 +398,18 @@ def test_select_attention():
 def _tiny_model(dtype):
     from jaxserve.models import LlamaForCausalLM, ModelConfig
 
-    cfg = ModelConfig.from_dict(dict(
-        architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    ))
+    cfg = ModelConfig.from_dict(
+        dict(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+    )
     model = LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(3))
     # bigger weights than the init's std of 0.02: no near ties between logits
     for layer in model.layers:
@@ -369,8 +430,9 @@ def _model_steps(model, cfg, impl, dtype, interpret_steps):
     model.attention = impl
     graphdef, state = nnx.split(model)
     S, width = 4, 8
-    cache = KVCache.create(cfg.num_hidden_layers, 24, BS, cfg.num_key_value_heads, cfg.head_dim, dtype,
-                           layout=impl.layout)
+    cache = KVCache.create(
+        cfg.num_hidden_layers, 24, BS, cfg.num_key_value_heads, cfg.head_dim, dtype, layout=impl.layout
+    )
     step = jax.jit(lambda st, ids, pos, c, meta: forward_fn(graphdef, st, ids, pos, c, meta), donate_argnums=(3,))
     logits = jax.jit(lambda st, h: logits_fn(graphdef, st, h))
     rng = np.random.default_rng(0)
@@ -396,7 +458,8 @@ def _model_steps(model, cfg, impl, dtype, interpret_steps):
         meta = AttentionMetadata(
             slot_mapping=jnp.asarray(np.array(slots + [0] * pad, np.int32)),
             token_seq=jnp.asarray(np.array(seq + [S] * pad, np.int32)),
-            block_tables=jnp.asarray(tables), context_lens=jnp.asarray(ctx),
+            block_tables=jnp.asarray(tables),
+            context_lens=jnp.asarray(ctx),
             logits_indices=jnp.asarray(np.pad(last, (0, S - len(last))).astype(np.int32)),
         )
         return np.array(ids + [0] * pad, np.int32), np.array(pos + [0] * pad, np.int32), meta
@@ -437,8 +500,12 @@ def test_cache_layout_must_match_the_kernel():
     cfg, model = _tiny_model(jnp.float32)
     model.attention = AttentionImpl(kernel="gpu", interpret=True)
     cache = KVCache.create(cfg.num_hidden_layers, 8, BS, cfg.num_key_value_heads, cfg.head_dim)  # blocks layout
-    meta = AttentionMetadata(*(jnp.zeros(n, jnp.int32) for n in (8, 8)), jnp.zeros((5, 4), jnp.int32),
-                             jnp.zeros(5, jnp.int32), jnp.zeros(4, jnp.int32))
+    meta = AttentionMetadata(
+        *(jnp.zeros(n, jnp.int32) for n in (8, 8)),
+        jnp.zeros((5, 4), jnp.int32),
+        jnp.zeros(5, jnp.int32),
+        jnp.zeros(4, jnp.int32),
+    )
     with pytest.raises(ValueError, match="'blocks' layout but attention kernel 'gpu' reads 'heads'"):
         model(jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32), cache, meta)
 

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
-from step_fixtures import paged_step
 from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
@@ -28,18 +27,23 @@ from jaxserve.kernels.backends import REFERENCE, AttentionImpl
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, split_model
+from step_fixtures import paged_step
 
 BLOCK = 8
 NUM_BLOCKS = 24
 T = 64
-KERNELS = ["reference", pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ kernel"))]
+KERNELS = [
+    "reference",
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ kernel")),
+]
 
 
 def _mixed_step(vocab: int):
     """Three sequences: 0 continues a 10-token cached prefix with 20 tokens,
     1 is a fresh 30-token prompt, 2 decodes one token at position 17."""
-    ids, pos, meta = paged_step(vocab, [10, 0, 17], [20, 30, 1], tokens=T, block=BLOCK, num_blocks=NUM_BLOCKS,
-                                table_width=6, seed=4)  # fmt: skip
+    ids, pos, meta = paged_step(
+        vocab, [10, 0, 17], [20, 30, 1], tokens=T, block=BLOCK, num_blocks=NUM_BLOCKS, table_width=6, seed=4
+    )
     # the rows a step would keep: last tokens, score rows, a repeat, padding (0)
     rows = jnp.asarray([29, 50, 27, 28, 29, 0, 0, 10], jnp.int32)
     return ids, pos, meta, rows
@@ -101,8 +105,17 @@ def engine_checkpoint(tmp_path_factory):
 
 
 def _serve(checkpoint, prune: bool) -> dict:
-    eng = Engine(EngineArgs(model=str(checkpoint), max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128,
-                            block_size=16, enable_prefix_caching=False, seed=0))  # fmt: skip
+    eng = Engine(
+        EngineArgs(
+            model=str(checkpoint),
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+            block_size=16,
+            enable_prefix_caching=False,
+            seed=0,
+        )
+    )
     eng.runner.prune_last_layer = prune
     eng.warmup()
     rng = np.random.default_rng(2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_queue_faults import private_redis  # noqa: F401 - fixture
 
 from jaxserve.worker.limits import (
     LimitsConfig,
@@ -15,6 +14,7 @@ from jaxserve.worker.limits import (
     RedisLimiter,
     TenantLimit,
 )
+from test_queue_faults import private_redis  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(60)
 

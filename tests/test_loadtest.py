@@ -17,11 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from queue_support import REPO, prefix, rabbitmqctl, start_worker_process, stop_process, wait_log, worker_env  # noqa: F401
-
 from jaxserve.loadtest.report import markdown_table, percentiles, summarize_level
 from jaxserve.loadtest.runner import JobRecord, itl_samples, mark_rejections
 from jaxserve.loadtest.workload import IntRange, Workload, default_kinds, parse_mix
+from queue_support import REPO, prefix, rabbitmqctl, start_worker_process, stop_process, wait_log, worker_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +28,22 @@ AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 def _loadtest(prefix: str, out, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "jaxserve", "loadtest", "--amqp-url", AMQP_URL, "--prefix", prefix, "--output", str(out),
-           "--no-progress", "--settle", "0.5", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve",
+        "loadtest",
+        "--amqp-url",
+        AMQP_URL,
+        "--prefix",
+        prefix,
+        "--output",
+        str(out),
+        "--no-progress",
+        "--settle",
+        "0.5",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -131,10 +144,22 @@ def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
     limits = tmp_path / "limits.yaml"
     limits.write_text("default: {requests_per_s: 15, burst: 15}\n")
     log, out = tmp_path / "worker.log", tmp_path / "out"
-    proc = _worker(prefix, log, "--engine-arg", "step_s=0.05", "--interactive-max-length", "2", "--max-queued-tokens", "200",
-                   "--limits", str(limits))  # fmt: skip
+    proc = _worker(
+        prefix,
+        log,
+        "--engine-arg",
+        "step_s=0.05",
+        "--interactive-max-length",
+        "2",
+        "--max-queued-tokens",
+        "200",
+        "--limits",
+        str(limits),
+    )
     try:
-        res = _loadtest(prefix, out, "--concurrency", "1,16", "--duration", "2", "--mix", "chat=1", "--no-broker-details")
+        res = _loadtest(
+            prefix, out, "--concurrency", "1,16", "--duration", "2", "--mix", "chat=1", "--no-broker-details"
+        )
     finally:
         stop_process(proc)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -166,9 +191,25 @@ def test_itl_method():
     assert itl_samples([0.1], 6, 1) == [] and itl_samples([0.1, 0.2], 0, 2) == []
 
 
-def _rec(i, status="ok", *, kind="chat", stream=True, ttft=None, e2e=None, tokens=None, chunk_times=(), code=None, **kw):
-    r = JobRecord(i, f"k{i}", kind, "interactive" if stream else "batch", stream, kw.pop("cancel", False), kw.pop("t_start", 0.0),
-                  status=status, code=code, ttft_s=ttft, e2e_s=e2e, completion_tokens=tokens, prompt_tokens=kw.pop("prompt", 10), **kw)  # fmt: skip
+def _rec(
+    i, status="ok", *, kind="chat", stream=True, ttft=None, e2e=None, tokens=None, chunk_times=(), code=None, **kw
+):
+    r = JobRecord(
+        i,
+        f"k{i}",
+        kind,
+        "interactive" if stream else "batch",
+        stream,
+        kw.pop("cancel", False),
+        kw.pop("t_start", 0.0),
+        status=status,
+        code=code,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        completion_tokens=tokens,
+        prompt_tokens=kw.pop("prompt", 10),
+        **kw,
+    )
     if chunk_times:
         r.itl_samples = itl_samples(list(chunk_times), tokens, len(chunk_times))
     return r
@@ -199,8 +240,14 @@ def test_summarize_level_exact():
     assert e["itl_p99_s"] == pytest.approx(float(np.percentile(itl, 99)))
     assert e["output_tokens_total"] == 20 and e["output_tokens_per_s"] == pytest.approx(4.0)
     assert e["requests_per_s"] == pytest.approx(0.8)
-    assert e["cancellations"] == {"planned": 1, "sent": 1, "cancelled": 1, "finished_before_cancel": 0,
-                                  "no_chunk_before_end": 0, "completed_after_first_cancel": 1}  # fmt: skip
+    assert e["cancellations"] == {
+        "planned": 1,
+        "sent": 1,
+        "cancelled": 1,
+        "finished_before_cancel": 0,
+        "no_chunk_before_end": 0,
+        "completed_after_first_cancel": 1,
+    }
     assert e["by_kind"]["summarize"]["ttft_p50_s"] is None and e["by_kind"]["summarize"]["prompt_tokens_mean"] == 100
     assert percentiles([], "x")["x_p50_s"] is None
     levels = [dict(e, concurrency=1, rejected=0), e]

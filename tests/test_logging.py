@@ -79,7 +79,7 @@ def test_stdlib_and_structlog_lines_are_json_with_the_bound_context(restore_logg
     t.join()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.warn("deprecated thing", DeprecationWarning)
+        warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
     # below the level: nothing
     structlog.get_logger("jaxserve.worker").debug("too_chatty")
     logging.getLogger("aiormq.connection").info("libraries log warnings and up at --log-level info")
@@ -167,7 +167,9 @@ def test_a_real_process_logs_only_json(tmp_path):
         """
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == ""
     records = parse_lines(proc.stderr)

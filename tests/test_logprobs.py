@@ -42,15 +42,48 @@ def _hf_logprobs(hf, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray
 
 def test_logprobs_and_top_logprobs_equal_transformers(setup):
     llm, hf = setup
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["a"],
+    }
     cases = [
-        ("sampled, top 5", "The quick brown fox", SamplingParams(max_tokens=12, temperature=1.0, seed=1, logprobs=True, top_logprobs=5)),
+        (
+            "sampled, top 5",
+            "The quick brown fox",
+            SamplingParams(max_tokens=12, temperature=1.0, seed=1, logprobs=True, top_logprobs=5),
+        ),
         ("greedy, chosen only", "Once upon a time", SamplingParams(max_tokens=12, temperature=0.0, logprobs=True)),
         ("greedy, top 20", "Hello", SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=20)),
-        ("penalised", "alpha beta", SamplingParams(max_tokens=10, temperature=0.7, seed=2, presence_penalty=1.0, logprobs=True, top_logprobs=2)),
-        ("json schema", "Give JSON:", SamplingParams(max_tokens=30, temperature=1.0, seed=3, logprobs=True, top_logprobs=3, structured=json_schema_constraint(schema))),
-        ("choice", "Pick:", SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=1, structured=StructuredOutput("choice", ("left", "right")))),
-    ]  # fmt: skip
+        (
+            "penalised",
+            "alpha beta",
+            SamplingParams(max_tokens=10, temperature=0.7, seed=2, presence_penalty=1.0, logprobs=True, top_logprobs=2),
+        ),
+        (
+            "json schema",
+            "Give JSON:",
+            SamplingParams(
+                max_tokens=30,
+                temperature=1.0,
+                seed=3,
+                logprobs=True,
+                top_logprobs=3,
+                structured=json_schema_constraint(schema),
+            ),
+        ),
+        (
+            "choice",
+            "Pick:",
+            SamplingParams(
+                max_tokens=8,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=1,
+                structured=StructuredOutput("choice", ("left", "right")),
+            ),
+        ),
+    ]
     outs = llm.generate([p for _, p, _ in cases], [sp for _, _, sp in cases])
     tok = llm.engine.tokenizer
     for (name, prompt, params), out in zip(cases, outs):

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
-from step_fixtures import paged_step
-from test_last_layer_pruning import _filled_cache, _mixed_step
-
 from jaxserve.kernels import cpu
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, logits_t_fn, split_model
+from step_fixtures import paged_step
+from test_last_layer_pruning import _filled_cache, _mixed_step
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the C++ kernel did not build here")
 
@@ -129,8 +128,9 @@ def test_the_model_takes_it_in_decode_sized_programs_with_xlas_results(family, f
 def _prefill_step(vocab: int):
     """A 128-token step: sequence 0 continues a 16-token cached prefix with
     100 tokens, sequence 1 is a fresh 20-token prompt, the rest padding."""
-    ids, pos, meta = paged_step(vocab, [16, 0], [100, 20], tokens=128, block=8, num_blocks=24, table_width=16,
-                                seed=6, logits_rows=2)  # fmt: skip
+    ids, pos, meta = paged_step(
+        vocab, [16, 0], [100, 20], tokens=128, block=8, num_blocks=24, table_width=16, seed=6, logits_rows=2
+    )
     return ids, pos, meta, 120
 
 
@@ -151,5 +151,7 @@ def test_prefill_sized_programs_on_the_cpu_path_equal_the_reference_path(family,
         model.attention = AttentionImpl(kernel=kernel)
         graphdef, state = split_model(model)
         cache = _filled_cache(model)  # the same prefix keys and values, in this kernel's layout
-        hidden[kernel] = np.asarray(jax.jit(lambda st, c: forward_fn(graphdef, st, ids, pos, c, meta)[0])(state, cache))
+        hidden[kernel] = np.asarray(
+            jax.jit(lambda st, c, graphdef=graphdef: forward_fn(graphdef, st, ids, pos, c, meta)[0])(state, cache)
+        )
     np.testing.assert_allclose(hidden["cpu"][:used], hidden["reference"][:used], rtol=1e-4, atol=1e-4)

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
-from step_fixtures import paged_step
-from test_last_layer_pruning import BLOCK, NUM_BLOCKS, _filled_cache
-
 from jaxserve.kernels import cpu
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
 from jaxserve.models.functional import forward_fn, logits_t_fn, split_model
+from step_fixtures import paged_step
+from test_last_layer_pruning import BLOCK, NUM_BLOCKS, _filled_cache
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the C++ kernel did not build here")
 
@@ -89,8 +88,17 @@ def _small_step(vocab: int, tokens: int):
     """A ``tokens``-token step: sequence 0 continues a 10-token cached prefix
     with ``tokens - 4`` tokens, sequence 1 decodes one token at position 17,
     the rest is padding."""
-    ids, pos, meta = paged_step(vocab, [10, 17], [tokens - 4, 1], tokens=tokens, block=BLOCK, num_blocks=NUM_BLOCKS,
-                                table_width=6, seed=5, logits_rows=2)  # fmt: skip
+    ids, pos, meta = paged_step(
+        vocab,
+        [10, 17],
+        [tokens - 4, 1],
+        tokens=tokens,
+        block=BLOCK,
+        num_blocks=NUM_BLOCKS,
+        table_width=6,
+        seed=5,
+        logits_rows=2,
+    )
     return ids, pos, meta, jnp.asarray([tokens - 5, tokens - 4], jnp.int32)
 
 
@@ -156,8 +164,16 @@ def test_one_sequence_decodes_in_a_one_token_program_with_the_eight_token_progra
 
     loaded = load_model(mf.llama2(str(tmp_path / "ck")))
     cfg, model = loaded.config, loaded.model
-    sizes = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                 num_blocks=8, block_size=16, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64)  # fmt: skip
+    sizes = dict(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        num_blocks=8,
+        block_size=16,
+        max_num_seqs=1,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+    )
     assert ModelRunner(model, **sizes).buckets.tokens[0] == 8  # reference attention
     model.attention = AttentionImpl(kernel="cpu")
     one = ModelRunner(model, **sizes)
@@ -174,8 +190,9 @@ def test_one_sequence_decodes_in_a_one_token_program_with_the_eight_token_progra
             first = r.execute([SeqWork(token_ids=prompt, start_pos=0, block_ids=[1], sampling=sampling)]).fetch()[0]
             seq, lps = [int(first[0])], []
             for step in range(3):
-                t, lp = r.execute([SeqWork(token_ids=[seq[-1]], start_pos=12 + step, block_ids=[1, 2],
-                                           sampling=sampling)]).fetch()  # fmt: skip
+                t, lp = r.execute(
+                    [SeqWork(token_ids=[seq[-1]], start_pos=12 + step, block_ids=[1, 2], sampling=sampling)]
+                ).fetch()
                 seq.append(int(t[0]))
                 lps.append(float(lp[0]))
             tokens[name, with_logprobs], logprobs[name, with_logprobs] = seq, lps

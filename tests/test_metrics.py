@@ -31,10 +31,19 @@ def test_latencies_by_queue_class_and_per_token_itl():
     # series exist from start-up, at zero, for both queue classes
     for q in ("interactive", "batch"):
         assert f'jaxserve_time_to_first_token_seconds_count{{model_name="m",queue="{q}"}} 0.0' in text
-        assert f'jaxserve_rejections_total{{code="overloaded",model_name="m",queue="{q}",reason="none",tenant="default"}} 0.0' in text
+        assert (
+            f'jaxserve_rejections_total{{code="overloaded",model_name="m",queue="{q}",reason="none",tenant="default"}} 0.0'
+            in text
+        )
     assert "jaxserve_process_resident_memory_bytes" in text
     metrics.observe_tokens("interactive", 0.3, 3)  # one chunk of 3 tokens, 0.3 s after the previous one
-    metrics.observe_job("batch", e2e=2.0, ttft=0.5, broker_wait=1.5, engine={"arrival": 10.0, "first_scheduled": 10.25, "first_token": 10.5, "finished": 12.0})
+    metrics.observe_job(
+        "batch",
+        e2e=2.0,
+        ttft=0.5,
+        broker_wait=1.5,
+        engine={"arrival": 10.0, "first_scheduled": 10.25, "first_token": 10.5, "finished": 12.0},
+    )
     text = generate_latest(metrics.registry).decode()
     assert 'jaxserve_inter_token_latency_seconds_count{model_name="m",queue="interactive"} 3.0' in text
     assert 'jaxserve_inter_token_latency_seconds_sum{model_name="m",queue="interactive"} 0.3' in text

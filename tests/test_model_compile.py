@@ -84,7 +84,17 @@ def test_forward_logits_and_step_agree():
     np.testing.assert_allclose(np.asarray(picked), np.asarray(all_logits)[[4, 7]], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache1.stacked()[0]), np.asarray(cache2.stacked()[0]))
     # each sequence is independent of the other one in the batch
-    solo, _ = fwd_j(state, jnp.asarray(ids[5:8]), jnp.asarray(pos[5:8]), mk(),
-                    AttentionMetadata(jnp.asarray(slots[5:8]), jnp.zeros(3, jnp.int32), jnp.asarray(table[1:]),
-                                      jnp.asarray([3], jnp.int32), jnp.asarray([2], jnp.int32)))
+    solo, _ = fwd_j(
+        state,
+        jnp.asarray(ids[5:8]),
+        jnp.asarray(pos[5:8]),
+        mk(),
+        AttentionMetadata(
+            jnp.asarray(slots[5:8]),
+            jnp.zeros(3, jnp.int32),
+            jnp.asarray(table[1:]),
+            jnp.asarray([3], jnp.int32),
+            jnp.asarray([2], jnp.int32),
+        ),
+    )
     np.testing.assert_allclose(np.asarray(solo), np.asarray(hidden)[5:8], rtol=1e-5, atol=1e-5)

@@ -20,7 +20,9 @@ BASE = dict(
 
 
 def test_defaults_and_llama2_keys():
-    c = ModelConfig.from_dict({**BASE, "rope_theta": 10000.0, "rope_scaling": None, "eos_token_id": 2, "torch_dtype": "float16"})
+    c = ModelConfig.from_dict(
+        {**BASE, "rope_theta": 10000.0, "rope_scaling": None, "eos_token_id": 2, "torch_dtype": "float16"}
+    )
     assert c.num_key_value_heads == 8 and c.head_dim == 8
     assert c.rope.rope_type == "default" and c.rope_theta == 10000.0
     assert c.eos_token_ids == (2,) and c.torch_dtype == "float16"
@@ -30,8 +32,15 @@ def test_defaults_and_llama2_keys():
 
 def test_llama3_4x_and_5x_keys_agree():
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-    c4 = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling},
-                                "eos_token_id": [128001, 128009], "dtype": "bfloat16"})
+    c4 = ModelConfig.from_dict(
+        {
+            **BASE,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", **scaling},
+            "eos_token_id": [128001, 128009],
+            "dtype": "bfloat16",
+        }
+    )
     c4b = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **scaling}})
     c5 = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}})
     assert c4.rope == c4b.rope == c5.rope
@@ -40,11 +49,25 @@ def test_llama3_4x_and_5x_keys_agree():
 
 
 def test_qwen2_and_mistral_specifics():
-    q = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "num_key_value_heads": 2,
-                               "sliding_window": 4096, "use_sliding_window": False})
+    q = ModelConfig.from_dict(
+        {
+            **BASE,
+            "architectures": ["Qwen2ForCausalLM"],
+            "num_key_value_heads": 2,
+            "sliding_window": 4096,
+            "use_sliding_window": False,
+        }
+    )
     assert q.qkv_bias and not q.o_bias and not q.mlp_bias and q.sliding_window is None
-    m = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 4096,
-                               "max_position_embeddings": 32768, "head_dim": 16})
+    m = ModelConfig.from_dict(
+        {
+            **BASE,
+            "architectures": ["MistralForCausalLM"],
+            "sliding_window": 4096,
+            "max_position_embeddings": 32768,
+            "head_dim": 16,
+        }
+    )
     assert m.sliding_window == 4096 and m.effective_sliding_window == 4096 and m.head_dim == 16
     m2 = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
     assert m2.effective_sliding_window is None  # window >= context: plain causal attention
@@ -68,8 +91,14 @@ def test_model_type_fallback_and_errors():
     [
         {"rope_type": "default", "rope_theta": 10000.0},
         {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ],
 )
 def test_inv_freq_matches_transformers(params):
@@ -77,8 +106,7 @@ def test_inv_freq_matches_transformers(params):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    hf_cfg = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, head_dim=32,
-                         rope_parameters=params)
+    hf_cfg = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, head_dim=32, rope_parameters=params)
     if params["rope_type"] == "default":
         inv, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
     else:

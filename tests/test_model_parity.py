@@ -54,7 +54,7 @@ def folders(tmp_path_factory):
     return get
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf(folder: str):
     return mf.hf_model(folder)
 

@@ -16,9 +16,9 @@ from jaxserve.kernels.kv_cache import (
     KVCache,
     bytes_per_block,
     cache_shapes,
-    layer_shapes,
     keys_from_slots,
     keys_to_slots,
+    layer_shapes,
     to_storage,
     values_from_slots,
     values_to_slots,
@@ -122,7 +122,7 @@ def _reference(case, sliding_window=None):
     """Dense attention per sequence; padding rows get zeros."""
     outs = []
     t = 0
-    for s, (cached, new) in enumerate(case["seqs"]):
+    for s, (_cached, new) in enumerate(case["seqs"]):
         qs = jnp.asarray(case["q_np"][t : t + new])
         outs.append(
             dense_causal_attention(
@@ -138,8 +138,9 @@ def _reference(case, sliding_window=None):
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window", "query_tile", "straggler_group"))
-def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None, query_tile=16,
-          straggler_group=32):
+def _step(
+    q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None, query_tile=16, straggler_group=32
+):
     # uint16 storage means a bfloat16 cache (the default logical dtype for uint16)
     kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
     out = paged_attention(
@@ -162,7 +163,13 @@ def _step(q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_w
 def test_paged_matches_dense_mixed_batch(chunk_tokens):
     case = _build(seed=1)
     out, kc, _ = _step(
-        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        case["q"],
+        case["kc"],
+        case["vc"],
+        case["k_new"],
+        case["v_new"],
+        case["meta"],
+        case["positions"],
         chunk_tokens=chunk_tokens,
     )
     ref, n_real = _reference(case)
@@ -178,8 +185,16 @@ def test_query_tiles_and_straggler_groups(query_tile, straggler_group):
     """Every split between the tile pass and the straggler pass gives the same exact result."""
     case = _build(seed=6)
     out, _, _ = _step(
-        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
-        chunk_tokens=2 * BS, query_tile=query_tile, straggler_group=straggler_group,
+        case["q"],
+        case["kc"],
+        case["vc"],
+        case["k_new"],
+        case["v_new"],
+        case["meta"],
+        case["positions"],
+        chunk_tokens=2 * BS,
+        query_tile=query_tile,
+        straggler_group=straggler_group,
     )
     ref, n_real = _reference(case)
     out = np.asarray(out)
@@ -192,8 +207,16 @@ def test_prefill_heavy_step_uses_tiles(query_tile, straggler_group):
     """Single tile sizes and candidate lists (the largest with few stragglers wins at run time)."""
     case = _build(seed=8, seqs=SEQS_PREFILL)
     out, _, _ = _step(
-        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
-        chunk_tokens=2 * BS, query_tile=query_tile, straggler_group=straggler_group,
+        case["q"],
+        case["kc"],
+        case["vc"],
+        case["k_new"],
+        case["v_new"],
+        case["meta"],
+        case["positions"],
+        chunk_tokens=2 * BS,
+        query_tile=query_tile,
+        straggler_group=straggler_group,
     )
     ref, n_real = _reference(case)
     np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
@@ -205,12 +228,23 @@ def test_any_token_order():
     perm = np.random.default_rng(7).permutation(case["q"].shape[0])
     m = case["meta"]
     meta = AttentionMetadata(
-        slot_mapping=m.slot_mapping[perm], token_seq=m.token_seq[perm], block_tables=m.block_tables,
-        context_lens=m.context_lens, logits_indices=m.logits_indices,
+        slot_mapping=m.slot_mapping[perm],
+        token_seq=m.token_seq[perm],
+        block_tables=m.block_tables,
+        context_lens=m.context_lens,
+        logits_indices=m.logits_indices,
     )
     out, _, _ = _step(
-        case["q"][perm], case["kc"], case["vc"], case["k_new"][perm], case["v_new"][perm], meta,
-        case["positions"][perm], chunk_tokens=2 * BS, query_tile=4, straggler_group=4,
+        case["q"][perm],
+        case["kc"],
+        case["vc"],
+        case["k_new"][perm],
+        case["v_new"][perm],
+        meta,
+        case["positions"][perm],
+        chunk_tokens=2 * BS,
+        query_tile=4,
+        straggler_group=4,
     )
     ref, n_real = _reference(case)
     full = np.zeros_like(np.asarray(out))
@@ -225,8 +259,9 @@ def test_padding_writes_do_not_disturb_results():
     # different garbage written by the padding tokens into block 0
     k_new2 = case["k_new"].at[-NUM_PAD:].set(-7e3)
     v_new2 = case["v_new"].at[-NUM_PAD:].set(9e3)
-    out2, kc2, _ = _step(case["q"], case["kc"], case["vc"], k_new2, v_new2, case["meta"], case["positions"],
-                         chunk_tokens=2 * BS)
+    out2, kc2, _ = _step(
+        case["q"], case["kc"], case["vc"], k_new2, v_new2, case["meta"], case["positions"], chunk_tokens=2 * BS
+    )
     n_real = sum(n for _, n in SEQS)
     np.testing.assert_array_equal(np.asarray(out1)[:n_real], np.asarray(out2)[:n_real])
     # the padding really wrote into block 0 and nowhere else
@@ -240,8 +275,17 @@ def test_sliding_window_matches_dense():
     window = 9
     for query_tile in (1, 4):
         out, _, _ = _step(
-            case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
-            chunk_tokens=2 * BS, sliding_window=window, query_tile=query_tile, straggler_group=3,
+            case["q"],
+            case["kc"],
+            case["vc"],
+            case["k_new"],
+            case["v_new"],
+            case["meta"],
+            case["positions"],
+            chunk_tokens=2 * BS,
+            sliding_window=window,
+            query_tile=query_tile,
+            straggler_group=3,
         )
         ref, n_real = _reference(case, sliding_window=window)
         np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
@@ -277,7 +321,13 @@ def test_stacked_cache_with_layer_index():
 def test_bfloat16_cache_close_to_dense():
     case = _build(seed=5, dtype=jnp.bfloat16)
     out, _, _ = _step(
-        case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"],
+        case["q"],
+        case["kc"],
+        case["vc"],
+        case["k_new"],
+        case["v_new"],
+        case["meta"],
+        case["positions"],
         chunk_tokens=2 * BS,
     )
     ref, n_real = _reference(case)
@@ -363,8 +413,14 @@ def test_block_major_decode_matches_dense(sliding_window):
     ref, n_real = _reference(case, sliding_window=sliding_window)
     for major in (True, False):
         out, _, _ = _step(
-            case["q"], case["kc"], case["vc"], case["k_new"], case["v_new"], _with_owners(case, major),
-            case["positions"], sliding_window=sliding_window,
+            case["q"],
+            case["kc"],
+            case["vc"],
+            case["k_new"],
+            case["v_new"],
+            _with_owners(case, major),
+            case["positions"],
+            sliding_window=sliding_window,
         )
         out = np.asarray(out)
         np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)

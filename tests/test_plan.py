@@ -193,9 +193,15 @@ def test_default_kv_memory_from_device():
 
 def test_chunk_option_and_interpolation():
     prof = synthetic_profile()
-    assert make_plan(workload(), prof, PlanOptions(kv_memory_bytes=GIB, chunk=256)).derived["prefill_tokens_per_s"] == 10000.0
+    assert (
+        make_plan(workload(), prof, PlanOptions(kv_memory_bytes=GIB, chunk=256)).derived["prefill_tokens_per_s"]
+        == 10000.0
+    )
     # linear between 256 (10000) and 512 (12800)
-    assert make_plan(workload(), prof, PlanOptions(kv_memory_bytes=GIB, chunk=384)).derived["prefill_tokens_per_s"] == 11400.0
+    assert (
+        make_plan(workload(), prof, PlanOptions(kv_memory_bytes=GIB, chunk=384)).derived["prefill_tokens_per_s"]
+        == 11400.0
+    )
     assert prof.decode_rate(20) == pytest.approx(640 + 12 * 640 / 24)
     assert prof.decode_rate(64) == 1280.0  # flat beyond the largest measured batch
 
@@ -271,10 +277,29 @@ def _write_profile(tmp_path) -> str:
 
 def test_cli_json_matches_arithmetic(tmp_path):
     prof = _write_profile(tmp_path)
-    res = CliRunner().invoke(cli, [
-        "plan", "--profile", prof, "--rps", "20", "--prompt-tokens", "mean:128,p95:256", "--output-tokens", "mean:100,p95:200",
-        "--ttft-target-s", "2", "--itl-target-s", "0.02", "--headroom", "0.2", "--kv-memory", "1GiB", "--json",
-    ])  # fmt: skip
+    res = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--profile",
+            prof,
+            "--rps",
+            "20",
+            "--prompt-tokens",
+            "mean:128,p95:256",
+            "--output-tokens",
+            "mean:100,p95:200",
+            "--ttft-target-s",
+            "2",
+            "--itl-target-s",
+            "0.02",
+            "--headroom",
+            "0.2",
+            "--kv-memory",
+            "1GiB",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["feasible"] is True
@@ -286,35 +311,81 @@ def test_cli_json_matches_arithmetic(tmp_path):
 def test_cli_yaml_workload_and_text(tmp_path):
     prof = _write_profile(tmp_path)
     wl = tmp_path / "w.yaml"
-    wl.write_text("rps: 10\nburst: 40\nprompt_tokens: {mean: 500, p95: 1000}\noutput_tokens: {mean: 100, p95: 200}\n"
-                  "ttft_target_s: 0.5\nheadroom: 0.2\n")  # fmt: skip
+    wl.write_text(
+        "rps: 10\nburst: 40\nprompt_tokens: {mean: 500, p95: 1000}\noutput_tokens: {mean: 100, p95: 200}\n"
+        "ttft_target_s: 0.5\nheadroom: 0.2\n"
+    )
     res = CliRunner().invoke(cli, ["plan", "--profile", prof, "--workload", str(wl), "--kv-memory", "1GiB"])
     assert res.exit_code == 0, res.output
     assert "binding: TTFT" in res.output
     assert "workers = max(1, ceil(1.46484) compute, ceil(6.66667) TTFT) = 7" in res.output
     # a flag overrides the file: burst 1 leaves compute binding
-    res = CliRunner().invoke(cli, ["plan", "--profile", prof, "--workload", str(wl), "--kv-memory", "1GiB", "--burst", "1"])
+    res = CliRunner().invoke(
+        cli, ["plan", "--profile", prof, "--workload", str(wl), "--kv-memory", "1GiB", "--burst", "1"]
+    )
     assert "binding: decode compute" in res.output
 
 
 def test_cli_loadtest_json_as_workload(tmp_path):
     prof = _write_profile(tmp_path)
     lt = tmp_path / "loadtest.json"
-    lt.write_text(json.dumps([
-        {"concurrency": 1, "completed": 0, "prompt_tokens_mean": None},
-        {"concurrency": 4, "completed": 9, "prompt_tokens_mean": 128, "prompt_tokens_p95": 256,
-         "output_tokens_mean": 100, "output_tokens_p95": 200},
-    ]))  # fmt: skip
-    res = CliRunner().invoke(cli, ["plan", "--profile", prof, "--workload", str(lt), "--rps", "20", "--ttft-target-s", "2",
-                                   "--headroom", "0.2", "--kv-memory", "1GiB", "--json"])  # fmt: skip
+    lt.write_text(
+        json.dumps(
+            [
+                {"concurrency": 1, "completed": 0, "prompt_tokens_mean": None},
+                {
+                    "concurrency": 4,
+                    "completed": 9,
+                    "prompt_tokens_mean": 128,
+                    "prompt_tokens_p95": 256,
+                    "output_tokens_mean": 100,
+                    "output_tokens_p95": 200,
+                },
+            ]
+        )
+    )
+    res = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--profile",
+            prof,
+            "--workload",
+            str(lt),
+            "--rps",
+            "20",
+            "--ttft-target-s",
+            "2",
+            "--headroom",
+            "0.2",
+            "--kv-memory",
+            "1GiB",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["workers"] == 3
 
 
 def test_cli_infeasible_exit_status(tmp_path):
     prof = _write_profile(tmp_path)
-    res = CliRunner().invoke(cli, ["plan", "--profile", prof, "--rps", "1", "--prompt-tokens", "10", "--output-tokens", "10",
-                                   "--itl-target-s", "0.001", "--json"])  # fmt: skip
+    res = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--profile",
+            prof,
+            "--rps",
+            "1",
+            "--prompt-tokens",
+            "10",
+            "--output-tokens",
+            "10",
+            "--itl-target-s",
+            "0.001",
+            "--json",
+        ],
+    )
     assert res.exit_code == 2
     assert json.loads(res.output) == {"feasible": False, "budget": "ITL", "message": json.loads(res.output)["message"]}
     res = CliRunner().invoke(cli, ["plan", "--rps", "1", "--prompt-tokens", "10", "--output-tokens", "10"])
@@ -325,9 +396,27 @@ def test_cli_scaleout_file(tmp_path):
     prof = _write_profile(tmp_path)
     sc = tmp_path / "scaleout.json"
     sc.write_text(json.dumps(SCALEOUT))
-    res = CliRunner().invoke(cli, ["plan", "--profile", prof, "--rps", "500", "--prompt-tokens", "mean:16,p95:32",
-                                   "--output-tokens", "mean:4,p95:8", "--headroom", "0.2", "--kv-memory", "1GiB",
-                                   "--scaleout", str(sc), "--json"])  # fmt: skip
+    res = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--profile",
+            prof,
+            "--rps",
+            "500",
+            "--prompt-tokens",
+            "mean:16,p95:32",
+            "--output-tokens",
+            "mean:4,p95:8",
+            "--headroom",
+            "0.2",
+            "--kv-memory",
+            "1GiB",
+            "--scaleout",
+            str(sc),
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert (out["workers"], out["binding"], out["brokers"]) == (4, "worker event loop", 2)
@@ -337,8 +426,27 @@ def test_measure_tiny_with_the_real_engine(tmp_path):
     """A small real measurement: rates positive, and the KV bytes per token
     of ``tiny`` (2 layers x 2 kv heads x head_dim 16 x keys+values x 4 bytes)."""
     path = tmp_path / "tiny.json"
-    res = CliRunner().invoke(cli, ["plan", "--measure", "--model", "tiny", "--output", str(path), "--chunks", "16,32",
-                                   "--batches", "1,2", "--contexts", "8,40", "--decode-steps", "4", "--repeats", "1"])  # fmt: skip
+    res = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--measure",
+            "--model",
+            "tiny",
+            "--output",
+            str(path),
+            "--chunks",
+            "16,32",
+            "--batches",
+            "1,2",
+            "--contexts",
+            "8,40",
+            "--decode-steps",
+            "4",
+            "--repeats",
+            "1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     prof = Profile.load(path)
     assert prof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 == 512
@@ -348,19 +456,25 @@ def test_measure_tiny_with_the_real_engine(tmp_path):
     assert prof.meta["method"]["temperature"] == 1.0 and prof.meta["engine"]["max_model_len"] == 2048
     assert prof.block_size == 64 and prof.weight_bytes > 0 and prof.max_model_len == 2048
     # the profile plans
-    p = make_plan(PlanWorkload(rps=1, prompt_tokens=TokenDist(20, 30), output_tokens=TokenDist(8, 8)), prof,
-                  PlanOptions(kv_memory_bytes=64 * 2**20))  # fmt: skip
+    p = make_plan(
+        PlanWorkload(rps=1, prompt_tokens=TokenDist(20, 30), output_tokens=TokenDist(8, 8)),
+        prof,
+        PlanOptions(kv_memory_bytes=64 * 2**20),
+    )
     assert p.workers >= 1 and p.max_num_seqs in (1, 2)
 
 
 def test_unreadable_and_malformed_input_files_are_one_line_errors_naming_the_file(tmp_path):
-    from jaxserve.planning import ProfileError, ScaleoutError, WorkloadError, load_limits, read_workload_file
     from jaxserve.planning import Profile as _Profile
+    from jaxserve.planning import ProfileError, ScaleoutError, WorkloadError, load_limits, read_workload_file
 
     missing, bad = tmp_path / "missing.json", tmp_path / "bad.json"
     bad.write_text("{not json")
-    cases = [(_Profile.load, ProfileError, "the profile "), (load_limits, ScaleoutError, ""),
-             (read_workload_file, WorkloadError, "the workload file ")]  # fmt: skip
+    cases = [
+        (_Profile.load, ProfileError, "the profile "),
+        (load_limits, ScaleoutError, ""),
+        (read_workload_file, WorkloadError, "the workload file "),
+    ]
     for load, error, what in cases:
         with pytest.raises(error, match=f"^cannot read {what}'{missing}': No such file or directory$"):
             load(missing)

@@ -180,7 +180,9 @@ def test_tiny_loads_with_transformers(tiny):
         {"role": "user", "content": "Bye 👋"},
     ]
     for agp in (True, False):
-        assert ours.apply_chat_template(chat, agp) == hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=agp)
+        assert ours.apply_chat_template(chat, agp) == hf.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=agp
+        )
         assert ours.encode_chat(chat, agp) == hf.apply_chat_template(
             chat, tokenize=True, add_generation_prompt=agp, return_dict=False
         )
@@ -319,7 +321,7 @@ def test_concurrent_first_use(tmp_path):
         try:
             barrier.wait()
             results.append(materialize_preset("tiny", cache=tmp_path))
-        except BaseException as exc:  # pragma: no cover - reported below
+        except BaseException as exc:  # noqa: BLE001 # pragma: no cover - any failure in the thread is reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]

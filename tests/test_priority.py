@@ -12,7 +12,6 @@ import textwrap
 import pytest
 
 from jaxserve.worker.priority import deprioritize_other_threads
-
 from queue_support import prefix, start_worker_process, stop_process, wait_log  # noqa: F401 - prefix: a fixture
 
 # Run in a child process: renicing is per thread and cannot be undone

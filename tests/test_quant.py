@@ -123,7 +123,9 @@ def test_bad_quantization_value_names_the_field():
 def test_bad_quantization_value_on_the_cli_is_one_line():
     proc = subprocess.run(
         [sys.executable, "-m", "jaxserve.cli.main", "generate", "--quantization", "int3", "hi"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "--quantization" in proc.stderr and "'int3' is not one of" in proc.stderr

@@ -30,8 +30,14 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def _tokens(backend: str, quantization: str | None) -> list[list[int]]:
     # few buckets to compile: decode steps of 1-4 tokens, prompt chunks up to 64 (the prefill loop)
-    llm = LLM("tiny", quantization=quantization, attention_backend=backend, max_num_seqs=4,
-              max_num_batched_tokens=64, max_model_len=128)
+    llm = LLM(
+        "tiny",
+        quantization=quantization,
+        attention_backend=backend,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+    )
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
@@ -91,10 +97,9 @@ def _all_logits(model, ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_gguf_blocks_taken_directly_match_the_dequantized_file(tmp_path, qtype):
     gguf = pytest.importorskip("gguf")
-    from test_gguf import gpt2_vocab, hf_weights, write_llama_gguf
-
     from jaxserve.models.gguf_file import GGUFCheckpoint
     from jaxserve.presets import resolve_model
+    from test_gguf import gpt2_vocab, hf_weights, write_llama_gguf
 
     QT = gguf.GGMLQuantizationType
     vocab = gpt2_vocab("default", size=300)

@@ -96,7 +96,9 @@ async def test_limits_are_shared_by_two_workers_through_redis(harness, client, p
         await harness.start(EchoEngine(step_s=0.002), store=RedisStore(private_redis.url, namespace=prefix), limits=cfg)
         for _ in range(2)
     ]
-    results = await asyncio.gather(*(client.submit(f"acme {i}", max_tokens=2, tenant="acme", timeout=15) for i in range(10)))
+    results = await asyncio.gather(
+        *(client.submit(f"acme {i}", max_tokens=2, tenant="acme", timeout=15) for i in range(10))
+    )
     assert sum(r.ok for r in results) == 3  # the burst, across both workers
     assert all(r.error.code == "rate_limited" for r in results if not r.ok)
     assert all(w.stats["received"] > 0 for w in workers)  # both workers took jobs
@@ -109,10 +111,17 @@ async def test_batch_tenants_share_capacity_fairly(harness, client):
     eng = EchoEngine(step_s=0.01, max_num_seqs=4, interactive_reserved_seqs=1)
     w = await harness.start(eng, limits=limits(A={"max_in_flight": 1}), defer_wait_max_s=0.05)
     done: dict[str, float] = {}
-    a = [await client.publish({"prompt": f"a{i} long job", "max_tokens": 10, "tenant": "A"}, queue="batch") for i in range(30)]
-    b = [await client.publish({"prompt": f"b{i} job", "max_tokens": 10, "tenant": "B"}, queue="batch") for i in range(5)]
+    a = [
+        await client.publish({"prompt": f"a{i} long job", "max_tokens": 10, "tenant": "A"}, queue="batch")
+        for i in range(30)
+    ]
+    b = [
+        await client.publish({"prompt": f"b{i} job", "max_tokens": 10, "tenant": "B"}, queue="batch") for i in range(5)
+    ]
     for k in a + b:
-        asyncio.ensure_future(client.wait(k, timeout=60)).add_done_callback(lambda f: done.__setitem__(f.result().id, time.monotonic()))
+        asyncio.ensure_future(client.wait(k, timeout=60)).add_done_callback(
+            lambda f: done.__setitem__(f.result().id, time.monotonic())
+        )
     await wait_until(lambda: len(done) == 35, timeout=60)
     a_order = sorted(done[k] for k in a)
     assert max(done[k] for k in b) < a_order[9]  # B all done before A's tenth
@@ -121,13 +130,21 @@ async def test_batch_tenants_share_capacity_fairly(harness, client):
 
 def test_limits_file_shape(tmp_path):
     good = tmp_path / "limits.yaml"
-    good.write_text("default: {requests_per_s: 50, burst: 100}\ntenants:\n  acme: {requests_per_s: 1, burst: 5, tokens_per_min: 20000, max_in_flight: 8}\n")
+    good.write_text(
+        "default: {requests_per_s: 50, burst: 100}\ntenants:\n  acme: {requests_per_s: 1, burst: 5, tokens_per_min: 20000, max_in_flight: 8}\n"
+    )
     cfg = load_limits(good)
     assert cfg.for_tenant("acme") == TenantLimit(1.0, 5.0, 20000.0, 8)
     assert cfg.for_tenant("other") == TenantLimit(50.0, 100.0, None, None)
-    assert cfg.metric_label("acme") == "acme" and cfg.metric_label("zzz") == "other" and cfg.metric_label("") == "default"
-    for text, needle in [("tenants: {acme: {rps: 1}}", "unknown keys"), ("default: {burst: -1}", "positive"),
-                         ("default: {max_in_flight: 1.5}", "integer"), ("other: 1", "expected the keys")]:  # fmt: skip
+    assert (
+        cfg.metric_label("acme") == "acme" and cfg.metric_label("zzz") == "other" and cfg.metric_label("") == "default"
+    )
+    for text, needle in [
+        ("tenants: {acme: {rps: 1}}", "unknown keys"),
+        ("default: {burst: -1}", "positive"),
+        ("default: {max_in_flight: 1.5}", "integer"),
+        ("other: 1", "expected the keys"),
+    ]:
         bad = tmp_path / f"bad-{uuid.uuid4().hex[:4]}.yaml"
         bad.write_text(text)
         with pytest.raises(LimitsFileError, match=needle):
@@ -147,8 +164,13 @@ async def test_an_interactive_job_that_waited_past_the_target_in_the_broker_is_o
         ch = await conn.channel()
         stale = int((time.time() - 3.0) * 1000)  # published 3 s ago by the producer's clock
         await ch.default_exchange.publish(
-            aio_pika.Message(orjson.dumps({"prompt": "late", "max_tokens": 2}), message_id="stale", reply_to=client.reply_queue,
-                             correlation_id="stale", headers={"x-published-at-ms": stale}),
+            aio_pika.Message(
+                orjson.dumps({"prompt": "late", "max_tokens": 2}),
+                message_id="stale",
+                reply_to=client.reply_queue,
+                correlation_id="stale",
+                headers={"x-published-at-ms": stale},
+            ),
             routing_key=f"{prefix}.interactive",
         )
         r = await client.wait("stale", timeout=10)

@@ -18,17 +18,27 @@ from click.testing import CliRunner
 from queue_support import (  # noqa: F401 - fixtures
     AMQP_URL,
     EchoEngine,
-    read_jsonl as _lines,
-    start_worker_process as _start_worker,
-    stop_process as _stop,
-    wait_log as _wait_log,
-    worker_env as _env,
     client,
     expected_completion,
     harness,
     prefix,
     rabbitmqctl,
     wait_until,
+)
+from queue_support import (
+    read_jsonl as _lines,
+)
+from queue_support import (
+    start_worker_process as _start_worker,
+)
+from queue_support import (
+    stop_process as _stop,
+)
+from queue_support import (
+    wait_log as _wait_log,
+)
+from queue_support import (
+    worker_env as _env,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +54,17 @@ def test_kill_9_worker_during_batch_then_fresh_worker(prefix, tmp_path):
             prompt = f"job {i} says hello"
             if i % 2:  # OpenAI Batch API line
                 key = f"req-{i}"
-                f.write(json.dumps({"custom_id": key, "method": "POST", "url": "/v1/completions", "body": {"model": "echo", "prompt": prompt, "max_tokens": 20}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "custom_id": key,
+                            "method": "POST",
+                            "url": "/v1/completions",
+                            "body": {"model": "echo", "prompt": prompt, "max_tokens": 20},
+                        }
+                    )
+                    + "\n"
+                )
             else:
                 key = f"plain-{i}"
                 f.write(json.dumps({"id": key, "prompt": prompt, "max_tokens": 20}) + "\n")
@@ -54,7 +74,21 @@ def test_kill_9_worker_during_batch_then_fresh_worker(prefix, tmp_path):
     w2 = batch_proc = None
     try:
         _wait_log(w1_log, "worker_consuming")
-        batch_cmd = [sys.executable, "-c", "from jaxserve.cli.queue_commands import batch; batch()", str(inp), "-o", str(out), "--prefix", prefix, "--amqp-url", AMQP_URL, "--no-progress", "--idle-timeout", "60"]
+        batch_cmd = [
+            sys.executable,
+            "-c",
+            "from jaxserve.cli.queue_commands import batch; batch()",
+            str(inp),
+            "-o",
+            str(out),
+            "--prefix",
+            prefix,
+            "--amqp-url",
+            AMQP_URL,
+            "--no-progress",
+            "--idle-timeout",
+            "60",
+        ]
         batch_proc = subprocess.Popen(batch_cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         end = time.monotonic() + 60
         while len(_lines(out)) < 8 and time.monotonic() < end:
@@ -156,6 +190,7 @@ async def test_cli_submit_and_status(harness, prefix):
         return runner.invoke(cmd, args, catch_exceptions=False)
 
     res = await asyncio.to_thread(run, submit, ["hello there world", *base, "--max-tokens", "5"])
+
     # (the in-process worker's default structlog output lands in the same capture)
     def last(r):
         return [ln for ln in r.output.strip().splitlines() if "[info" not in ln and "[warning" not in ln][-1]
@@ -176,7 +211,11 @@ async def test_cli_chat_streams_to_terminal(harness, prefix):
     await harness.start(EchoEngine())
     runner = CliRunner()
     res = await asyncio.to_thread(
-        runner.invoke, chat, ["--prefix", prefix, "--amqp-url", AMQP_URL, "--max-tokens", "3"], input="first line\nsecond\n\n", catch_exceptions=False
+        runner.invoke,
+        chat,
+        ["--prefix", prefix, "--amqp-url", AMQP_URL, "--max-tokens", "3"],
+        input="first line\nsecond\n\n",
+        catch_exceptions=False,
     )
     assert res.exit_code == 0
     assert res.output.count("\n") >= 2
@@ -205,7 +244,9 @@ async def test_real_engine_end_to_end(harness, client):
     assert s.result.ok and text == s.result.text and s.result.usage.completion_tokens >= 1
     r = await client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0, timeout=300)
     assert r.ok
-    again = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=4, temperature=0.0, timeout=60)
+    again = await client.submit(
+        messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=4, temperature=0.0, timeout=60
+    )
     assert again.replayed and again.text == r.text
     reused = await client.submit(messages=[{"role": "user", "content": "hi"}], key=r.id, max_tokens=5, timeout=60)
     assert reused.error.code == "idempotency_key_reused"

@@ -51,7 +51,9 @@ pytestmark = pytest.mark.timeout(180)
 async def reply_queue(prefix: str, **arguments):
     conn = await aio_pika.connect(AMQP_URL)
     ch = await conn.channel()
-    q = await ch.declare_queue(f"{prefix}.reply.t-{uuid.uuid4().hex[:6]}", arguments={"x-expires": 120_000, **arguments})
+    q = await ch.declare_queue(
+        f"{prefix}.reply.t-{uuid.uuid4().hex[:6]}", arguments={"x-expires": 120_000, **arguments}
+    )
     return conn, ch, q
 
 
@@ -195,13 +197,20 @@ async def test_poison_values_never_touch_ordinary_jobs(harness, prefix):
     conn, ch, q = await reply_queue(prefix)
     pub = await RawPublisher().open()
     try:
+
         async def send(key: str, body: bytes, reply: str = q.name) -> None:
-            await pub.publish(f"{prefix}.batch", body, {"message_id": key, "reply_to": reply, "correlation_id": key, "content_type": "application/json"})
+            await pub.publish(
+                f"{prefix}.batch",
+                body,
+                {"message_id": key, "reply_to": reply, "correlation_id": key, "content_type": "application/json"},
+            )
 
         ordinary = {f"ord-{i}": f"document number {i} is about" for i in range(40)}
         alone = {}
         for key, prompt in list(ordinary.items())[:4]:  # each alone first: the reference text
-            await send(key + "-alone", orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache": False}))
+            await send(
+                key + "-alone", orjson.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "cache": False})
+            )
         ref = by_id(await drain_queue(q, until=lambda ms: len(finals(ms)) >= 4))
         alone = {k.removesuffix("-alone"): v[0]["text"] for k, v in ref.items()}
 
@@ -214,7 +223,9 @@ async def test_poison_values_never_touch_ordinary_jobs(harness, prefix):
                 for name, body in ODD_INVALID.items():
                     await send(f"bad-{name}-{i}", body)
         n_odd = len(range(0, len(items), 3)) * (len(ODD_VALID) + len(ODD_INVALID))
-        got = by_id(await drain_queue(q, settle_s=1.0, timeout=120, until=lambda ms: len(finals(ms)) >= len(items) + n_odd))
+        got = by_id(
+            await drain_queue(q, settle_s=1.0, timeout=120, until=lambda ms: len(finals(ms)) >= len(items) + n_odd)
+        )
     finally:
         await pub.close()
         await conn.close()
@@ -237,10 +248,20 @@ async def test_undecodable_properties_cost_only_themselves(harness, client, pref
     conn, ch, q = await reply_queue(prefix)
     pub = await RawPublisher().open()
     bad_props = {
-        "bad_content_type": {"content_type": b"\xff\xfeapplication/json", "message_id": "bad-ct", "correlation_id": "bad-ct", "reply_to": q.name},
+        "bad_content_type": {
+            "content_type": b"\xff\xfeapplication/json",
+            "message_id": "bad-ct",
+            "correlation_id": "bad-ct",
+            "reply_to": q.name,
+        },
         "bad_message_id": {"message_id": b"\xc3\x28", "correlation_id": "bad-mid", "reply_to": q.name},
         "bad_correlation_id": {"message_id": "bad-cid", "correlation_id": b"\xed\xa0\x80", "reply_to": q.name},
-        "bad_timestamp": {"message_id": "bad-ts", "correlation_id": "bad-ts", "reply_to": q.name, "timestamp": 2**64 - 1},
+        "bad_timestamp": {
+            "message_id": "bad-ts",
+            "correlation_id": "bad-ts",
+            "reply_to": q.name,
+            "timestamp": 2**64 - 1,
+        },
         "bad_reply_to": {"message_id": "bad-rt", "correlation_id": "bad-rt", "reply_to": b"\xff" + q.name.encode()},
     }
     try:
@@ -249,7 +270,9 @@ async def test_undecodable_properties_cost_only_themselves(harness, client, pref
             keys.append(await client.publish({"prompt": f"innocent {i}", "max_tokens": 5}))
             if i % 6 == 0:
                 name = list(bad_props)[i // 6]
-                await pub.publish(f"{prefix}.interactive", orjson.dumps({"prompt": "x", "max_tokens": 2}), bad_props[name])
+                await pub.publish(
+                    f"{prefix}.interactive", orjson.dumps({"prompt": "x", "max_tokens": 2}), bad_props[name]
+                )
         results = await asyncio.gather(*(client.wait(k, timeout=30) for k in keys))
         replies = await drain_queue(q, settle_s=1.0, until=lambda ms: len(ms) >= 4)
         results_q = await drain_queue(await _results_queue(ch, prefix), settle_s=0.3, until=lambda ms: len(ms) >= 1)
@@ -276,11 +299,15 @@ async def test_reply_to_naming_the_workers_own_queues_is_refused_to_results(harn
     topo = Topology(prefix=prefix)
     hostile = [topo.interactive, topo.batch, topo.dead, topo.dlx, topo.control]
     for i, name in enumerate(hostile):
-        await client.publish({"prompt": f"hostile {i}", "max_tokens": 3}, key=f"hostile-{i}", reply_to=name, expect_reply=False)
+        await client.publish(
+            {"prompt": f"hostile {i}", "max_tokens": 3}, key=f"hostile-{i}", reply_to=name, expect_reply=False
+        )
     ok = await client.submit("innocent", max_tokens=3, timeout=20)
     conn, ch, _ = await reply_queue(prefix)
     try:
-        got = finals(await drain_queue(await _results_queue(ch, prefix), settle_s=0.5, until=lambda ms: len(ms) >= len(hostile)))
+        got = finals(
+            await drain_queue(await _results_queue(ch, prefix), settle_s=0.5, until=lambda ms: len(ms) >= len(hostile))
+        )
     finally:
         await conn.close()
     assert ok.ok
@@ -299,7 +326,9 @@ async def test_garbage_direct_reply_to_costs_only_itself(harness, client, prefix
         keys.append(await client.publish({"prompt": f"plain {i}", "max_tokens": 4}))
         if i % 10 == 0:
             k = f"garbage-{i}"
-            await client.publish({"prompt": "x", "max_tokens": 2}, key=k, reply_to="amq.rabbitmq.reply-to.AAAA.x", expect_reply=False)
+            await client.publish(
+                {"prompt": "x", "max_tokens": 2}, key=k, reply_to="amq.rabbitmq.reply-to.AAAA.x", expect_reply=False
+            )
             garbage.append(k)
     results = await asyncio.gather(*(client.wait(k, timeout=30) for k in keys))
     assert all(r.ok for r in results)
@@ -316,7 +345,9 @@ async def test_a_final_that_is_never_confirmed_is_dead_lettered_not_acked(harnes
     w = await harness.start(EchoEngine(step_s=0.002), delivery_limit=2)
     conn, ch, q = await reply_queue(prefix, **{"x-max-length": 0, "x-overflow": "reject-publish"})
     try:
-        await client.publish({"prompt": "unanswerable", "max_tokens": 2}, key="k-full", reply_to=q.name, expect_reply=False)
+        await client.publish(
+            {"prompt": "unanswerable", "max_tokens": 2}, key="k-full", reply_to=q.name, expect_reply=False
+        )
         await wait_until(lambda: w.stats["reply_nacked"] >= 2, timeout=30)
         dead = await ch.declare_queue(f"{prefix}.dead", passive=True)
         end = time.monotonic() + 20
@@ -334,7 +365,9 @@ async def test_a_final_that_is_never_confirmed_is_dead_lettered_not_acked(harnes
 async def test_priority_higher_runs_first_end_to_end(harness, client, prefix):
     eng = EchoEngine(step_s=0.001, max_num_seqs=1, interactive_reserved_seqs=0, stalled=True)
     w = await harness.start(eng, batch_prefetch=40)
-    fillers = [await client.publish({"prompt": f"filler {i}", "max_tokens": 1}, queue="batch", priority=5) for i in range(20)]
+    fillers = [
+        await client.publish({"prompt": f"filler {i}", "max_tokens": 1}, queue="batch", priority=5) for i in range(20)
+    ]
     low = await client.publish({"prompt": "low", "max_tokens": 1}, queue="batch", priority=0)
     high = await client.publish({"prompt": "high", "max_tokens": 1}, queue="batch", priority=9)
     body_prio = await client.publish({"prompt": "body", "max_tokens": 1, "priority": 7}, queue="batch")
@@ -395,7 +428,15 @@ async def test_a_lost_redis_lease_gives_the_job_back_to_its_new_owner(harness, c
         await wait_until(lambda: w.stats["lease_lost"] == 1, timeout=10)
         await wait_until(lambda: key in eng.aborted, timeout=5)  # the engine thread runs the abort between steps
         await wait_until(lambda: w.stats["held_for_other_worker"] >= 1, timeout=10)  # the redelivery waits for B
-        done = {"type": "result", "id": key, "status": "ok", "text": "from B", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "timings": {}}
+        done = {
+            "type": "result",
+            "id": key,
+            "status": "ok",
+            "text": "from B",
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            "timings": {},
+        }
         await other.put(key, Record(done, [], None))
         r = await client.wait(key, timeout=10)
         assert r.text == "from B" and r.replayed and eng.add_count[key] == 1
@@ -431,8 +472,24 @@ async def test_batch_gives_up_after_idle_timeout_with_a_full_window(prefix, tmp_
         await conn.close()
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(orjson.dumps({"id": f"j{i}", "prompt": "p"}).decode() + "\n" for i in range(10)))
-    cmd = [sys.executable, "-m", "jaxserve", "batch", str(inp), "-o", str(out), "--prefix", prefix, "--amqp-url", AMQP_URL,
-           "--max-in-flight", "3", "--idle-timeout", "2", "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxserve",
+        "batch",
+        str(inp),
+        "-o",
+        str(out),
+        "--prefix",
+        prefix,
+        "--amqp-url",
+        AMQP_URL,
+        "--max-in-flight",
+        "3",
+        "--idle-timeout",
+        "2",
+        "--no-progress",
+    ]
     t0 = time.monotonic()
     proc = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, env=worker_env(), capture_output=True, timeout=60)
     assert proc.returncode == 2, proc.stderr.decode()[-2000:]
@@ -521,8 +578,18 @@ def test_a_sigkilled_engine_process_stops_the_worker_and_its_jobs_go_elsewhere(p
 
 def test_drain_with_many_jobs_in_flight_is_bounded(prefix, tmp_path):
     log = tmp_path / "w.log"
-    w = start_worker_process(prefix, log, "--engine-arg", "step_s=0.05", "--engine-arg", "max_num_seqs=40",
-                             "--batch-prefetch", "40", "--drain-timeout", "1")  # fmt: skip
+    w = start_worker_process(
+        prefix,
+        log,
+        "--engine-arg",
+        "step_s=0.05",
+        "--engine-arg",
+        "max_num_seqs=40",
+        "--batch-prefetch",
+        "40",
+        "--drain-timeout",
+        "1",
+    )
     try:
         wait_log(log, "worker_consuming")
 
@@ -530,7 +597,10 @@ def test_drain_with_many_jobs_in_flight_is_bounded(prefix, tmp_path):
             from jaxserve.client import AsyncClient
 
             async with AsyncClient(AMQP_URL, prefix=prefix) as c:
-                return [await c.publish({"prompt": f"long job {i}", "max_tokens": 400}, queue="batch", expect_reply=False) for i in range(40)]
+                return [
+                    await c.publish({"prompt": f"long job {i}", "max_tokens": 400}, queue="batch", expect_reply=False)
+                    for i in range(40)
+                ]
 
         keys = asyncio.run(publish())
         time.sleep(1.5)  # all 40 in flight

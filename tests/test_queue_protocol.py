@@ -35,14 +35,21 @@ def test_topology_json_matches_code():
     assert json.loads((QUEUES / "topology.json").read_text()) == Topology().describe()
     t = Topology()
     assert (t.interactive, t.batch, t.dlx, t.dead, t.results, t.control) == (
-        "jaxserve.interactive", "jaxserve.batch", "jaxserve.dlx", "jaxserve.dead", "jaxserve.results", "jaxserve.control",
-    )  # fmt: skip
+        "jaxserve.interactive",
+        "jaxserve.batch",
+        "jaxserve.dlx",
+        "jaxserve.dead",
+        "jaxserve.results",
+        "jaxserve.control",
+    )
     for qc in ("interactive", "batch"):
         args = t.job_queue_arguments(qc)
         assert args["x-queue-type"] == "quorum" and args["x-overflow"] == "reject-publish"
         assert args["x-dead-letter-strategy"] == "at-least-once" and args["x-delivery-limit"] > 0
         assert "x-max-priority" not in args
-    assert "x-message-ttl" in t.job_queue_arguments("interactive") and "x-message-ttl" not in t.job_queue_arguments("batch")
+    assert "x-message-ttl" in t.job_queue_arguments("interactive") and "x-message-ttl" not in t.job_queue_arguments(
+        "batch"
+    )
 
 
 def _props(**kw) -> JobProperties:
@@ -50,13 +57,28 @@ def _props(**kw) -> JobProperties:
 
 
 def test_parse_job_fields_and_openai_names():
-    body = orjson.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 1, "stop": "x", "stream": True, "model": "m", "tenant": "t"})
+    body = orjson.dumps(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "seed": 1,
+            "stop": "x",
+            "stream": True,
+            "model": "m",
+            "tenant": "t",
+        }
+    )
     job = parse_job(body, _props(expiration=2.0, published_at=time.time(), priority=4))
     assert job.key == "k" and job.messages[0]["content"] == "hi" and job.stream
     assert job.params.max_tokens == 7 and job.params.top_k == 3 and job.params.stop == ("x",) and job.params.seed == 1
     # AMQP priority: higher is more urgent; the engine serves the lower value first
     assert job.priority == 4 and job.engine_priority == -4 and 0 < job.deadline - time.time() <= 2.0
-    job = parse_job(orjson.dumps({"prompt": "p", "deadline": 5.0, "priority": 9}), _props(expiration="1000", priority=1))
+    job = parse_job(
+        orjson.dumps({"prompt": "p", "deadline": 5.0, "priority": 9}), _props(expiration="1000", priority=1)
+    )
     assert job.deadline == 5.0 and job.priority == 9  # the body's priority wins
 
 
@@ -75,7 +97,9 @@ def test_unseeded_sampled_jobs_get_a_seed_from_their_key():
 def test_fingerprint_names_the_effect_not_the_delivery():
     fp = lambda body, **kw: parse_job(orjson.dumps(body), _props(**kw)).fingerprint  # noqa: E731
     base = fp({"prompt": "p"})
-    assert base == fp({"prompt": "p", "max_tokens": 16, "stream": True, "tenant": "x", "priority": 3}, message_id="other")
+    assert base == fp(
+        {"prompt": "p", "max_tokens": 16, "stream": True, "tenant": "x", "priority": 3}, message_id="other"
+    )
     assert base == fp({"prompt": "p", "stop": None})
     assert base != fp({"prompt": "q"}) != fp({"prompt": "p", "max_tokens": 17})
     assert fp({"prompt": "p", "stop": "x"}) == fp({"prompt": "p", "stop": ["x"]})
@@ -148,7 +172,13 @@ def test_replies_match_schemas():
         jsonschema.validate(Result.failure("k", code, "m").to_dict(), result)
     jsonschema.validate(Result.failure(None, "invalid_request", "no message_id").to_dict(), result)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**Result.failure("k", "internal", "m").to_dict(), "error": {"code": "teapot", "message": "m", "retryable": False}}, result)
+        jsonschema.validate(
+            {
+                **Result.failure("k", "internal", "m").to_dict(),
+                "error": {"code": "teapot", "message": "m", "retryable": False},
+            },
+            result,
+        )
     jsonschema.validate(Chunk(id="k", seq=0, text="he", run="run1").to_dict(), chunk)
     jsonschema.validate({"type": "cancel", "id": "k"}, cancel)
     jsonschema.validate({"prompt": "hi", "max_tokens": 3, "stream": True, "stop": ["\n"]}, job)
@@ -200,7 +230,9 @@ async def test_engine_thread_owns_the_engine():
     et.start()
     try:
         await et.warmup()
-        await et.add_request("a", eng.tokenizer.encode("x y"), SamplingParams(max_tokens=3), request_class=RequestClass.INTERACTIVE)
+        await et.add_request(
+            "a", eng.tokenizer.encode("x y"), SamplingParams(max_tokens=3), request_class=RequestClass.INTERACTIVE
+        )
         await et.add_request("b", "p q", SamplingParams(max_tokens=2))
         with pytest.raises(RequestError):
             await et.add_request("c", "z " * 400, SamplingParams(max_tokens=2))

@@ -22,6 +22,7 @@ import urllib.request
 
 import orjson
 import pytest
+
 from busy_cpu import busy_cpu
 from queue_support import client, prefix, start_worker_process  # noqa: F401 - fixtures
 from test_queue_faults import free_port, private_redis, queue_depth  # noqa: F401 - fixture
@@ -82,15 +83,29 @@ def events(log_path, name: str, key: str | None = None) -> list[dict]:
     return out
 
 
-async def test_redis_down_the_worker_is_not_ready_gives_jobs_back_and_stops_at_once(prefix, client, tmp_path, private_redis):
+async def test_redis_down_the_worker_is_not_ready_gives_jobs_back_and_stops_at_once(
+    prefix, client, tmp_path, private_redis
+):
     port = free_port()
     log = tmp_path / "worker.log"
     interactive = f"{prefix}.interactive"
     with busy_cpu(2):
         w = start_worker_process(
-            prefix, log, "--store", "redis", "--redis-url", private_redis.url, "--metrics-port", str(port),
-            "--store-hold", str(HOLD_S), "--drain-timeout", str(DRAIN_S), "--target-ttft", "300",
-        )  # fmt: skip
+            prefix,
+            log,
+            "--store",
+            "redis",
+            "--redis-url",
+            private_redis.url,
+            "--metrics-port",
+            str(port),
+            "--store-hold",
+            str(HOLD_S),
+            "--drain-timeout",
+            str(DRAIN_S),
+            "--target-ttft",
+            "300",
+        )
         try:
             await until(lambda: probe(port, "/readyz") == (200, "consuming\n"), 120, "ready before the outage")
             assert store_up(port) == 1.0
@@ -144,6 +159,6 @@ async def test_redis_down_the_worker_is_not_ready_gives_jobs_back_and_stops_at_o
     # The worker is done within seconds of the signal; the process's own exit
     # (the interpreter's teardown beside two busy loops) takes some more.
     [stopped] = events(log, "worker_stopped")
-    assert stopped["requeued"] == 1 and _epoch(stopped) - t_sigterm < 8.0, (_epoch(stopped) - t_sigterm)
+    assert stopped["requeued"] == 1 and _epoch(stopped) - t_sigterm < 8.0, _epoch(stopped) - t_sigterm
     assert took < DRAIN_S / 2, took
     assert await queue_depth(interactive) == 1  # the held job is in the broker

@@ -14,11 +14,11 @@ import asyncio
 import collections
 
 import pytest
-from busy_cpu import busy_cpu
-from queue_support import EchoEngine, client, harness, prefix  # noqa: F401 - fixtures
 
+from busy_cpu import busy_cpu
 from jaxserve.worker.limits import LimitsConfig, TenantLimit
 from jaxserve.worker.store import MemoryStore
+from queue_support import EchoEngine, client, harness, prefix  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -67,9 +67,9 @@ async def test_a_burst_is_limited_at_arrival_beside_a_slow_store_and_busy_cpus(h
     store = SlowStore(delay_s=0.25)
     with busy_cpu(2):
         w = await harness.start(EchoEngine(step_s=0.002), store=store, limits=ACME)
-        keys = await asyncio.gather(*(
-            client.publish({"prompt": f"acme {i}", "max_tokens": 2, "tenant": "acme"}) for i in range(12)
-        ))  # fmt: skip
+        keys = await asyncio.gather(
+            *(client.publish({"prompt": f"acme {i}", "max_tokens": 2, "tenant": "acme"}) for i in range(12))
+        )
         results = await asyncio.gather(*(client.wait(k, timeout=120) for k in keys))
     codes = collections.Counter("ok" if r.ok else r.error.code for r in results)
     assert codes == {"ok": 3, "rate_limited": 9}, codes

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 import uuid
@@ -13,9 +12,9 @@ import orjson
 import pytest
 
 from jaxserve.client import JobError, QueueFull, retry_with_backoff
+from jaxserve.wire.topology import Topology, TopologyMismatch, declare_topology
 from jaxserve.worker.admission import AdmissionConfig
 from jaxserve.worker.store import Record, RedisStore
-from jaxserve.wire.topology import Topology, TopologyMismatch, declare_topology
 from queue_support import (  # noqa: F401 - fixtures
     AMQP_URL,
     HELD_FIRST_MARKER,
@@ -36,7 +35,9 @@ async def _raw_reply_queue(prefix: str):
     """A reply queue we read message by message (order, properties)."""
     conn = await aio_pika.connect(AMQP_URL)
     ch = await conn.channel()
-    q = await ch.declare_queue(f"{prefix}.reply.raw-{uuid.uuid4().hex[:6]}", auto_delete=False, arguments={"x-expires": 60000})
+    q = await ch.declare_queue(
+        f"{prefix}.reply.raw-{uuid.uuid4().hex[:6]}", auto_delete=False, arguments={"x-expires": 60000}
+    )
     return conn, q
 
 
@@ -83,7 +84,13 @@ async def test_raw_chunks_in_order_final_carries_key(harness, prefix):
     conn, q = await _raw_reply_queue(prefix)
     try:
         key = "k-" + uuid.uuid4().hex
-        await raw_publish(prefix, orjson.dumps({"prompt": "one two three", "max_tokens": 12, "stream": True}), message_id=key, reply_to=q.name, correlation_id="corr-1")
+        await raw_publish(
+            prefix,
+            orjson.dumps({"prompt": "one two three", "max_tokens": 12, "stream": True}),
+            message_id=key,
+            reply_to=q.name,
+            correlation_id="corr-1",
+        )
         msgs = await _collect(q, lambda ms: any(orjson.loads(m.body)["type"] == "result" for m in ms))
         bodies = [orjson.loads(m.body) for m in msgs]
         assert all(m.correlation_id == "corr-1" for m in msgs)
@@ -104,11 +111,23 @@ async def test_first_token_is_streamed_while_its_text_is_held_back(harness, pref
     try:
         key = "held-" + uuid.uuid4().hex
         prompt = f"{HELD_FIRST_MARKER} one two"
-        await raw_publish(prefix, orjson.dumps({"prompt": prompt, "max_tokens": 3, "stream": True}), message_id=key,
-                          reply_to=q.name, correlation_id="c")
+        await raw_publish(
+            prefix,
+            orjson.dumps({"prompt": prompt, "max_tokens": 3, "stream": True}),
+            message_id=key,
+            reply_to=q.name,
+            correlation_id="c",
+        )
         # the engine stalls right after the held token: only the first chunk can be out
         first = await _collect(q, lambda ms: len(ms) >= 1)
-        assert orjson.loads(first[0].body) | {"run": None} == {"type": "chunk", "id": key, "seq": 0, "text": "", "run": None, "tokens": 1}
+        assert orjson.loads(first[0].body) | {"run": None} == {
+            "type": "chunk",
+            "id": key,
+            "seq": 0,
+            "text": "",
+            "run": None,
+            "tokens": 1,
+        }
         await asyncio.sleep(0.2)
         assert await q.get(no_ack=True, fail=False) is None  # nothing more while stalled
         eng.engine.unstall()
@@ -152,7 +171,11 @@ BAD_JOBS = [
     ("binary_garbage", bytes(range(256)) * 4, "invalid_request"),
     ("oversized", orjson.dumps({"prompt": "y" * 5000}), "invalid_request"),
     ("array_body", b"[1, 2, 3]", "invalid_request"),
-    ("both_prompt_and_messages", orjson.dumps({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}), "invalid_request"),
+    (
+        "both_prompt_and_messages",
+        orjson.dumps({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
+        "invalid_request",
+    ),
     ("bad_stream", orjson.dumps({"prompt": "x", "stream": "yes"}), "invalid_request"),
 ]
 
@@ -163,7 +186,9 @@ async def test_bad_inputs_get_error_replies_and_worker_keeps_serving(harness, cl
     try:
         for name, body, _ in BAD_JOBS:
             await raw_publish(prefix, body, message_id=f"bad-{name}", reply_to=q.name, correlation_id=name)
-        await raw_publish(prefix, orjson.dumps({"prompt": "x"}), message_id=None, reply_to=q.name, correlation_id="missing_message_id")
+        await raw_publish(
+            prefix, orjson.dumps({"prompt": "x"}), message_id=None, reply_to=q.name, correlation_id="missing_message_id"
+        )
         n = len(BAD_JOBS) + 1
         msgs = await _collect(q, lambda ms: len(ms) >= n)
         by_corr = {m.correlation_id: orjson.loads(m.body) for m in msgs}
@@ -331,7 +356,15 @@ async def test_redis_store_fences_keys_across_workers(harness, client, prefix):
         assert await other.claim(key, "worker-B", 10.0) is None
         await client.publish({"prompt": "shared job", "max_tokens": 3}, key=key)
         await wait_until(lambda: w.stats["held_for_other_worker"] >= 1)
-        done = {"type": "result", "id": key, "status": "ok", "text": "from B", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1}, "timings": {}}
+        done = {
+            "type": "result",
+            "id": key,
+            "status": "ok",
+            "text": "from B",
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            "timings": {},
+        }
         await other.put(key, Record(done))
         r = await client.wait(key, timeout=10)
         assert r.text == "from B" and r.replayed and eng.add_count[key] == 0
@@ -362,7 +395,11 @@ async def test_interactive_first_under_batch_backlog(harness, client, prefix):
     idle = statistics.median([await ttft() for _ in range(5)])
     keys = []
     for i in range(400):
-        keys.append(await client.publish({"prompt": f"batch job number {i}", "max_tokens": 120}, queue="batch", expect_reply=False))
+        keys.append(
+            await client.publish(
+                {"prompt": f"batch job number {i}", "max_tokens": 120}, queue="batch", expect_reply=False
+            )
+        )
     await wait_until(lambda: eng.max_running_seen >= 6)
     loaded = []
     for _ in range(5):

@@ -13,8 +13,15 @@ VOCAB = 50
 
 def _row(**overrides):
     row = dict(
-        temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0,
-        repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+        seed=0,
+        output_index=0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
     )
     row.update(overrides)
     return row
@@ -77,7 +84,12 @@ def test_plain_temperature_draws_from_the_scaled_logits_whatever_shares_the_batc
     plain = [_row(temperature=0.8, seed=s, output_index=s % 3) for s in (7, 11, 13, 17)]
     alone, _ = _run(logits, plain)
     assert alone.tolist() == [expected(logits[i], r["seed"], r["output_index"], 0.8) for i, r in enumerate(plain)]
-    with_filters = [plain[0], _row(temperature=1.0, top_p=0.5, seed=3), plain[2], _row(temperature=1.0, top_k=2, seed=4)]
+    with_filters = [
+        plain[0],
+        _row(temperature=1.0, top_p=0.5, seed=3),
+        plain[2],
+        _row(temperature=1.0, top_k=2, seed=4),
+    ]
     mixed, _ = _run(logits, with_filters)
     assert mixed[0] == alone[0] and mixed[2] == alone[2]
     assert mixed[3] in set(np.argsort(-logits[3])[:2].tolist())

@@ -13,8 +13,14 @@ GREEDY1 = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def make(**overrides) -> Scheduler:
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=32,
-               enable_prefix_caching=False)  # fmt: skip
+    cfg = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=BS,
+        num_blocks=32,
+        enable_prefix_caching=False,
+    )
     cfg.update(overrides)
     return Scheduler(SchedulerConfig(**cfg))
 
@@ -44,7 +50,13 @@ def test_forks_share_full_blocks_and_copy_the_partial_one():
     s.add_request(score_job("j", prompt, [[7, 8, 9], [5]]))
     out, _ = run_step(s)
     [p] = out.scheduled
-    assert (p.request_id, p.start_position, p.num_scheduled_tokens, p.sample, p.score_targets) == ("j", 0, 10, False, [])
+    assert (p.request_id, p.start_position, p.num_scheduled_tokens, p.sample, p.score_targets) == (
+        "j",
+        0,
+        10,
+        False,
+        [],
+    )
     assert p.block_ids == [1, 2, 3]
     parent = s.get_request("j")
     assert parent.status == RequestStatus.PARKED and s.num_running == 0
@@ -73,7 +85,10 @@ def test_score_rows_share_the_steps_logits_rows():
     assert [(x.request_id, x.num_scheduled_tokens, len(x.score_targets)) for x in out.scheduled] == [("j/0", 4, 4)]
     assert sum(x.num_logits_rows for x in out.scheduled) == 4
     out, _ = run_step(s)
-    assert [(x.request_id, x.start_position, x.score_targets) for x in out.scheduled] == [("j/0", 8, [5, 6]), ("j/1", 4, [7, 8])]
+    assert [(x.request_id, x.start_position, x.score_targets) for x in out.scheduled] == [
+        ("j/0", 8, [5, 6]),
+        ("j/1", 4, [7, 8]),
+    ]
     out, _ = run_step(s)
     assert [(x.request_id, x.score_targets) for x in out.scheduled] == [("j/1", [9])]
 

@@ -17,10 +17,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve.kernels.kv_cache import bytes_per_block
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.structured import StructuredBackend, json_schema_constraint
 from jaxserve.engine.types import RequestError, SamplingParams, StructuredOutput
+from jaxserve.kernels.kv_cache import bytes_per_block
 from tests.engine_fixtures import build_engine_checkpoint
 
 pytestmark = pytest.mark.timeout(1200)
@@ -94,9 +94,13 @@ def llm(tmp_path_factory):
     block_size = 16
     per_block = bytes_per_block(2, block_size, 2, 16, np.float32)
     return LLM(
-        str(folder), max_num_seqs=64, max_model_len=256, max_num_batched_tokens=256,
-        block_size=block_size, kv_cache_memory=48 * per_block,
-    )  # fmt: skip
+        str(folder),
+        max_num_seqs=64,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        block_size=block_size,
+        kv_cache_memory=48 * per_block,
+    )
 
 
 def test_json_schema_outputs_parse_and_validate_over_many_sampled_jobs(llm):
@@ -123,7 +127,7 @@ def test_json_schema_outputs_parse_and_validate_over_many_sampled_jobs(llm):
 
 def test_regex_and_choice_jobs_match(llm):
     regex = r"[0-9]{3}-[a-z]{2,4}( [A-Z])?"
-    choices = ("positive", "negative", "neutral", "it's \"mixed\"")
+    choices = ("positive", "negative", "neutral", 'it\'s "mixed"')
     params = []
     for i in range(24):
         spec = StructuredOutput("regex", regex) if i % 2 else StructuredOutput("choice", choices)
@@ -193,7 +197,9 @@ def _refusal(engine, spec) -> str:
 
 def test_max_tokens_cut_says_length(llm):
     schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 40}}, "required": ["a"]}
-    [out] = llm.generate(["x"], [SamplingParams(max_tokens=5, temperature=1.0, seed=1, structured=json_schema_constraint(schema))])
+    [out] = llm.generate(
+        ["x"], [SamplingParams(max_tokens=5, temperature=1.0, seed=1, structured=json_schema_constraint(schema))]
+    )
     assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert out.text.startswith('{"a"')
 
@@ -235,7 +241,10 @@ def test_a_grammar_failure_mid_generation_fails_that_job_only(llm):
 
 def test_json_object_and_a_lark_grammar(llm):
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
-    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, structured=StructuredOutput("grammar", lark)) for s in range(6)]
+    params = [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=s, structured=StructuredOutput("grammar", lark))
+        for s in range(6)
+    ]
     params += [SamplingParams(max_tokens=200, temperature=0.0, structured=StructuredOutput("json_object"))]
     outs = llm.generate(["numbers:"] * len(params), params)
     for out in outs[:-1]:
@@ -294,7 +303,9 @@ def test_masks_have_the_model_vocab_width_and_allow_only_eos_at_the_end(backend)
 
 
 def test_a_steps_masks_filled_together_equal_one_row_at_a_time(backend):
-    specs = [json_schema_constraint(SCHEMAS[i % len(SCHEMAS)]) for i in range(6)] + [StructuredOutput("regex", "[0-9]{4}")]
+    specs = [json_schema_constraint(SCHEMAS[i % len(SCHEMAS)]) for i in range(6)] + [
+        StructuredOutput("regex", "[0-9]{4}")
+    ]
     text = ['{"person":{"name":"ab', '{"tags":["red"', '{"score":1.', '{"kind":"a"', '[{"id":3', '"ab', "12"]
     outputs = [_tokens_of(backend, t) for t in text]
     batched = [backend.start(s) for s in specs]

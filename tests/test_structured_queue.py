@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import orjson
@@ -40,9 +39,18 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "invoice", "sc
 def worker(prefix, tmp_path):
     log = tmp_path / "worker.log"
     proc = start_worker_process(
-        prefix, log, "--store", "memory", "--max-num-seqs", "8", "--engine-arg", "max_model_len=256",
-        "--engine-arg", "max_num_batched_tokens=64", engine=None,
-    )  # fmt: skip
+        prefix,
+        log,
+        "--store",
+        "memory",
+        "--max-num-seqs",
+        "8",
+        "--engine-arg",
+        "max_model_len=256",
+        "--engine-arg",
+        "max_num_batched_tokens=64",
+        engine=None,
+    )
     try:
         wait_log(log, "worker_consuming", timeout=600)
         yield proc
@@ -64,7 +72,10 @@ def test_job_fields_translate_and_unhonourable_fields_are_refused():
     assert parse({"prompt": "x", "guided_regex": "a+"}).params.structured.kind == "regex"
     assert parse({"prompt": "x", "tools": [], "echo": False, "best_of": 1}).params.structured is None  # harmless values
     # a different schema is a different job (a key reused with it is refused)
-    assert parse({"prompt": "x", "guided_regex": "a+"}).fingerprint != parse({"prompt": "x", "guided_regex": "b+"}).fingerprint
+    assert (
+        parse({"prompt": "x", "guided_regex": "a+"}).fingerprint
+        != parse({"prompt": "x", "guided_regex": "b+"}).fingerprint
+    )
     refused = {
         "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
         "n": {"n": 2},
@@ -94,7 +105,11 @@ def test_batch_cli_constraint_options(tmp_path):
     good = tmp_path / "invoice v2.json"
     good.write_text(json.dumps(SCHEMA))
     fmt = _output_constraint(str(good), None, None)["response_format"]
-    assert fmt["type"] == "json_schema" and fmt["json_schema"]["schema"] == SCHEMA and fmt["json_schema"]["name"] == "invoice_v2"
+    assert (
+        fmt["type"] == "json_schema"
+        and fmt["json_schema"]["schema"] == SCHEMA
+        and fmt["json_schema"]["name"] == "invoice_v2"
+    )
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "nope"}}}))
     for args, needle in [
@@ -120,16 +135,28 @@ async def test_a_worker_answers_constrained_and_logprobs_jobs(prefix, worker, tm
     try:
         jobs = {
             "schema": dict(prompt="Invoice:", response_format=RESPONSE_FORMAT, max_tokens=120, temperature=1.0, seed=3),
-            "chat-schema": dict(messages=[{"role": "user", "content": "hi"}], response_format=RESPONSE_FORMAT, max_tokens=120, temperature=0),
+            "chat-schema": dict(
+                messages=[{"role": "user", "content": "hi"}],
+                response_format=RESPONSE_FORMAT,
+                max_tokens=120,
+                temperature=0,
+            ),
             "choice": dict(prompt="Mood:", guided_choice=["happy", "sad"], max_tokens=8, temperature=1.0, seed=1),
             "regex": dict(prompt="Code:", guided_regex="[A-Z]{2}-[0-9]{3}", max_tokens=16, temperature=1.0, seed=2),
             "logprobs": dict(prompt="Hello", max_tokens=6, temperature=1.0, seed=4, logprobs=True, top_logprobs=3),
-            "bad-schema": dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}}),
+            "bad-schema": dict(
+                prompt="x",
+                response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nope"}}},
+            ),
             "tools": dict(prompt="x", tools=[{"type": "function", "function": {"name": "f"}}]),
-        }  # fmt: skip
-        results = dict(zip(jobs, await asyncio.gather(*(client.submit(**kw, queue="batch", timeout=300) for kw in jobs.values()))))
+        }
+        results = dict(
+            zip(jobs, await asyncio.gather(*(client.submit(**kw, queue="batch", timeout=300) for kw in jobs.values())))
+        )
         # streaming: the chunks of a constrained job concatenate to its JSON
-        stream = await client.stream("Invoice:", response_format=RESPONSE_FORMAT, max_tokens=120, temperature=1.0, seed=9, timeout=300)
+        stream = await client.stream(
+            "Invoice:", response_format=RESPONSE_FORMAT, max_tokens=120, temperature=1.0, seed=9, timeout=300
+        )
         streamed = "".join([piece async for piece in stream])
     finally:
         await client.close()
@@ -189,18 +216,49 @@ async def test_jaxserve_batch_with_a_schema_for_every_row(prefix, worker, tmp_pa
     # OpenAI Batch input: response_format and logprobs on the lines themselves
     openai_in = tmp_path / "openai.jsonl"
     lines = [
-        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "Invoice from Bob"}], "response_format": RESPONSE_FORMAT,
-                  "max_tokens": 120, "logprobs": True, "top_logprobs": 2}},
-        {"custom_id": "comp-1", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "Invoice from Eve", "response_format": {"type": "json_object"}, "max_tokens": 160, "temperature": 0, "logprobs": 2}},
-        {"custom_id": "tools-1", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}},
-    ]  # fmt: skip
+        {
+            "custom_id": "chat-1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "Invoice from Bob"}],
+                "response_format": RESPONSE_FORMAT,
+                "max_tokens": 120,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        },
+        {
+            "custom_id": "comp-1",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "prompt": "Invoice from Eve",
+                "response_format": {"type": "json_object"},
+                "max_tokens": 160,
+                "temperature": 0,
+                "logprobs": 2,
+            },
+        },
+        {
+            "custom_id": "tools-1",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+        },
+    ]
     openai_in.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     out2 = tmp_path / "openai_out.jsonl"
     _, items = read_items(openai_in, InputOptions(served_model_name="tiny"))
-    await asyncio.to_thread(run_batch, items, out2, BatchSettings(amqp_url=AMQP_URL, prefix=prefix, progress=False, idle_timeout=300, served_model_name="tiny"))
+    await asyncio.to_thread(
+        run_batch,
+        items,
+        out2,
+        BatchSettings(amqp_url=AMQP_URL, prefix=prefix, progress=False, idle_timeout=300, served_model_name="tiny"),
+    )
     got = {x["custom_id"]: x for x in (orjson.loads(b) for b in out2.read_bytes().splitlines())}
     chat = ChatCompletion.model_validate(got["chat-1"]["response"]["body"])
     message = got["chat-1"]["response"]["body"]["choices"][0]["message"]
@@ -224,8 +282,19 @@ def test_batch_command_refuses_a_bad_schema_before_publishing(tmp_path):
     rows.write_text('{"id": "a", "prompt": "x"}\n')
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "nope"}}}')
-    result = CliRunner().invoke(cli, ["batch", str(rows), "-o", str(tmp_path / "out.jsonl"), "--json-schema", str(schema),
-                                      "--amqp-url", "amqp://guest:guest@127.0.0.1:1/"])  # fmt: skip
+    result = CliRunner().invoke(
+        cli,
+        [
+            "batch",
+            str(rows),
+            "-o",
+            str(tmp_path / "out.jsonl"),
+            "--json-schema",
+            str(schema),
+            "--amqp-url",
+            "amqp://guest:guest@127.0.0.1:1/",
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "--json-schema" in result.output and "nope" in result.output
     assert not (tmp_path / "out.jsonl").exists()

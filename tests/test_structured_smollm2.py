@@ -85,7 +85,9 @@ def test_regex_and_choice_on_the_real_model(llm):
     params = [
         SamplingParams(max_tokens=16, temperature=1.0, seed=i, structured=StructuredOutput("regex", regex))
         if i % 2
-        else SamplingParams(max_tokens=8, temperature=1.0, seed=i, structured=StructuredOutput("choice", ("paid", "unpaid")))
+        else SamplingParams(
+            max_tokens=8, temperature=1.0, seed=i, structured=StructuredOutput("choice", ("paid", "unpaid"))
+        )
         for i in range(12)
     ]
     for p, out in zip(params, llm.generate(prompts, params)):

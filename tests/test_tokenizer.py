@@ -144,8 +144,7 @@ def test_template_string(tiny_folder):
     tok = Tokenizer.from_folder(tiny_folder)
     out = tok.apply_chat_template(MESSAGES)
     assert out == (
-        f"{BOS}<|start_header_id|>user<|end_header_id|>\n\nhi{EOT}"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        f"{BOS}<|start_header_id|>user<|end_header_id|>\n\nhi{EOT}<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
     assert not tok.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("\n\n")
     ids = tok.encode_chat(MESSAGES)
@@ -172,7 +171,9 @@ def test_template_list_form(folder):
 
 
 def test_template_list_without_default(folder):
-    edit_json(folder / "tokenizer_config.json", chat_template=[{"name": "a", "template": "A"}, {"name": "b", "template": "B"}])
+    edit_json(
+        folder / "tokenizer_config.json", chat_template=[{"name": "a", "template": "A"}, {"name": "b", "template": "B"}]
+    )
     tok = Tokenizer.from_folder(folder)
     assert tok.chat_template is None
     with pytest.raises(ChatTemplateError, match="'a', 'b'"):

@@ -67,9 +67,18 @@ def test_logits_it_does_not_take_are_refused_with_the_shape_in_the_message():
 
 
 def _runner(model, cfg, cpu_argmax: bool | None = None) -> ModelRunner:
-    r = ModelRunner(model, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                    head_dim=cfg.head_dim, num_blocks=40, block_size=16, max_num_seqs=16, max_num_batched_tokens=64,
-                    max_model_len=64, buckets=Buckets(tokens=(16, 64), seqs=(16,)))  # fmt: skip
+    r = ModelRunner(
+        model,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        num_blocks=40,
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        buckets=Buckets(tokens=(16, 64), seqs=(16,)),
+    )
     if cpu_argmax is not None:
         r.cpu_argmax = cpu_argmax
     r.warmup()
@@ -86,12 +95,21 @@ def test_the_runners_greedy_programs_take_it_with_the_same_tokens(tmp_path):
     assert cpu.TARGET_ARGMAX in on._forward[16].as_text() and cpu.TARGET_ARGMAX not in off._forward[16].as_text()
     greedy = {"temperature": 0.0, "logprobs": False}
     rng = np.random.default_rng(1)
-    prompts = [SeqWork(token_ids=rng.integers(3, cfg.vocab_size, 12).tolist(), start_pos=0, block_ids=[1 + 2 * i, 2 + 2 * i],
-                       sampling=greedy) for i in range(4)]  # fmt: skip
+    prompts = [
+        SeqWork(
+            token_ids=rng.integers(3, cfg.vocab_size, 12).tolist(),
+            start_pos=0,
+            block_ids=[1 + 2 * i, 2 + 2 * i],
+            sampling=greedy,
+        )
+        for i in range(4)
+    ]
     tokens = []
     for r in (on, off):
         first = r.execute(prompts).fetch()[0].tolist()
-        decodes = [SeqWork(token_ids=[t], start_pos=12, block_ids=[1 + 2 * i, 2 + 2 * i], sampling=greedy)
-                   for i, t in enumerate(first)]  # fmt: skip
+        decodes = [
+            SeqWork(token_ids=[t], start_pos=12, block_ids=[1 + 2 * i, 2 + 2 * i], sampling=greedy)
+            for i, t in enumerate(first)
+        ]
         tokens.append((first, r.execute(decodes).fetch()[0].tolist()))
     assert tokens[0] == tokens[1]

@@ -33,8 +33,17 @@ class FakeMessage:
     """An incoming delivery: AMQP properties plus ack/nack that record what
     happened (and can fail like a closed channel)."""
 
-    def __init__(self, body: dict | bytes, key: str | None, *, reply_to: str = "replies", redelivered: bool = False,
-                 priority: int | None = None, expiration=None, headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        body: dict | bytes,
+        key: str | None,
+        *,
+        reply_to: str = "replies",
+        redelivered: bool = False,
+        priority: int | None = None,
+        expiration=None,
+        headers: dict | None = None,
+    ) -> None:
         self.body = body if isinstance(body, bytes) else orjson.dumps(body)
         self.message_id = key
         self.reply_to = reply_to

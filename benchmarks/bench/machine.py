@@ -23,9 +23,15 @@ def measure(quick: bool = False) -> dict[str, Any]:
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     rates = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {**rates["machine"], "rates": rates, "read_gb_s": rates["bandwidth_gb_s"]["best_read"],
-            "copy_gb_s": rates["bandwidth_gb_s"]["best_copy"], "f32_gflop_s": rates["matmul_gflop_s"]["best"],
-            "int8_gop_s": rates["int8_gop_s"]["best"], "quick": quick}
+    return {
+        **rates["machine"],
+        "rates": rates,
+        "read_gb_s": rates["bandwidth_gb_s"]["best_read"],
+        "copy_gb_s": rates["bandwidth_gb_s"]["best_copy"],
+        "f32_gflop_s": rates["matmul_gflop_s"]["best"],
+        "int8_gop_s": rates["int8_gop_s"]["best"],
+        "quick": quick,
+    }
 
 
 def git_state() -> dict[str, Any]:
@@ -35,8 +41,10 @@ def git_state() -> dict[str, Any]:
         except (OSError, subprocess.TimeoutExpired):
             return None
 
-    return {"commit": git("rev-parse", "--short", "HEAD"),
-            "jaxserve_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "jaxserve"))}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "jaxserve_dirty": bool(git("status", "--porcelain", "--untracked-files=no", "jaxserve")),
+    }
 
 
 def short(machine: dict[str, Any]) -> str:
@@ -47,6 +55,8 @@ def short(machine: dict[str, Any]) -> str:
     flags = machine.get("flags") or []
     simd = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     extra = [f for f in ("avx512_vnni", "amx_int8") if f in flags]
-    return (f"{cpu}, {machine.get('usable_cpus')} cores, {simd}{'+' + '+'.join(extra) if extra else ''}; "
-            f"{machine.get('read_gb_s')} GB/s read, {machine.get('f32_gflop_s')} GFLOP/s f32, "
-            f"{machine.get('int8_gop_s')} GOP/s int8")
+    return (
+        f"{cpu}, {machine.get('usable_cpus')} cores, {simd}{'+' + '+'.join(extra) if extra else ''}; "
+        f"{machine.get('read_gb_s')} GB/s read, {machine.get('f32_gflop_s')} GFLOP/s f32, "
+        f"{machine.get('int8_gop_s')} GOP/s int8"
+    )

@@ -101,8 +101,16 @@ class ServePeer:
         self.cmd = cmd
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     bufsize=1, cwd=ROOT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
         self.records: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -111,7 +119,7 @@ class ServePeer:
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
                 try:
-                    self.records.put(json.loads(line[len(PREFIX):]))
+                    self.records.put(json.loads(line[len(PREFIX) :]))
                 except json.JSONDecodeError:
                     pass
         self.records.put({"event": "exit", "returncode": self.proc.wait()})

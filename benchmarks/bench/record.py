@@ -97,8 +97,13 @@ class Figure:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(ratio=self.ratio, met=self.met, spread_rule=self.spread_rule,
-                   system_median=self.system.median, peer_median=self.peer.median if self.peer else None)
+        out.update(
+            ratio=self.ratio,
+            met=self.met,
+            spread_rule=self.spread_rule,
+            system_median=self.system.median,
+            peer_median=self.peer.median if self.peer else None,
+        )
         return out
 
     @staticmethod

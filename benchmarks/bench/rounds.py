@@ -60,9 +60,16 @@ def load_probe(seconds: float = 0.5, n: int = 512) -> float:
     return round(2 * n**3 * count / (time.perf_counter() - t0) / 1e9, 1)
 
 
-def alternate(contenders: Sequence[Contender], rounds: int, warmup_rounds: int = 1, *, pause: bool = True,
-              probe: bool = True, tag: dict[str, Any] | None = None,
-              on_turn: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+def alternate(
+    contenders: Sequence[Contender],
+    rounds: int,
+    warmup_rounds: int = 1,
+    *,
+    pause: bool = True,
+    probe: bool = True,
+    tag: dict[str, Any] | None = None,
+    on_turn: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Every contender's turns, round by round (see the module docstring).
     ``tag`` is merged into every record (e.g. the prompt count)."""
     records: list[dict[str, Any]] = []
@@ -80,11 +87,23 @@ def alternate(contenders: Sequence[Contender], rounds: int, warmup_rounds: int =
                 except Exception as exc:  # noqa: BLE001 - one failed turn is recorded, the rounds go on
                     rec = {"ok": False, "error": repr(exc)}
                 turn_s = time.perf_counter() - t0
-            rec = {**rec, **(tag or {}), "system": c.name, "round": rnd, "warmup": rnd < 0,
-                   "turn_s": round(turn_s, 2), "load_avg_1m_before": load, "probe_gflop_s_before": gflops}
+            rec = {
+                **rec,
+                **(tag or {}),
+                "system": c.name,
+                "round": rnd,
+                "warmup": rnd < 0,
+                "turn_s": round(turn_s, 2),
+                "load_avg_1m_before": load,
+                "probe_gflop_s_before": gflops,
+            }
             records.append(rec)
             what = "warm-up" if rnd < 0 else f"round {rnd + 1}/{rounds}"
-            shown = f"{rec['value']:.4g}" if rec.get("ok") and rec.get("value") is not None else f"FAILED {rec.get('error')}"
+            shown = (
+                f"{rec['value']:.4g}"
+                if rec.get("ok") and rec.get("value") is not None
+                else f"FAILED {rec.get('error')}"
+            )
             log(f"{what} {tag or ''}: {c.name} {shown} (probe {gflops} GFLOP/s, load {load})")
             if on_turn:
                 on_turn(rec)
@@ -102,8 +121,17 @@ def _by_round(records: list[dict[str, Any]], system: str, where: dict[str, Any])
     return out
 
 
-def figure(records: list[dict[str, Any]], what: str, system: str, peer: str | None, unit: str, *,
-           where: dict[str, Any] | None = None, labels: dict[str, str] | None = None, **goal: Any) -> Figure:
+def figure(
+    records: list[dict[str, Any]],
+    what: str,
+    system: str,
+    peer: str | None,
+    unit: str,
+    *,
+    where: dict[str, Any] | None = None,
+    labels: dict[str, str] | None = None,
+    **goal: Any,
+) -> Figure:
     """A table row from the records: ``system`` (and ``peer``) per round,
     restricted to records matching ``where``; ``goal``: Figure's goal fields."""
     where = where or {}

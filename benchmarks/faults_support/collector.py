@@ -89,9 +89,10 @@ class Collector:
         self.trace = False
         self.reconnects = 0
 
-    async def start(self) -> "Collector":
-        self._conn = await aio_pika.connect_robust(self.url, reconnect_interval=0.5,
-                                                   client_properties={"connection_name": "faults-collector"})
+    async def start(self) -> Collector:
+        self._conn = await aio_pika.connect_robust(
+            self.url, reconnect_interval=0.5, client_properties={"connection_name": "faults-collector"}
+        )
         self._conn.reconnect_callbacks.add(self._on_reconnect)
         self._ch = await self._conn.channel()
         await self._ch.set_qos(prefetch_count=2000)
@@ -145,7 +146,7 @@ class Collector:
                 routed = bool(h.get("routed_queues"))
             else:
                 source = "trace-deliver"
-                dest = (message.routing_key or "")[len("deliver."):]
+                dest = (message.routing_key or "")[len("deliver.") :]
                 redelivered = bool(h.get("redelivered"))
             p = h.get("properties") or {}
             props = {"correlation_id": _s(p.get("correlation_id"))}
@@ -159,18 +160,32 @@ class Collector:
             self.last_event = now
             return
         mtype = msg.get("type")
-        if source == "trace-publish" and dest in (f"{self.prefix}.interactive", f"{self.prefix}.batch") and mtype not in ("result", "chunk"):
+        if (
+            source == "trace-publish"
+            and dest in (f"{self.prefix}.interactive", f"{self.prefix}.batch")
+            and mtype not in ("result", "chunk")
+        ):
             kind = "job"
         else:
             kind = mtype if mtype in ("result", "chunk") else "other"
         err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
         rec = Rec(
-            now, source, kind, msg.get("id"),
-            status=msg.get("status"), code=err.get("code"), message=_s(err.get("message"))[:300] if err.get("message") else None,
+            now,
+            source,
+            kind,
+            msg.get("id"),
+            status=msg.get("status"),
+            code=err.get("code"),
+            message=_s(err.get("message"))[:300] if err.get("message") else None,
             text=msg.get("text") if kind in ("result", "chunk") else None,
-            seq=msg.get("seq") if kind == "chunk" else None, run=msg.get("run") if kind == "chunk" else None,
-            correlation_id=_s(props.get("correlation_id")), dest=dest, routed=routed,
-            redelivered=redelivered, replayed=bool(msg.get("replayed")), digest=digest,
+            seq=msg.get("seq") if kind == "chunk" else None,
+            run=msg.get("run") if kind == "chunk" else None,
+            correlation_id=_s(props.get("correlation_id")),
+            dest=dest,
+            routed=routed,
+            redelivered=redelivered,
+            replayed=bool(msg.get("replayed")),
+            digest=digest,
         )
         seen_key = (source, digest)
         if redelivered and seen_key in self._seen and source != "trace-publish":
@@ -248,7 +263,9 @@ def analyze(records: list[Rec], finals: list[Rec], expected: dict[str, str]) -> 
     # retried after a lost confirm): an ok final carries per-run timings.
     # Error finals carry none, so identical error finals may be separate
     # handlings of a redelivered job.
-    twice_copies = [k for k in twice if len({r.digest for r in by_key[k]}) == 1 and all(r.status == "ok" for r in by_key[k])]
+    twice_copies = [
+        k for k in twice if len({r.digest for r in by_key[k]}) == 1 and all(r.status == "ok" for r in by_key[k])
+    ]
     diff_ok = [k for k, rs in by_key.items() if len({r.text for r in rs if r.status == "ok"}) > 1]
     ordinary = {k for k, c in expected.items() if c in ("ordinary", "stream")}
     harmed = sorted(k for k in ordinary if any(r.status != "ok" for r in by_key.get(k, [])))
@@ -269,10 +286,24 @@ def analyze(records: list[Rec], finals: list[Rec], expected: dict[str, str]) -> 
         "answered_twice_sample": twice[:10],
         "answered_twice_identical_copies": len(twice_copies),
         "answered_twice_keys": twice,
-        "twice_replayed_same_text": [k for k in twice if any(r.replayed for r in by_key[k]) and len({r.text for r in by_key[k]}) == 1],
+        "twice_replayed_same_text": [
+            k for k in twice if any(r.replayed for r in by_key[k]) and len({r.text for r in by_key[k]}) == 1
+        ],
         "twice_with_errors": [k for k in twice if any(r.status != "ok" for r in by_key[k])],
-        "answered_twice_detail": {k: [{"source": r.source, "status": r.status, "code": r.code, "text": (r.text or "")[:60],
-                                       "replayed": r.replayed, "digest": r.digest} for r in by_key[k]] for k in twice[:5]},
+        "answered_twice_detail": {
+            k: [
+                {
+                    "source": r.source,
+                    "status": r.status,
+                    "code": r.code,
+                    "text": (r.text or "")[:60],
+                    "replayed": r.replayed,
+                    "digest": r.digest,
+                }
+                for r in by_key[k]
+            ]
+            for k in twice[:5]
+        },
         "different_ok_texts": len(diff_ok),
         "different_ok_texts_sample": diff_ok[:10],
         "ordinary_harmed": len(harmed),
@@ -318,5 +349,11 @@ def stream_check(records: list[Rec], stream_keys: set[str]) -> dict[str, Any]:
                 ok = True
         if not ok and (f.text or runs):
             mismatched += 1
-    return {"stream_jobs": len(stream_keys), "stream_ok_finals": len(finals), "chunk_duplicates": dups,
-            "runs_with_gaps": gaps, "restarted_streams": restarted, "chunks_not_matching_final": mismatched}
+    return {
+        "stream_jobs": len(stream_keys),
+        "stream_ok_finals": len(finals),
+        "chunk_duplicates": dups,
+        "runs_with_gaps": gaps,
+        "restarted_streams": restarted,
+        "chunks_not_matching_final": mismatched,
+    }

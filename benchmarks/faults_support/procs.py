@@ -84,8 +84,14 @@ def worker_help(src: Path) -> str:
     key = str(src)
     if key not in _HELP_CACHE:
         try:
-            p = subprocess.run([*jaxserve_cmd(), "worker", "--help"], capture_output=True, text=True, timeout=120,
-                               env=src_env(src), cwd=src)
+            p = subprocess.run(
+                [*jaxserve_cmd(), "worker", "--help"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=src_env(src),
+                cwd=src,
+            )
             _HELP_CACHE[key] = p.stdout + p.stderr
         except (OSError, subprocess.SubprocessError) as exc:
             _HELP_CACHE[key] = f"(worker --help failed: {exc})"
@@ -103,11 +109,22 @@ class WorkerDied(RuntimeError):
 class WorkerProc:
     """One ``jaxserve worker`` process."""
 
-    def __init__(self, src: Path, log_path: Path, amqp_url: str, prefix: str, args: list[str],
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, src: Path, log_path: Path, amqp_url: str, prefix: str, args: list[str], env: dict[str, str] | None = None
+    ) -> None:
         self.src = src
         self.log_path = log_path
-        self.cmd = [*jaxserve_cmd(), "worker", "--amqp-url", amqp_url, "--prefix", prefix, "--log-format", "json", *args]
+        self.cmd = [
+            *jaxserve_cmd(),
+            "worker",
+            "--amqp-url",
+            amqp_url,
+            "--prefix",
+            prefix,
+            "--log-format",
+            "json",
+            *args,
+        ]
         self.env = src_env(src, env)
         self.proc: subprocess.Popen | None = None
         self.started_mono: float | None = None
@@ -118,11 +135,12 @@ class WorkerProc:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    def start(self) -> "WorkerProc":
+    def start(self) -> WorkerProc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.src, env=self.env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.src, env=self.env, start_new_session=True
+        )
         _register(self.proc.pid)
         self.started_mono = time.monotonic()
         return self
@@ -197,23 +215,48 @@ class WorkerProc:
         return self.proc.returncode
 
 
-async def run_batch(src: Path, input_path: Path, output_path: Path, amqp_url: str, prefix: str, *,
-                    idle_timeout: float, timeout: float, log_path: Path, procs: list) -> dict[str, Any]:
+async def run_batch(
+    src: Path,
+    input_path: Path,
+    output_path: Path,
+    amqp_url: str,
+    prefix: str,
+    *,
+    idle_timeout: float,
+    timeout: float,
+    log_path: Path,
+    procs: list,
+) -> dict[str, Any]:
     """Run ``jaxserve batch`` to completion (or ``timeout``); returns its exit
     status, the summary line, wall time. ``procs`` collects the process so a
     cancelled scenario can kill it."""
-    cmd = [*jaxserve_cmd(), "batch", str(input_path), "-o", str(output_path), "--amqp-url", amqp_url,
-           "--prefix", prefix, "--queue", "batch", "--idle-timeout", str(idle_timeout), "--no-progress"]
+    cmd = [
+        *jaxserve_cmd(),
+        "batch",
+        str(input_path),
+        "-o",
+        str(output_path),
+        "--amqp-url",
+        amqp_url,
+        "--prefix",
+        prefix,
+        "--queue",
+        "batch",
+        "--idle-timeout",
+        str(idle_timeout),
+        "--no-progress",
+    ]
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=log, stderr=log, cwd=src, env=src_env(src),
-                                                    start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=log, stderr=log, cwd=src, env=src_env(src), start_new_session=True
+        )
         procs.append(proc)
         _register(proc.pid)
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             proc.kill()
             await proc.wait()
@@ -222,12 +265,17 @@ async def run_batch(src: Path, input_path: Path, output_path: Path, amqp_url: st
     for line in text.splitlines():
         if line.startswith("batch summary: "):
             try:
-                summary = json.loads(line[len("batch summary: "):])
+                summary = json.loads(line[len("batch summary: ") :])
             except ValueError:
                 pass
     tail = "\n".join(text.splitlines()[-12:])
-    return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(time.monotonic() - t0, 2),
-            "summary": summary, "log_tail": tail if (proc.returncode or timed_out) else None}
+    return {
+        "rc": proc.returncode,
+        "timed_out": timed_out,
+        "wall_s": round(time.monotonic() - t0, 2),
+        "summary": summary,
+        "log_tail": tail if (proc.returncode or timed_out) else None,
+    }
 
 
 def read_out(path: Path) -> dict[str, list[dict[str, Any]]]:

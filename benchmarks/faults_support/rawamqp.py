@@ -117,7 +117,7 @@ def patch_decoder() -> None:
     def timestamp(value: bytes) -> tuple[int, Any]:
         raw = common.Struct.timestamp.unpack(value[0:8])[0]
         try:
-            return 8, datetime.datetime.fromtimestamp(raw if raw <= 0xFFFFFFFF else raw / 1000.0, tz=datetime.timezone.utc)
+            return 8, datetime.datetime.fromtimestamp(raw if raw <= 0xFFFFFFFF else raw / 1000.0, tz=datetime.UTC)
         except (ValueError, OverflowError, OSError):
             return 8, raw
 
@@ -203,7 +203,11 @@ async def publish(url: str, spec_path: str, out_path: str, window: int = 256) ->
         futs = []
         for m in batch:
             try:
-                futs.append(state["ch"].basic_publish(m["body"], exchange="", routing_key=m["rk"], properties=props_of(m), mandatory=False))
+                futs.append(
+                    state["ch"].basic_publish(
+                        m["body"], exchange="", routing_key=m["rk"], properties=props_of(m), mandatory=False
+                    )
+                )
             except Exception as exc:  # noqa: BLE001 - refused by the (patched) encoder
                 futs.append(asyncio.sleep(0, result=exc))
         results = await asyncio.gather(*futs, return_exceptions=True)

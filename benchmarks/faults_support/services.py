@@ -273,8 +273,12 @@ class PrivateRabbit(RabbitControl):
         t0 = time.monotonic()
         subprocess.run(
             [_rabbit_script("rabbitmq-server"), "-detached"],
-            env=self.env(), cwd=self.root, check=True, timeout=60,
-            stdout=open(self.root / "server.out", "ab"), stderr=subprocess.STDOUT,
+            env=self.env(),
+            cwd=self.root,
+            check=True,
+            timeout=60,
+            stdout=open(self.root / "server.out", "ab"),
+            stderr=subprocess.STDOUT,
         )
         last = ""
         while time.monotonic() - t0 < timeout:
@@ -290,7 +294,9 @@ class PrivateRabbit(RabbitControl):
             if self._amqp_ok():
                 self.pid = _read_pid(self.pidfile) or self.pid
                 return time.monotonic() - t0
-        raise RuntimeError(f"private RabbitMQ node {self.node} did not start within {timeout}s: {last}\n{self.log_tail()}")
+        raise RuntimeError(
+            f"private RabbitMQ node {self.node} did not start within {timeout}s: {last}\n{self.log_tail()}"
+        )
 
     def _amqp_ok(self) -> bool:
         try:
@@ -344,10 +350,28 @@ class PrivateRedis:
             raise RuntimeError("redis-server not found")
         self.pidfile.unlink(missing_ok=True)
         subprocess.run(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--daemonize", "yes", "--pidfile", str(self.pidfile), "--logfile", str(self.root / "redis.log"),
-             "--dir", str(self.root)],
-            check=True, timeout=30, capture_output=True,
+            [
+                exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "yes",
+                "--pidfile",
+                str(self.pidfile),
+                "--logfile",
+                str(self.root / "redis.log"),
+                "--dir",
+                str(self.root),
+            ],
+            check=True,
+            timeout=30,
+            capture_output=True,
         )
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
@@ -375,8 +399,11 @@ class PrivateRedis:
         """Stop it (no save); SIGKILL if it does not go within 5 s."""
         pid = self._owned_pid()
         try:
-            subprocess.run([shutil.which("redis-cli") or "redis-cli", "-p", str(self.port), "shutdown", "nosave"],
-                           capture_output=True, timeout=10)
+            subprocess.run(
+                [shutil.which("redis-cli") or "redis-cli", "-p", str(self.port), "shutdown", "nosave"],
+                capture_output=True,
+                timeout=10,
+            )
         except (OSError, subprocess.TimeoutExpired):
             pass
         t0 = time.monotonic()

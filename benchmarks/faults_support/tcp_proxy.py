@@ -20,8 +20,13 @@ import time
 class _Pipe:
     """One client connection and its upstream connection."""
 
-    def __init__(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter,
-                 up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        up_r: asyncio.StreamReader,
+        up_w: asyncio.StreamWriter,
+    ) -> None:
         self.writers = (client_w, up_w)
         self.tasks = [
             asyncio.ensure_future(self._pump(client_r, up_w)),
@@ -54,7 +59,9 @@ class _Pipe:
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int, listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
+    def __init__(
+        self, target_host: str, target_port: int, listen_host: str = "127.0.0.1", listen_port: int = 0
+    ) -> None:
         self.target = (target_host, target_port)
         self.listen = (listen_host, listen_port)
         self.server: asyncio.base_events.Server | None = None
@@ -69,7 +76,7 @@ class TcpProxy:
         assert self.server is not None
         return self.server.sockets[0].getsockname()[1]
 
-    async def start(self) -> "TcpProxy":
+    async def start(self) -> TcpProxy:
         self.server = await asyncio.start_server(self._on_client, *self.listen)
         return self
 

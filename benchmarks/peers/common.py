@@ -15,17 +15,16 @@ Anything else the peer's libraries print on stdout is ignored by the driver.
 from __future__ import annotations
 
 import argparse
-
 import json
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PREFIX = "@@bench "
 
 
-def peer_arguments(description: str, *, warmup_tokens: bool = True) -> "argparse.ArgumentParser":
+def peer_arguments(description: str, *, warmup_tokens: bool = True) -> argparse.ArgumentParser:
     """The arguments every peer script takes (the driver passes the same ones
     to each); a peer adds its own system-specific options to the parser."""
     parser = argparse.ArgumentParser(description=description)

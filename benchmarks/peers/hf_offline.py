@@ -58,7 +58,7 @@ def main() -> None:
 
     def run() -> int:
         out = generate(args.output_len)
-        first["ids"] = out[0, input_len:input_len + 8].tolist()
+        first["ids"] = out[0, input_len : input_len + 8].tolist()
         return (out.shape[1] - input_len) * out.shape[0]
 
     base = {

@@ -35,8 +35,9 @@ from common import load_prompts, peer_arguments, serve_or_once
 
 def main() -> None:
     parser = peer_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--threads-bind", default="0-1",
-                        help="VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind', or a cpu list such as 0-1)")
+    parser.add_argument(
+        "--threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind', or a cpu list such as 0-1)"
+    )
     parser.add_argument("--kvcache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     args = parser.parse_args()
 

@@ -67,14 +67,21 @@ class ClassifyContender:
         # run_jaxserve/run_llmq read these (classify_docs's own options)
         opts = argparse.Namespace(**vars(self.args), profile=False)
         if self.name == "jaxserve-labels":
-            row = cd.run_jaxserve(self.name, self.labels_in, folder, self.args.model, opts,
-                                  ["--labels", ",".join(cd.LABELS)])
+            row = cd.run_jaxserve(
+                self.name, self.labels_in, folder, self.args.model, opts, ["--labels", ",".join(cd.LABELS)]
+            )
             ok = row["ok"] == row["jobs"] == self.args.num_docs and row["batch_rc"] == 0
         else:
-            row = cd.run_llmq(self.jobs, folder, str(models.require_hf_folder(self.args.hf_model)), self.args.num_docs, opts)
+            row = cd.run_llmq(
+                self.jobs, folder, str(models.require_hf_folder(self.args.hf_model)), self.args.num_docs, opts
+            )
             ok = row["ok"] == self.args.num_docs
-        return {"ok": ok, "value": row["jobs_per_s"], "row": row,
-                **({} if ok else {"error": f"{row.get('ok')} of {self.args.num_docs} jobs answered"})}
+        return {
+            "ok": ok,
+            "value": row["jobs_per_s"],
+            "row": row,
+            **({} if ok else {"error": f"{row.get('ok')} of {self.args.num_docs} jobs answered"}),
+        }
 
     def pids(self) -> list[int]:
         return []
@@ -92,10 +99,28 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
     records = rounds.alternate(cs, ctx.rounds, ctx.warmup_rounds, tag={"num_docs": args.num_docs})
     figs = []
     if "jaxserve-labels" in args.systems and "llmq" in args.systems:
-        figs.append(rounds.figure(records, f"{args.num_docs} classification jobs through the queue, {models.label(args.model)}",
-                                  "jaxserve-labels", "llmq", "jobs/s", labels=LABELS, goal=">= 1.5x", goal_ratio=1.5))
+        figs.append(
+            rounds.figure(
+                records,
+                f"{args.num_docs} classification jobs through the queue, {models.label(args.model)}",
+                "jaxserve-labels",
+                "llmq",
+                "jobs/s",
+                labels=LABELS,
+                goal=">= 1.5x",
+                goal_ratio=1.5,
+            )
+        )
     else:
         for name in args.systems:
-            figs.append(rounds.figure(records, f"{args.num_docs} classification jobs, {models.label(args.model)}", name, None,
-                                      "jobs/s", labels=LABELS))
+            figs.append(
+                rounds.figure(
+                    records,
+                    f"{args.num_docs} classification jobs, {models.label(args.model)}",
+                    name,
+                    None,
+                    "jobs/s",
+                    labels=LABELS,
+                )
+            )
     return figs, records, dict(vars(args))

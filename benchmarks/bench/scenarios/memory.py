@@ -38,14 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _answer(prefix: str, n: int) -> int:
     import queue_common as qc  # benchmarks/ is on sys.path (suite.py)
-
     from jaxserve.client import AsyncClient
 
     client = await AsyncClient(qc.AMQP_URL, prefix=prefix, name="bench-memory").connect()
     try:
-        results = await asyncio.gather(*(client.submit(f"Write one sentence about the number {i}.", queue="interactive",
-                                                       max_tokens=16, temperature=0, cache=False, timeout=300)
-                                         for i in range(n)))
+        results = await asyncio.gather(
+            *(
+                client.submit(
+                    f"Write one sentence about the number {i}.",
+                    queue="interactive",
+                    max_tokens=16,
+                    temperature=0,
+                    cache=False,
+                    timeout=300,
+                )
+                for i in range(n)
+            )
+        )
         return sum(1 for r in results if r.ok)
     finally:
         await client.delete_reply_queue()
@@ -64,8 +73,11 @@ class MemoryContender:
 
         self.turns += 1
         prefix = qc.new_prefix(f"mem-{self.name}")
-        engine = {"model": self.args.model, "max_num_seqs": self.args.max_num_seqs,
-                  "max_model_len": self.args.max_model_len}
+        engine = {
+            "model": self.args.model,
+            "max_num_seqs": self.args.max_num_seqs,
+            "max_model_len": self.args.max_model_len,
+        }
         extra = ["--store", "memory", "--log-level", "warning", *self.args.worker_arg]
         if self.name != "f32":
             extra += ["--quantization", self.name]
@@ -80,8 +92,14 @@ class MemoryContender:
             worker.stop()
             qc.delete_topology(prefix)
         ok = answered == self.args.jobs
-        return {"ok": ok, "value": rss, "rss_at_ready_mib": rss_ready, "ready_s": round(ready_s, 1),
-                "answered": answered, **({} if ok else {"error": f"{answered}/{self.args.jobs} jobs answered"})}
+        return {
+            "ok": ok,
+            "value": rss,
+            "rss_at_ready_mib": rss_ready,
+            "ready_s": round(ready_s, 1),
+            "answered": answered,
+            **({} if ok else {"error": f"{answered}/{self.args.jobs} jobs answered"}),
+        }
 
     def pids(self) -> list[int]:
         return []
@@ -98,10 +116,29 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
         if kind == "f32" or "f32" not in args.systems:
             continue
         goal = {"goal": "<= 0.4x", "goal_ratio": 0.4} if kind == "int8" else {}
-        figs.append(rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)} (worker + engine process)",
-                                  kind, "f32", "MiB", labels=LABELS, higher_is_better=False, compare_swing=False,
-                                  **goal))
+        figs.append(
+            rounds.figure(
+                records,
+                f"resident memory of a worker serving {models.label(args.model)} (worker + engine process)",
+                kind,
+                "f32",
+                "MiB",
+                labels=LABELS,
+                higher_is_better=False,
+                compare_swing=False,
+                **goal,
+            )
+        )
     if not figs:
-        figs = [rounds.figure(records, f"resident memory of a worker serving {models.label(args.model)}", k, None, "MiB", labels=LABELS)
-                for k in args.systems]
+        figs = [
+            rounds.figure(
+                records,
+                f"resident memory of a worker serving {models.label(args.model)}",
+                k,
+                None,
+                "MiB",
+                labels=LABELS,
+            )
+            for k in args.systems
+        ]
     return figs, records, dict(vars(args))

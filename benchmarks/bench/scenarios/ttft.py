@@ -57,10 +57,30 @@ class TtftContender:
 
     def command(self, out: Path) -> list[str]:
         a = self.args
-        cmd = [sys.executable, str(SCRIPT), "--model", a.model, "--rounds", "1", "--samples", str(a.samples),
-               "--batch-depth", str(a.batch_depth), "--min-depth", str(a.min_depth), "--max-tokens", str(a.max_tokens),
-               "--batch-max-tokens", str(a.batch_max_tokens), "--max-num-seqs", str(a.max_num_seqs),
-               "--max-model-len", str(a.max_model_len), "--json-out", str(out)]
+        cmd = [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            a.model,
+            "--rounds",
+            "1",
+            "--samples",
+            str(a.samples),
+            "--batch-depth",
+            str(a.batch_depth),
+            "--min-depth",
+            str(a.min_depth),
+            "--max-tokens",
+            str(a.max_tokens),
+            "--batch-max-tokens",
+            str(a.batch_max_tokens),
+            "--max-num-seqs",
+            str(a.max_num_seqs),
+            "--max-model-len",
+            str(a.max_model_len),
+            "--json-out",
+            str(out),
+        ]
         extra = list(a.worker_arg) + ([] if self.name == "f32" else [f"--quantization={self.name}"])
         return cmd + [f"--worker-arg={x}" for x in extra]
 
@@ -72,9 +92,14 @@ class TtftContender:
             return {"ok": False, "error": f"rc {proc.returncode}", "stderr_tail": proc.stderr[-2000:]}
         data = json.loads(out.read_text())
         s = data["summary"]
-        return {"ok": True, "value": round(1000 * s["ttft_loaded_median_s"], 2),
-                "idle_ms": round(1000 * s["ttft_idle_median_s"], 2), "summary": s,
-                "loaded_ok": data["loaded"]["n"], "worker_command": data.get("worker_command")}
+        return {
+            "ok": True,
+            "value": round(1000 * s["ttft_loaded_median_s"], 2),
+            "idle_ms": round(1000 * s["ttft_idle_median_s"], 2),
+            "summary": s,
+            "loaded_ok": data["loaded"]["n"],
+            "worker_command": data.get("worker_command"),
+        }
 
     def pids(self) -> list[int]:
         return []
@@ -87,17 +112,27 @@ def figures(records: list[dict[str, Any]], systems: list[str], model: str) -> li
     out = []
     depth = min((r["summary"]["min_batch_depth_at_loaded_publish"] for r in records if r.get("ok")), default=0)
     for kind in systems:
-        rows = sorted((r for r in records if r["system"] == kind and not r["warmup"] and r.get("ok")),
-                      key=lambda r: r["round"])
+        rows = sorted(
+            (r for r in records if r["system"] == kind and not r["warmup"] and r.get("ok")), key=lambda r: r["round"]
+        )
         loaded = Stat(f"{LABELS[kind]} loaded", "ms", [r["value"] for r in rows])
         idle = Stat(f"{LABELS[kind]} idle", "ms", [r["idle_ms"] for r in rows])
         ratios = [round(r["value"] / r["idle_ms"], 3) for r in rows if r["idle_ms"]]
         what = f"interactive TTFT p50 on {model}, {depth}+ queued batch jobs vs idle"
-        out.append(Figure(what, loaded, idle, ratios, goal="<= 1.5x", goal_ratio=1.5, higher_is_better=False,
-                          compare_swing=False))
-        out.append(Figure(f"interactive TTFT p50 under {depth}+ queued batch jobs, {model}",
-                          Stat(f"{LABELS[kind]} loaded", "ms", list(loaded.runs)), goal="< 300 ms", goal_value=300.0,
-                          higher_is_better=False))
+        out.append(
+            Figure(
+                what, loaded, idle, ratios, goal="<= 1.5x", goal_ratio=1.5, higher_is_better=False, compare_swing=False
+            )
+        )
+        out.append(
+            Figure(
+                f"interactive TTFT p50 under {depth}+ queued batch jobs, {model}",
+                Stat(f"{LABELS[kind]} loaded", "ms", list(loaded.runs)),
+                goal="< 300 ms",
+                goal_value=300.0,
+                higher_is_better=False,
+            )
+        )
     return out
 
 
