@@ -53,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join([".venv/bin/python", "benchmarks/suite.py", *map(shlex.quote, sys.argv[1:])])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items() if k != "func"}
     settings["wall_s"] = round(time.monotonic() - started, 1)
+    git = settings.pop("git", None) or machine.git_state()  # a scenario that imports a report names its commit
     result = Result(
         scenario=scenario.NAME,
         command=command,
         machine=mach,
-        git=machine.git_state(),
+        git=git,
         settings=settings,
         figures=figures,
         runs=runs,

@@ -151,13 +151,22 @@ class ExternalScenario:
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
         p.add_argument("--script-arg", action="append", default=[],
                        help=f"an argument passed on to {self.script.name} (repeatable)")
+        p.add_argument("--report", default=None,
+                       help=f"a report {self.script.name} already wrote (its own full run): take its figures "
+                            "instead of running it again; the result records the report's commit")
 
     def run(self, args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
-        data, run = run_script(self.script, list(args.script_arg), ctx, self.out_flag)
+        if args.report:
+            data = json.loads(Path(args.report).read_text())
+            run = {"report": args.report, "report_command": data.get("command")}
+        else:
+            data, run = run_script(self.script, list(args.script_arg), ctx, self.out_flag)
         figs = self.extract(data, self.script.stem.replace("_", " "))
         return figs, [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}], \
             {"script": str(self.script.relative_to(BENCH.parent)), "script_args": args.script_arg,
-             "script_report": data}
+             "script_report": data,
+             **({"git": {"commit": data.get("commit"), "jaxserve_dirty": None, "from_report": args.report}}
+                if args.report else {})}
 
 
 ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
