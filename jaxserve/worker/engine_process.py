@@ -68,7 +68,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
@@ -82,7 +82,7 @@ _SLOTS = 5
 # command off the pipe within this even while the engine thread runs Python.
 _CHILD_SWITCH_INTERVAL_S = 0.001
 
-StepCallback = Callable[[Any, Sequence[RequestOutput]], None]
+StepCallback = Callable[[Any, list[RequestOutput]], None]
 
 
 class EngineBuildError(RuntimeError):
@@ -389,7 +389,7 @@ class EngineProcess:
         self,
         factory: Callable[[], Any],
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[Sequence[RequestOutput]], None],
+        on_outputs: Callable[[list[RequestOutput]], None],
         on_step_error: Callable[[BaseException], None] | None = None,
         *,
         on_step: StepCallback | None = None,

@@ -47,12 +47,12 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput, SamplingParams
 
-OutputsCallback = Callable[[Sequence[RequestOutput]], None]
+OutputsCallback = Callable[[list[RequestOutput]], None]
 FailureCallback = Callable[[BaseException], None]
 
 _STOP = object()
@@ -86,7 +86,7 @@ class EngineThread:
         on_outputs: OutputsCallback,
         on_step_error: FailureCallback | None = None,
         *,
-        on_step: Callable[[Any, Sequence[RequestOutput]], None] | None = None,
+        on_step: Callable[[Any, list[RequestOutput]], None] | None = None,
         on_fatal: FailureCallback | None = None,
         max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
