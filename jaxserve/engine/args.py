@@ -78,9 +78,13 @@ class EngineArgs:
       long as an interactive prompt's own or longer (SmolLM2-135M, 30
       layers: 24 batch decodes and 32 prompt tokens, the 64-token bucket),
       so the rest of it was most of a loaded first token's extra wait; the
-      batch decodes beyond the cap take turns. 16 is the runner's token
-      bucket of a short chat prompt, so the step in flight costs at most
-      what the arriving prompt's own step does.
+      batch decodes beyond the cap take turns. The runner pads a step to
+      its token bucket, and the cost follows the bucket, not the rows
+      (``benchmarks/step_bucket_probe.py``, SmolLM2-135M f32, 2 busy cores,
+      two runs, medians: bucket 64 232/208 ms, 32 156/174, 16 151/142, 8
+      113/83), so the default 32 removes the 64-token steps and keeps every
+      batch decode in each step; 16 would save at most a fifth of the step
+      for a third of the batch rows.
     - ``tensor_parallel_size``: devices one engine shards the model and the
       KV cache over (attention heads, kv heads and the MLP, Megatron style;
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
@@ -106,7 +110,7 @@ class EngineArgs:
     interactive_prefill_alone: bool = True
     interactive_batch_prefill_tokens: int = 32
     interactive_recent_s: float = 2.0
-    interactive_step_tokens: int = 16
+    interactive_step_tokens: int = 32
     seed: int = 0
     compilation_cache_dir: str | None = None
     async_scheduling: bool = True
