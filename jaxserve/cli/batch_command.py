@@ -12,7 +12,7 @@ from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
 #: How ``--labels`` scores by default: the method with the best accuracy on
 #: benchmarks/data/topics.jsonl with SmolLM2-135M-Instruct
-#: (benchmarks/classify_accuracy.py; BENCHMARKS.md has the table per method).
+#: (benchmarks/classify_accuracy.py reports every method; its results JSON in benchmarks/results/).
 DEFAULT_LABEL_PROMPT = "chat"
 DEFAULT_CALIBRATE = True
 
