@@ -404,6 +404,15 @@ def figures(
             ]
             f.note = "(" + "; ".join(x for x in notes if x) + ")" if any(notes) else ""
             out.append(f)
+        # a system no comparison covers (a run of peers alone) still gets its row
+        covered = {name for a, b, _ in COMPARISONS if a in systems and b in systems for name in (a, b)}
+        for system in systems:
+            if system not in covered:
+                what = f"offline SmolLM2-135M {input_len} -> {output_len}, {n} prompt{'s' if n > 1 else ''}"
+                f = rounds.figure(records, what, system, None, "tok/s", where={"num_prompts": n}, labels=LABELS)
+                note = machine_note(system, f.system.median, n, costs, machine)
+                f.note = f"({note})" if note else ""
+                out.append(f)
     return out
 
 
