@@ -12,6 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import classify, memory, offline, ttft
-from .external import ACCURACY, QUANT_QUALITY
+from .external import ACCURACY, QUANT_QUALITY, STRUCTURED
 
-SCENARIOS: dict[str, Any] = {m.NAME: m for m in (offline, classify, ttft, memory, ACCURACY, QUANT_QUALITY)}
+SCENARIOS: dict[str, Any] = {m.NAME: m for m in (offline, classify, ttft, memory, ACCURACY, QUANT_QUALITY, STRUCTURED)}

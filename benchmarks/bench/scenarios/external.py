@@ -1,4 +1,4 @@
-"""accuracy and quant-quality: scripts of their own, their headline figures in the table.
+"""accuracy, quant-quality and structured: scripts of their own, their headline figures in the table.
 
 Quality is not a speed: nothing alternates, the figures are computed once.
 
@@ -6,7 +6,10 @@ Quality is not a speed: nothing alternates, the figures are computed once.
   ``benchmarks/data/``: accuracy per scoring method, confusion matrix, and
   jaxserve's label log-likelihoods against transformers');
 - ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 against f32:
-  greedy agreement, largest logprob difference, perplexity).
+  greedy agreement, largest logprob difference, perplexity);
+- ``structured``: ``benchmarks/structured_bench.py`` (a full batch's decode
+  step with 0, 1 and every row constrained, and extraction jobs/s with and
+  without a JSON Schema; its own rounds alternate the variants).
 
 How the suite runs them: ``classify_accuracy.py --out FILE`` and
 ``quant_quality.py --output-dir DIR`` (plus ``--script-arg`` values), into
@@ -118,14 +121,45 @@ def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
     return out
 
 
+def structured_figures(data: dict[str, Any], source: str) -> list[Figure]:
+    """``structured_bench.py``'s report: a full batch's decode step with 1
+    and with every row constrained against none, and extraction jobs/s with
+    the schema against without (issue 27: within 1.15x)."""
+    if "step_ms" not in data and "jobs_per_s" not in data:
+        return headline_figures(data, source)
+    model = _model_label(str(data.get("model", "")))
+    rows, out = data.get("rows"), []
+    steps = data.get("step_ms") or {}
+    base = steps.get("0_constrained")
+    for name, ms in steps.items():
+        if name == "0_constrained" or base is None:
+            continue
+        n = name.split("_", 1)[0]
+        out.append(Figure(f"decode step of a {rows}-row batch with {n} constrained rows vs none, {model} (median ms)",
+                          Stat(f"{n} constrained", "ms", [ms]), Stat("0 constrained", "ms", [base]), [round(ms / base, 4)],
+                          higher_is_better=False, compare_swing=False))
+    runs = data.get("jobs_runs") or {}
+    schema, free = runs.get("schema") or [], runs.get("free") or []
+    if schema and free:
+        valid = sum(r.get("valid_json", 0) for r in schema)
+        total = len(schema) * int(data.get("jobs") or 0)
+        out.append(Figure(f"{data.get('jobs')} extraction jobs, JSON Schema vs unconstrained, {model} (jobs/s)",
+                          Stat("jaxserve, schema", "jobs/s", [r["jobs_per_s"] for r in schema]),
+                          Stat("jaxserve, no schema", "jobs/s", [r["jobs_per_s"] for r in free]),
+                          [a["jobs_per_s"] / b["jobs_per_s"] for a, b in zip(schema, free, strict=False)],
+                          goal=">= 1/1.15 (0.87x)", goal_ratio=1 / 1.15, compare_swing=False,
+                          note=f"({valid} of {total} schema outputs valid JSON; free jobs stop at EOS, so their tokens differ)"))
+    return out
+
+
 def run_script(script: Path, extra: list[str], ctx: Any, out_flag: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run ``script`` with its report sent into the run's working folder
-    (``out_flag``: ``--out`` names a file, ``--output-dir`` a folder)."""
+    (``out_flag``: ``--out`` and ``--json`` name a file, ``--output-dir`` a folder)."""
     if not script.is_file():
         raise SystemExit(f"{script} does not exist yet")
     out_dir = ctx.tmp / f"{script.stem}-out"
     out_dir.mkdir(exist_ok=True)
-    target = out_dir / f"{script.stem}.json" if out_flag == "--out" else out_dir
+    target = out_dir / f"{script.stem}.json" if out_flag in ("--out", "--json") else out_dir
     cmd = [sys.executable, str(script), *extra, out_flag, str(target)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH.parent)
     found = sorted(out_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
@@ -172,6 +206,10 @@ class ExternalScenario:
 ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
                             "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M",
                             accuracy_figures, "--out")
+STRUCTURED = ExternalScenario("structured", "structured_bench.py",
+                              "structured output's cost on SmolLM2-135M: a 64-row step with 0, 1 and 64 constrained rows; "
+                              "500 extraction jobs with and without a JSON Schema",
+                              structured_figures, "--json")
 QUANT_QUALITY = ExternalScenario("quant-quality", "quant_quality.py",
                                  "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity",
                                  quant_figures, "--output-dir")
