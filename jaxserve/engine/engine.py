@@ -29,8 +29,9 @@ import numbers
 import os
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.cpu_threads import configure as configure_cpu_threads
 from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
-from jaxserve.engine.runner import ModelRunner, SeqWork
+from jaxserve.engine.runner import ModelRunner, SeqWork, StepResult
 from jaxserve.engine.sampler import sampler_seed
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.structured import Constraint, StructuredBackend
@@ -159,7 +160,7 @@ class Engine:
         # a request when it finishes it; recovery from a failed step may have
         # to bring it back, see _recover).
         self._requests: dict[str, Request] = {}
-        self._in_flight = None  # (plan, StepResult) dispatched but not collected
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # dispatched but not collected
         # Failure containment (see step): requests of a failed step, in service
         # order, each to be run alone until it passes a sampling step.
         self._suspects: dict[str, None] = {}
@@ -171,9 +172,7 @@ class Engine:
         self.num_isolated_steps = 0  # steps run for one suspect alone
         self._metrics: dict[str, dict[str, float]] = {}
         self._seed_rng = random.Random(args.seed)
-        self.special_token_ids = sorted(
-            set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
-        )
+        self.special_token_ids = sorted(set(self.tokenizer.all_special_ids) | set(self.eos_token_ids))
         self.num_steps = 0
         self.async_scheduling = args.async_scheduling
         self.num_overlapped_steps = 0  # steps collected after the next one was launched
@@ -204,7 +203,7 @@ class Engine:
         )
 
     @classmethod
-    def from_args(cls, args: EngineArgs | None = None, **overrides) -> "Engine":
+    def from_args(cls, args: EngineArgs | None = None, **overrides) -> Engine:
         args = dataclasses.replace(args or EngineArgs(), **overrides)
         return cls(args)
 
@@ -328,7 +327,7 @@ class Engine:
         if request_id in self._groups or self.scheduler.get_request(request_id) is not None:
             raise RequestError("invalid_request", f"duplicate request id {request_id!r}: it is still in progress")
         greedy1 = SamplingParams(max_tokens=1, temperature=0.0)
-        kw = dict(request_class=request_class, priority=priority, cache_salt=self.model_name)
+        kw: dict[str, Any] = dict(request_class=request_class, priority=priority, cache_salt=self.model_name)
         n_prompt = len(prompt_ids)
         children = []
         for i, ids in enumerate(label_ids):
@@ -337,9 +336,11 @@ class Engine:
             child.score_targets = list(ids)
             children.append(child)
         group = _ScoreGroup(
-            request_id, [c.request_id for c in children], [len(ids) for ids in label_ids],
+            request_id,
+            [c.request_id for c in children],
+            [len(ids) for ids in label_ids],
             n_prompt + sum(len(ids) for ids in label_ids),
-        )  # fmt: skip
+        )
         if n_prompt > 1:
             parent = Request(request_id, prompt_ids[:-1], greedy1, deadline=deadline, **kw)
             parent.prefill_only = True
@@ -378,7 +379,7 @@ class Engine:
         self._forget(request_id)
         return existed
 
-    def _end_group(self, group: "_ScoreGroup") -> None:
+    def _end_group(self, group: _ScoreGroup) -> None:
         """Abort whatever of a scoring job is still running and forget it."""
         self.scheduler.abort(group.request_id)  # the parent, with its unstarted forks
         for rid in group.children:
@@ -396,8 +397,9 @@ class Engine:
         for s in plan.scheduled:
             n = len(s.score_targets)
             if not n:
-                if s.request_id in self._groups and self.scheduler.get_request(s.request_id) is not None:
-                    if self.scheduler.get_request(s.request_id).status == RequestStatus.PARKED:
+                if s.request_id in self._groups:
+                    parent = self.scheduler.get_request(s.request_id)
+                    if parent is not None and parent.status == RequestStatus.PARKED:
                         # its forks take over; a recovery must not recompute it
                         self._states.pop(s.request_id, None)
                 continue
@@ -613,7 +615,7 @@ class Engine:
         now = time.monotonic()
         work = []
         for s in plan.scheduled:
-            req = self.scheduler.get_request(s.request_id)
+            req = cast(Request, self.scheduler.get_request(s.request_id))  # scheduled: it is there
             self._metrics[s.request_id].setdefault("first_scheduled", now)
             pending_row = None
             if PENDING_TOKEN in s.token_ids:
@@ -632,7 +634,9 @@ class Engine:
             )
         self._fill_masks(work)
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
-        result = self.runner.execute(work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies)
+        result = self.runner.execute(
+            work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies
+        )
         self._in_flight = (plan, result)
         self.num_steps += 1
         self.num_computed_tokens += plan.total_num_scheduled_tokens
@@ -675,7 +679,7 @@ class Engine:
             # Worst first, so the best ends up at the front of its queue.
             for req in reversed(restore):
                 self.scheduler.reset_for_recompute(req, self._states[req.request_id].num_tokens_seen)
-        except Exception as recovery_exc:  # noqa: BLE001
+        except Exception as recovery_exc:
             self._broken = EngineBroken(
                 f"recovering from a failed step ({exc!r}) failed: {recovery_exc!r}; the engine's state is lost"
             )
@@ -884,12 +888,12 @@ class Engine:
 
     def _sampling_row(self, req: Request) -> dict:
         p = req.sampling_params
-        row = {
+        row: dict[str, Any] = {
             "temperature": p.temperature,
             "top_k": p.top_k,
             "top_p": p.top_p,
             "min_p": p.min_p,
-            "seed": sampler_seed(p.seed),
+            "seed": sampler_seed(cast(int, p.seed)),  # add_request gave it one
             "output_index": req.num_output_tokens,
             "repetition_penalty": p.repetition_penalty,
             "frequency_penalty": p.frequency_penalty,
@@ -904,7 +908,6 @@ class Engine:
             row["history"] = req.all_token_ids
             row["num_prompt"] = req.num_prompt_tokens
         return row
-
 
     def _fill_masks(self, work: list[SeqWork]) -> None:
         """Structured output: the token masks of a step's constrained rows,

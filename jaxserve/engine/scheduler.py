@@ -65,7 +65,7 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
@@ -511,7 +511,9 @@ class Scheduler:
             shared = parent.block_ids[:full]
             while parent.fork_children:
                 child = parent.fork_children[0]
-                limit = cfg.max_num_seqs - (cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0)
+                limit = cfg.max_num_seqs - (
+                    cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0
+                )
                 if len(self.running) >= limit:
                     return
                 new: list[int] = []
@@ -577,7 +579,9 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 if preempted is None or queue is not self._waiting[RequestClass.INTERACTIVE]:
                     break
-                victims = [r for r in self.running if r.request_class == RequestClass.BATCH and r.request_id not in planned]
+                victims = [
+                    r for r in self.running if r.request_class == RequestClass.BATCH and r.request_id not in planned
+                ]
                 if not victims:
                     break
                 victim = max(victims, key=self._key)
@@ -595,7 +599,7 @@ class Scheduler:
             self._rows_left -= self._rows_needed(req, req.num_computed_tokens, admission.num_tokens)
         return budget
 
-    def _admission(self, req: Request, budget: int) -> "_Admission":
+    def _admission(self, req: Request, budget: int) -> _Admission:
         """What admitting ``req`` now would take: its prefix-cache hits and
         how many tokens and new blocks it would get."""
         bs = self.block_size
@@ -614,12 +618,12 @@ class Scheduler:
         num_new = _cdiv(num_cached + n, bs) - len(hits)
         return _Admission(hits, candidates, n, num_new)
 
-    def _admission_fits(self, req: Request, admission: "_Admission") -> bool:
+    def _admission_fits(self, req: Request, admission: _Admission) -> bool:
         need = admission.num_new_blocks + self.allocator.num_blocks_to_touch(admission.hits)
         return need <= self._free_blocks_for(req)
 
     def _admit(
-        self, req: Request, admission: "_Admission", planned: dict[str, tuple[Request, int, bool]], now: float
+        self, req: Request, admission: _Admission, planned: dict[str, tuple[Request, int, bool]], now: float
     ) -> None:
         """Make a request just taken off its waiting queue running."""
         hits = admission.hits
