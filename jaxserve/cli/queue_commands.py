@@ -16,17 +16,27 @@ import click
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
 _amqp_option = click.option(
-    "--amqp-url", envvar="JAXSERVE_AMQP_URL", default=DEFAULT_AMQP_URL, show_default=True, help="RabbitMQ URL (env JAXSERVE_AMQP_URL)."
+    "--amqp-url",
+    envvar="JAXSERVE_AMQP_URL",
+    default=DEFAULT_AMQP_URL,
+    show_default=True,
+    help="RabbitMQ URL (env JAXSERVE_AMQP_URL).",
 )
 _prefix_option = click.option(
-    "--prefix", envvar="JAXSERVE_PREFIX", default=DEFAULT_PREFIX, show_default=True, help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX)."
+    "--prefix",
+    envvar="JAXSERVE_PREFIX",
+    default=DEFAULT_PREFIX,
+    show_default=True,
+    help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX).",
 )
 
 
 def _sampling_options(fn: Any) -> Any:
     for opt in reversed(
         [
-            click.option("--max-tokens", type=int, default=None, help="Completion length limit (default: the worker's, 16)."),
+            click.option(
+                "--max-tokens", type=int, default=None, help="Completion length limit (default: the worker's, 16)."
+            ),
             click.option("--temperature", type=float, default=None),
             click.option("--top-p", type=float, default=None),
             click.option("--top-k", type=int, default=None),
@@ -39,7 +49,9 @@ def _sampling_options(fn: Any) -> Any:
     return fn
 
 
-def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any, stop: tuple, model: Any) -> dict[str, Any]:
+def _params(
+    max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any, stop: tuple, model: Any
+) -> dict[str, Any]:
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -55,69 +67,180 @@ def _params(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any
 @click.command("worker")
 @_amqp_option
 @_prefix_option
-@click.option("--engine", "engine_path", default="jaxserve.worker.factory:build_engine", show_default=True, help="Engine factory MODULE:CALLABLE.")
+@click.option(
+    "--engine",
+    "engine_path",
+    default="jaxserve.worker.factory:build_engine",
+    show_default=True,
+    help="Engine factory MODULE:CALLABLE.",
+)
 @click.option("--model", default=None, help="Model path for the engine factory.")
-@click.option("--engine-arg", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the engine factory (repeatable).")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, help="Sequences in the running batch (engine default 32).")
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None, help="Token budget of one engine step.")
+@click.option(
+    "--engine-arg", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the engine factory (repeatable)."
+)
+@click.option(
+    "--max-num-seqs",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences in the running batch (engine default 32).",
+)
+@click.option(
+    "--max-num-batched-tokens", type=click.IntRange(min=1), default=None, help="Token budget of one engine step."
+)
 @click.option("--max-model-len", type=click.IntRange(min=2), default=None, help="Prompt + output tokens per request.")
 @click.option("--kv-cache-memory", type=click.IntRange(min=1), default=None, help="Bytes for the KV cache.")
-@click.option("--memory-fraction", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              help="Fraction of device memory for weights + KV cache (gpu_memory_utilization).")
+@click.option(
+    "--memory-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=None,
+    help="Fraction of device memory for weights + KV cache (gpu_memory_utilization).",
+)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
-@click.option("--quantization", type=click.Choice(["int8", "int4"]), default=None,
-              help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).")
-@click.option("--interactive-reserved-seqs", type=click.IntRange(min=0), default=None,
-              help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).")
-@click.option("--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority).")
-@click.option("--interactive-batch-prefill-tokens", type=click.IntRange(min=0), default=None,
-              help="While interactive jobs are about (waiting, running, or seen in the last 2 s), the batch prompt "
-                   "tokens one engine step may carry, so an arriving interactive prompt waits for a short step "
-                   "(engine default 32; 0: no cap).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port.")
-@click.option("--otlp-endpoint", default=None, metavar="URL",
-              help="Trace every job (OpenTelemetry, continuing the producer's traceparent) and export the spans to this "
-                   "OTLP collector (http/protobuf, e.g. http://127.0.0.1:4318; OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC). "
-                   "The standard OTEL_* variables configure tracing too; needs jaxserve[otel].")
-@click.option("--served-model-name", default=None, help="The model name jobs use in `model` and results carry (default: the model folder's name).")
-@click.option("--limits", "limits_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight); shared through Redis with --store redis.")
-@click.option("--target-ttft", type=click.FloatRange(min=0.01), default=2.0, show_default=True,
-              help="Interactive admission: refuse (overloaded) a job whose queued prompt tokens could not be prefilled in this many seconds.")
-@click.option("--max-queued-tokens", type=click.IntRange(min=1), default=None,
-              help="Interactive admission: a fixed budget of queued prompt tokens instead of --target-ttft x the measured prefill rate.")
-@click.option("--store", type=click.Choice(["sqlite", "memory", "redis"]), default="sqlite", show_default=True,
-              help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=None, envvar="JAXSERVE_STATE_DIR",
-              help="Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).")
+@click.option(
+    "--quantization",
+    type=click.Choice(["int8", "int4"]),
+    default=None,
+    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
+)
+@click.option(
+    "--interactive-reserved-seqs",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).",
+)
+@click.option(
+    "--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority)."
+)
+@click.option(
+    "--interactive-batch-prefill-tokens",
+    type=click.IntRange(min=0),
+    default=None,
+    help="While interactive jobs are about (waiting, running, or seen in the last 2 s), the batch prompt "
+    "tokens one engine step may carry, so an arriving interactive prompt waits for a short step "
+    "(engine default 32; 0: no cap).",
+)
+@click.option(
+    "--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port."
+)
+@click.option(
+    "--otlp-endpoint",
+    default=None,
+    metavar="URL",
+    help="Trace every job (OpenTelemetry, continuing the producer's traceparent) and export the spans to this "
+    "OTLP collector (http/protobuf, e.g. http://127.0.0.1:4318; OTEL_EXPORTER_OTLP_PROTOCOL=grpc for gRPC). "
+    "The standard OTEL_* variables configure tracing too; needs jaxserve[otel].",
+)
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="The model name jobs use in `model` and results carry (default: the model folder's name).",
+)
+@click.option(
+    "--limits",
+    "limits_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight); shared through Redis with --store redis.",
+)
+@click.option(
+    "--target-ttft",
+    type=click.FloatRange(min=0.01),
+    default=2.0,
+    show_default=True,
+    help="Interactive admission: refuse (overloaded) a job whose queued prompt tokens could not be prefilled in this many seconds.",
+)
+@click.option(
+    "--max-queued-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Interactive admission: a fixed budget of queued prompt tokens instead of --target-ttft x the measured prefill rate.",
+)
+@click.option(
+    "--store",
+    type=click.Choice(["sqlite", "memory", "redis"]),
+    default="sqlite",
+    show_default=True,
+    help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    envvar="JAXSERVE_STATE_DIR",
+    help="Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).",
+)
 @click.option("--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
 @click.option("--heartbeat", type=int, default=30, show_default=True, help="AMQP heartbeat timeout (s).")
 @click.option("--interactive-prefetch", type=int, default=None, help="Default: engine max_num_seqs.")
 @click.option("--batch-prefetch", type=int, default=None, help="Default: max_num_seqs - interactive_reserved_seqs.")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True, help="SIGTERM: seconds to finish in-flight jobs before requeueing them.")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="SIGTERM: seconds to finish in-flight jobs before requeueing them.",
+)
 @click.option("--delivery-limit", type=int, default=10, show_default=True, help="x-delivery-limit of the job queues.")
 @click.option("--interactive-max-length", type=int, default=10_000, show_default=True)
 @click.option("--batch-max-length", type=int, default=1_000_000, show_default=True)
-@click.option("--interactive-ttl-ms", type=int, default=120_000, show_default=True, help="x-message-ttl of the interactive queue.")
+@click.option(
+    "--interactive-ttl-ms", type=int, default=120_000, show_default=True, help="x-message-ttl of the interactive queue."
+)
 @click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
-@click.option("--claim-lease", type=float, default=30.0, show_default=True, help="Lease (s) of a key in progress, renewed while it runs.")
-@click.option("--store-hold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
-              help="While the store is unreachable (the worker then takes no jobs), seconds a job it holds waits for it before going back to the broker.")
-@click.option("--reply-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
-              help="Seconds a final reply may take to be confirmed; then the job is requeued (or acked if its destination cannot take it).")
-@click.option("--engine-hang-timeout", type=click.FloatRange(min=1.0), default=300.0, show_default=True,
-              help="An engine step busy longer than this is a hung engine: requeue everything and exit 1.")
-@click.option("--compute-nice", type=click.IntRange(0, 19), default=0, show_default=True,
-              help="Once compiled, run every thread but the event loop's (the engine's, XLA's) at this nice value, so "
-                   "broker I/O and streamed tokens get a core first on busy cores, at some batch throughput (Linux only; "
-                   "0 leaves priorities alone).")
-@click.option("--engine-process/--engine-thread", "engine_process", default=True, show_default=True,
-              help="Run the engine in a process of its own (the event loop never waits for the engine's Python "
-                   "work to release the GIL), or on a thread of the worker's process.")
+@click.option(
+    "--claim-lease",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Lease (s) of a key in progress, renewed while it runs.",
+)
+@click.option(
+    "--store-hold",
+    type=click.FloatRange(min=0.0),
+    default=10.0,
+    show_default=True,
+    help="While the store is unreachable (the worker then takes no jobs), seconds a job it holds waits for it before going back to the broker.",
+)
+@click.option(
+    "--reply-timeout",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Seconds a final reply may take to be confirmed; then the job is requeued (or acked if its destination cannot take it).",
+)
+@click.option(
+    "--engine-hang-timeout",
+    type=click.FloatRange(min=1.0),
+    default=300.0,
+    show_default=True,
+    help="An engine step busy longer than this is a hung engine: requeue everything and exit 1.",
+)
+@click.option(
+    "--compute-nice",
+    type=click.IntRange(0, 19),
+    default=0,
+    show_default=True,
+    help="Once compiled, run every thread but the event loop's (the engine's, XLA's) at this nice value, so "
+    "broker I/O and streamed tokens get a core first on busy cores, at some batch throughput (Linux only; "
+    "0 leaves priorities alone).",
+)
+@click.option(
+    "--engine-process/--engine-thread",
+    "engine_process",
+    default=True,
+    show_default=True,
+    help="Run the engine in a process of its own (the event loop never waits for the engine's Python "
+    "work to release the GIL), or on a thread of the worker's process.",
+)
 @click.option("--declare/--no-declare", default=True, show_default=True, help="Declare the topology at start.")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", default="info", show_default=True)
-@click.option("--log-text/--no-log-text", default=False, show_default=True, help="Log prompts and outputs (off: ids, sizes, timings only).")
+@click.option(
+    "--log-text/--no-log-text",
+    default=False,
+    show_default=True,
+    help="Log prompts and outputs (off: ids, sizes, timings only).",
+)
 def worker(
     amqp_url: str,
     prefix: str,
@@ -165,11 +288,11 @@ def worker(
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
     from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
-    from jaxserve.worker.factory import build_from_path, load_factory, parse_engine_args
     from jaxserve.wire.topology import Topology
-    from jaxserve.worker.logs import configure_logging
     from jaxserve.worker.admission import AdmissionConfig
+    from jaxserve.worker.factory import build_from_path, load_factory, parse_engine_args
     from jaxserve.worker.limits import LimitsFileError, load_limits
+    from jaxserve.worker.logs import configure_logging
     from jaxserve.worker.store import make_store
     from jaxserve.worker.worker import Worker, WorkerConfig
 
@@ -196,9 +319,15 @@ def worker(
     if model is not None:
         kwargs["model"] = model
     flags = dict(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory, memory_fraction=memory_fraction, dtype=dtype, quantization=quantization,
-        interactive_reserved_seqs=interactive_reserved_seqs, policy=policy,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        kv_cache_memory=kv_cache_memory,
+        memory_fraction=memory_fraction,
+        dtype=dtype,
+        quantization=quantization,
+        interactive_reserved_seqs=interactive_reserved_seqs,
+        policy=policy,
         interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
     )
     kwargs.update({k: v for k, v in flags.items() if v is not None})
@@ -262,7 +391,19 @@ def worker(
 @click.option("--expiration", type=float, default=None, help="Seconds the job may wait in the queue.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole final result as JSON.")
 @_sampling_options
-def submit(prompt: str, amqp_url: str, prefix: str, queue: str, chat: bool, stream: bool, key: str | None, timeout: float, expiration: float | None, as_json: bool, **sp: Any) -> None:
+def submit(
+    prompt: str,
+    amqp_url: str,
+    prefix: str,
+    queue: str,
+    chat: bool,
+    stream: bool,
+    key: str | None,
+    timeout: float,
+    expiration: float | None,
+    as_json: bool,
+    **sp: Any,
+) -> None:
     """Submit one job and print its result (PROMPT '-' reads stdin)."""
     from jaxserve.client import AsyncClient, JobError
 
@@ -275,7 +416,9 @@ def submit(prompt: str, amqp_url: str, prefix: str, queue: str, chat: bool, stre
         client = await AsyncClient(amqp_url, prefix=prefix, name="jaxserve-submit").connect()
         try:
             if stream:
-                s = await client.stream(**text_kw, queue=queue, key=key, timeout=timeout, expiration=expiration, **params)
+                s = await client.stream(
+                    **text_kw, queue=queue, key=key, timeout=timeout, expiration=expiration, **params
+                )
                 try:
                     async for delta in s:
                         if not as_json:
@@ -306,7 +449,10 @@ def submit(prompt: str, amqp_url: str, prefix: str, queue: str, chat: bool, stre
     with broker_errors(amqp_url):
         try:
             code = asyncio.run(main())
-        except (QueueError, TimeoutError) as exc:  # no queue (no worker with this prefix), full queue, no result in time
+        except (
+            QueueError,
+            TimeoutError,
+        ) as exc:  # no queue (no worker with this prefix), full queue, no result in time
             raise click.ClickException(str(exc)) from None
     sys.exit(code)
 
@@ -327,7 +473,7 @@ def chat(amqp_url: str, prefix: str, system: str | None, timeout: float, **sp: A
 
     async def main() -> None:
         client = await AsyncClient(amqp_url, prefix=prefix, name="jaxserve-chat").connect()
-        history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        history: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         interactive = sys.stdin.isatty()
         try:
             while True:
@@ -367,7 +513,11 @@ from jaxserve.cli.batch_command import batch  # noqa: E402 - the command lives i
 @_amqp_option
 @_prefix_option
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--broker-details/--no-broker-details", default=None, help="Add unacked counts from rabbitmqctl (default: when on PATH).")
+@click.option(
+    "--broker-details/--no-broker-details",
+    default=None,
+    help="Add unacked counts from rabbitmqctl (default: when on PATH).",
+)
 def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | None) -> None:
     """Queue depths, consumers and dead letters."""
     import shutil
@@ -395,7 +545,11 @@ def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | Non
     if broker_details:
         try:
             out = subprocess.run(
-                ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"], capture_output=True, text=True, timeout=20, check=True
+                ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
             ).stdout
             for line in out.splitlines():
                 parts = line.split()

@@ -18,13 +18,13 @@ import random
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import aio_pika
 import aiormq.exceptions
 import orjson
 
-from jaxserve.wire import amqp_compat, tracecontext
 from jaxserve.wire import (
     DEFAULT_AMQP_URL,
     DEFAULT_PREFIX,
@@ -34,7 +34,9 @@ from jaxserve.wire import (
     Result,
     Topology,
     WireDecodeError,
+    amqp_compat,
     decode_reply,
+    tracecontext,
 )
 
 T = TypeVar("T")
@@ -76,7 +78,7 @@ class StreamDiverged(QueueError):
     """The job was restarted elsewhere and produced a different text than
     what the stream already yielded. ``result`` holds the final result."""
 
-    def __init__(self, result: "Result") -> None:
+    def __init__(self, result: Result) -> None:
         super().__init__(f"stream of {result.id!r} diverged after a restart; use result.text")
         self.result = result
 
@@ -120,7 +122,7 @@ class Stream:
     to first token, even when that token's text is still empty: a partial
     UTF-8 character, a special token)."""
 
-    def __init__(self, client: "AsyncClient", key: str, timeout: float | None) -> None:
+    def __init__(self, client: AsyncClient, key: str, timeout: float | None) -> None:
         self.client = client
         self.key = key
         self.timeout = timeout
@@ -152,7 +154,7 @@ class Stream:
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     msg = await asyncio.wait_for(self._inbox.get(), wait)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TimeoutError(f"no final result for {self.key!r} within {self.timeout}s") from None
                 if isinstance(msg, Chunk):
                     self.chunks += 1
@@ -187,7 +189,7 @@ class Stream:
                     # chunks were lost in the middle: the final fills in
                     self.gaps = max(self.gaps, 1)
                 if full.startswith(so_far):
-                    rest = full[len(so_far):]
+                    rest = full[len(so_far) :]
                     if rest:
                         self._yielded.append(rest)
                         yield rest
@@ -216,7 +218,8 @@ class AsyncClient:
         self.on_unclaimed = on_unclaimed
         self.name = name
         self._pub_conn: aio_pika.abc.AbstractRobustConnection | None = None
-        self._sub_conn: aio_pika.abc.AbstractRobustConnection | None = None
+        # robust when connect() made it; `jaxserve status` sets a plain one
+        self._sub_conn: aio_pika.abc.AbstractConnection | None = None
         self._pub_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._sub_ch: aio_pika.abc.AbstractRobustChannel | None = None
         self._reply_q: aio_pika.abc.AbstractRobustQueue | None = None
@@ -224,14 +227,21 @@ class AsyncClient:
         self._futures: dict[str, asyncio.Future] = {}
         self._streams: dict[str, Stream] = {}
 
-    async def connect(self) -> "AsyncClient":
-        self._pub_conn = await aio_pika.connect_robust(self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-publish"})
-        self._sub_conn = await aio_pika.connect_robust(self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-replies"})
+    async def connect(self) -> AsyncClient:
+        self._pub_conn = await aio_pika.connect_robust(
+            self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-publish"}
+        )
+        self._sub_conn = await aio_pika.connect_robust(
+            self.url, reconnect_interval=1.0, client_properties={"connection_name": f"{self.name}-replies"}
+        )
         self._pub_ch = await self._pub_conn.channel(publisher_confirms=True, on_return_raises=True)
         self._sub_ch = await self._sub_conn.channel()
         await self._sub_ch.set_qos(prefetch_count=256)
         self._reply_q = await self._sub_ch.declare_queue(
-            self.reply_queue, durable=False, auto_delete=False, arguments={"x-expires": int(self.reply_queue_expires_ms)}
+            self.reply_queue,
+            durable=False,
+            auto_delete=False,
+            arguments={"x-expires": int(self.reply_queue_expires_ms)},
         )
         self._reply_tag = await self._reply_q.consume(self._on_reply)
         return self
@@ -252,7 +262,7 @@ class AsyncClient:
         if self._sub_ch is not None:
             await self._sub_ch.queue_delete(self.reply_queue)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return await self.connect()
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -410,7 +420,8 @@ class AsyncClient:
             try:
                 q = await ch.declare_queue(name, passive=True)
                 res = q.declaration_result
-                out[name] = {"messages": res.message_count, "consumers": res.consumer_count}
+                # a declare-ok always carries both counts
+                out[name] = {"messages": cast(int, res.message_count), "consumers": cast(int, res.consumer_count)}
             except aiormq.exceptions.ChannelNotFoundEntity:
                 out[name] = {"messages": -1, "consumers": -1}
             finally:
@@ -463,7 +474,7 @@ class Client:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: Any) -> None:

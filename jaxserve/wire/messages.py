@@ -10,7 +10,7 @@ kept (``extra="allow"``) rather than refused.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -46,7 +46,9 @@ class LabelScore(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     label: str
-    logprob: float = Field(description="Sum of the label's token log-probabilities (after 'mean' normalization: their mean).")
+    logprob: float = Field(
+        description="Sum of the label's token log-probabilities (after 'mean' normalization: their mean)."
+    )
     prob: Annotated[float, Field(ge=0.0, le=1.0)] = Field(description="Softmax of the labels' logprobs.")
 
 
@@ -123,7 +125,8 @@ class Result(_Reply):
         default=None, description="Answered from the response cache (the same deterministic job ran before), not run."
     )
     labels: list[LabelScore] | None = Field(
-        default=None, description="Label scoring: every label of the job, in the job's order, with its logprob and prob."
+        default=None,
+        description="Label scoring: every label of the job, in the job's order, with its logprob and prob.",
     )
     model: str | None = Field(default=None, description="The served model name.")
     logprobs: dict[str, Any] | None = Field(
@@ -170,7 +173,7 @@ class Result(_Reply):
         model: str | None = None,
         logprobs: dict[str, Any] | None = None,
         parsed: Any = None,
-    ) -> "Result":
+    ) -> Result:
         return cls(
             id=key,
             status="ok",
@@ -186,11 +189,17 @@ class Result(_Reply):
 
     @classmethod
     def failure(
-        cls, key: str | None, code: str, message: str, retryable: bool | None = None, *, retry_after_s: float | None = None
-    ) -> "Result":
+        cls,
+        key: str | None,
+        code: str,
+        message: str,
+        retryable: bool | None = None,
+        *,
+        retry_after_s: float | None = None,
+    ) -> Result:
         if retryable is None:
             retryable = is_retryable(code)
-        info = ErrorInfo(code=code, message=message, retryable=bool(retryable), retry_after_s=retry_after_s)  # type: ignore[arg-type]
+        info = ErrorInfo(code=code, message=message, retryable=bool(retryable), retry_after_s=retry_after_s)
         return cls(id=key, status="error", error=info)
 
     @property
@@ -217,7 +226,7 @@ class Cancel(_Reply):
     id: Annotated[str, Field(min_length=1, description="The job's key.")]
 
 
-_REPLY = TypeAdapter(Annotated[Union[Chunk, Result], Field(discriminator="type")])
+_REPLY = TypeAdapter(Annotated[Chunk | Result, Field(discriminator="type")])
 _CANCEL = TypeAdapter(Cancel)
 
 
