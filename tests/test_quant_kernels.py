@@ -61,9 +61,7 @@ def test_kernel_equals_the_pure_jax_path(kind):
     jq = quant.to_device(q)
     for T in (1, 16):
         xs = jnp.asarray(x[:, :T])
-        np.testing.assert_allclose(
-            np.asarray(_kernel(jq, xs)), np.asarray(quant.matmul(jq, xs)), rtol=1e-5, atol=1e-5
-        )
+        np.testing.assert_allclose(np.asarray(_kernel(jq, xs)), np.asarray(quant.matmul(jq, xs)), rtol=1e-5, atol=1e-5)
 
 
 def test_a_token_does_not_depend_on_the_rest_of_a_decode_batch():

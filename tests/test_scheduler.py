@@ -29,8 +29,17 @@ def make(**overrides) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg))
 
 
-def req(rid: str, prompt_len: int, max_tokens: int = 4, *, start: int = 0, cls: str = "interactive",
-        priority: int = 0, arrival: float = 0.0, salt: object = None) -> Request:
+def req(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    *,
+    start: int = 0,
+    cls: str = "interactive",
+    priority: int = 0,
+    arrival: float = 0.0,
+    salt: object = None,
+) -> Request:
     return Request(
         rid,
         list(range(start, start + prompt_len)),
@@ -421,9 +430,16 @@ def test_stats_track_usage_and_queues():
     assert st.kv_cache_usage == pytest.approx(2 / 63)
 
 
-@pytest.mark.parametrize("seed, policy, alone, step_tokens",
-                         [(0, "fcfs", True, 0), (1, "priority", True, 0), (2, "fcfs", False, 0), (3, "fcfs", True, 5),
-                          (4, "priority", False, 7)])
+@pytest.mark.parametrize(
+    "seed, policy, alone, step_tokens",
+    [
+        (0, "fcfs", True, 0),
+        (1, "priority", True, 0),
+        (2, "fcfs", False, 0),
+        (3, "fcfs", True, 5),
+        (4, "priority", False, 7),
+    ],
+)
 def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone, step_tokens):
     """A fake paged KV cache records which token sits in each slot; every
     scheduled chunk checks that its context (including prefix-cache hits and
@@ -434,10 +450,19 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone, s
 
     rng = random.Random(seed)
     cfg = SchedulerConfig(
-        max_num_seqs=6, max_num_batched_tokens=24, max_model_len=48, block_size=BS, num_blocks=30,
-        policy=policy, interactive_reserved_seqs=1, interactive_reserved_blocks=3,
-        enable_prefix_caching=True, long_prefill_token_threshold=10, interactive_prefill_alone=alone,
-        interactive_batch_prefill_tokens=4 if step_tokens else 0, interactive_step_tokens=step_tokens,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        max_model_len=48,
+        block_size=BS,
+        num_blocks=30,
+        policy=policy,
+        interactive_reserved_seqs=1,
+        interactive_reserved_blocks=3,
+        enable_prefix_caching=True,
+        long_prefill_token_threshold=10,
+        interactive_prefill_alone=alone,
+        interactive_batch_prefill_tokens=4 if step_tokens else 0,
+        interactive_step_tokens=step_tokens,
     )
     s = Scheduler(cfg, clock=FakeClock())  # once interactive work was seen, the caps stay on
     slots: dict[int, int] = {}
@@ -456,8 +481,12 @@ def test_random_workload_keeps_invariants_and_kv_contents(seed, policy, alone, s
             prompt += [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             prompt = prompt[:40] or [1]
             r = Request(
-                f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1)),
-                request_class=rng.choice(["interactive", "batch"]), priority=rng.randrange(3), arrival_time=float(n),
+                f"r{n}",
+                prompt,
+                SamplingParams(max_tokens=rng.randrange(1, 48 - len(prompt) + 1)),
+                request_class=rng.choice(["interactive", "batch"]),
+                priority=rng.randrange(3),
+                arrival_time=float(n),
             )
             s.add_request(r)
             expected_len[r.request_id] = r.num_prompt_tokens + r.max_tokens
@@ -572,7 +601,11 @@ def test_reset_for_recompute_keeps_delivered_tokens_only():
     free_before = s.allocator.num_free_blocks
     s.reset_for_recompute(a, 1)
     assert (a.status, a.num_computed_tokens, a.block_ids, a.output_token_ids) == (
-        RequestStatus.PREEMPTED, 0, [], [1000])
+        RequestStatus.PREEMPTED,
+        0,
+        [],
+        [1000],
+    )
     assert a.all_token_ids == list(range(6)) + [1000]
     assert len(a.block_hashes) == 1 and s.allocator.num_free_blocks == free_before + 2
     # b finished in the failed step: it is brought back, and no plan reports it finished
@@ -667,7 +700,9 @@ def test_a_step_that_starts_an_interactive_prompt_holds_interactive_work_only():
 def test_interactive_prompt_alone_takes_a_batch_seat_for_free():
     # every seat is batch; the interactive prompt's own step preempts the newest
     # batch request, and no batch token was planned, so none is wasted
-    s = make(max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64, max_model_len=128, interactive_prefill_alone=True)
+    s = make(
+        max_num_seqs=2, max_num_batched_tokens=64, num_blocks=64, max_model_len=128, interactive_prefill_alone=True
+    )
     s.add_request(req("b1", 8, max_tokens=8, cls="batch", arrival=0))
     s.add_request(req("b2", 8, max_tokens=8, cls="batch", arrival=1))
     step(s)
@@ -700,9 +735,17 @@ class FakeClock:
 
 
 def make_capped(clock: FakeClock, **overrides) -> Scheduler:
-    cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=64,
-               enable_prefix_caching=False, interactive_prefill_alone=True,
-               interactive_batch_prefill_tokens=6, interactive_recent_s=2.0)
+    cfg = dict(
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        block_size=BS,
+        num_blocks=64,
+        enable_prefix_caching=False,
+        interactive_prefill_alone=True,
+        interactive_batch_prefill_tokens=6,
+        interactive_recent_s=2.0,
+    )
     cfg.update(overrides)
     return Scheduler(SchedulerConfig(**cfg), clock=clock)
 
@@ -728,11 +771,22 @@ def test_batch_prompt_tokens_are_capped_while_interactive_work_runs_and_decodes_
     s.add_request(req("q", 10, cls="batch", arrival=5))
     out, _ = step(s)
     # every decode, then 6 batch prompt tokens: p's first chunk, q waits
-    assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True), ("d2", 2, 1, True),
-                         ("p", 0, 6, False)]
+    assert plan(out) == [
+        ("i", 4, 1, True),
+        ("d0", 2, 1, True),
+        ("d1", 2, 1, True),
+        ("d2", 2, 1, True),
+        ("p", 0, 6, False),
+    ]
     out, _ = step(s)
-    assert plan(out) == [("i", 5, 1, True), ("d0", 3, 1, True), ("d1", 3, 1, True), ("d2", 3, 1, True),
-                         ("p", 6, 4, True), ("q", 0, 2, False)]
+    assert plan(out) == [
+        ("i", 5, 1, True),
+        ("d0", 3, 1, True),
+        ("d1", 3, 1, True),
+        ("d2", 3, 1, True),
+        ("p", 6, 4, True),
+        ("q", 0, 2, False),
+    ]
 
 
 def test_the_cap_lasts_interactive_recent_s_after_the_last_interactive_request():
@@ -825,8 +879,13 @@ def test_batch_prompt_chunks_get_what_the_decodes_leave_of_the_step_cap():
     out, _ = step(s)
     # four decodes, then one prompt token: five tokens in all (the prompt
     # cap alone, 6, would have given p six)
-    assert plan(out) == [("i", 4, 1, True), ("d0", 2, 1, True), ("d1", 2, 1, True), ("d2", 2, 1, True),
-                         ("p", 0, 1, False)]
+    assert plan(out) == [
+        ("i", 4, 1, True),
+        ("d0", 2, 1, True),
+        ("d1", 2, 1, True),
+        ("d2", 2, 1, True),
+        ("p", 0, 1, False),
+    ]
 
 
 def test_the_step_cap_leaves_batch_only_serving_alone():
@@ -838,14 +897,19 @@ def test_the_step_cap_leaves_batch_only_serving_alone():
     assert plan(out) == [(f"d{k}", 2, 1, True) for k in range(4)]
 
 
-@pytest.mark.parametrize("field,value", [("interactive_step_tokens", -1),
-                                         ("interactive_step_tokens", 2.5),
-                                         ("interactive_batch_prefill_tokens", -1),
-                                         ("interactive_batch_prefill_tokens", 1.5),
-                                         ("interactive_recent_s", -0.1),
-                                         ("interactive_recent_s", float("nan")),
-                                         ("interactive_recent_s", float("inf")),
-                                         ("interactive_recent_s", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("interactive_step_tokens", -1),
+        ("interactive_step_tokens", 2.5),
+        ("interactive_batch_prefill_tokens", -1),
+        ("interactive_batch_prefill_tokens", 1.5),
+        ("interactive_recent_s", -0.1),
+        ("interactive_recent_s", float("nan")),
+        ("interactive_recent_s", float("inf")),
+        ("interactive_recent_s", True),
+    ],
+)
 def test_interactive_cap_settings_are_validated(field, value):
     cfg = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=BS, num_blocks=64)
     cfg[field] = value

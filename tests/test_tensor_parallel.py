@@ -146,8 +146,13 @@ CHILD = textwrap.dedent(
 def checkpoint(tmp_path_factory):
     # 8 heads over 4 kv heads, so that 2 and 4 devices each hold whole kv heads
     return build_engine_checkpoint(
-        tmp_path_factory.mktemp("tp-ckpt"), seed=3, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        tmp_path_factory.mktemp("tp-ckpt"),
+        seed=3,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
     )
 
 
@@ -165,7 +170,11 @@ def _run_child(*args: str) -> dict:
     for _attempt in range(2):
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, *args],
-            env=env, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=Path(__file__).resolve().parents[1],
         )
         if proc.returncode == 0 or _RENDEZVOUS_ABORT not in proc.stderr:
             break
@@ -173,7 +182,7 @@ def _run_child(*args: str) -> dict:
     assert proc.returncode == 0 and lines, (
         f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    return json.loads(lines[-1][len("REPORT "):])
+    return json.loads(lines[-1][len("REPORT ") :])
 
 
 @pytest.fixture(scope="module")
