@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import os
 import re
+import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -437,10 +439,8 @@ def unacked_counts(prefix: str) -> dict[str, int]:
     return counts
 
 
-# ---------------------------------------------------------------- fixtures
+# ------------------------------------------------------------ the broker
 import asyncio  # noqa: E402
-
-import pytest_asyncio  # noqa: E402
 
 AMQP_URL = os.environ.get("JAXSERVE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
@@ -465,13 +465,6 @@ async def delete_prefix(prefix: str) -> None:
                 await ch.queue_delete(name)
     finally:
         await conn.close()
-
-
-@pytest_asyncio.fixture
-async def prefix():
-    p = unique_prefix()
-    yield p
-    await delete_prefix(p)
 
 
 class WorkerHarness:
@@ -503,27 +496,6 @@ class WorkerHarness:
                 if hasattr(w.engine, "unstall"):
                     w.engine.unstall()
                 await w.shutdown(drain_timeout=0.5)
-
-
-@pytest_asyncio.fixture
-async def harness(prefix):
-    h = WorkerHarness(prefix)
-    yield h
-    await h.close()
-
-
-@pytest_asyncio.fixture
-async def client(prefix):
-    from jaxserve.client import AsyncClient
-
-    c = AsyncClient(AMQP_URL, prefix=prefix, name=f"test-client-{prefix}")
-    await c.connect()
-    yield c
-    try:
-        await c.delete_reply_queue()
-    except Exception:  # noqa: BLE001
-        pass
-    await c.close()
 
 
 async def raw_publish(
@@ -574,3 +546,43 @@ async def wait_until(pred, timeout: float = 10.0, interval: float = 0.02) -> Non
             return
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+# ------------------------------------------------------- a private Redis
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, on a free port, that the test may
+    kill and restart without touching anyone else's."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("private redis did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)

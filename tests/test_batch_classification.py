@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.batch.inputs import InputOptions, read_items
 from jaxserve.batch.run import BatchSettings, run_batch
-from queue_support import AMQP_URL, EchoEngine, client, expected_completion, harness, prefix  # noqa: F401
+from queue_support import AMQP_URL, EchoEngine, expected_completion
 
 pytestmark = pytest.mark.timeout(120)
 

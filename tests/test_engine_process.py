@@ -25,7 +25,7 @@ import pytest
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
 from jaxserve.worker.engine_process import EngineBuildError, EngineProcess
 from jaxserve.worker.engine_thread import EngineThreadDead
-from queue_support import AMQP_URL, ByteTokenizer, EchoEngine, client, expected_completion, prefix  # noqa: F401 - fixtures
+from queue_support import AMQP_URL, ByteTokenizer, EchoEngine, expected_completion
 
 
 @dataclasses.dataclass

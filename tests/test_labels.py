@@ -22,7 +22,7 @@ from jaxserve.engine import scoring
 from jaxserve.engine.types import RequestError
 from jaxserve.tokenizer import labels as L
 from jaxserve.wire.job import JobProperties, parse_job
-from queue_support import ByteTokenizer, EchoEngine, client, harness, prefix  # noqa: F401
+from queue_support import ByteTokenizer, EchoEngine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -353,7 +353,7 @@ def test_batch_cli_reports_a_bad_few_shot_file_before_the_broker(tmp_path):
 # -------------------------------------------------------- through the broker
 
 
-async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harness, prefix, client):  # noqa: F811
+async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harness, prefix, client):
     w = await harness.start(EchoEngine(step_s=0.001))
     labels = ["sports", "politics"]
     docs = ["the sports match", "a vote in the senate", "spots"]

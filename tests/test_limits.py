@@ -14,7 +14,6 @@ from jaxserve.worker.limits import (
     RedisLimiter,
     TenantLimit,
 )
-from test_queue_faults import private_redis  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ import pytest
 from jaxserve.loadtest.report import markdown_table, percentiles, summarize_level
 from jaxserve.loadtest.runner import JobRecord, itl_samples, mark_rejections
 from jaxserve.loadtest.workload import IntRange, Workload, default_kinds, parse_mix
-from queue_support import REPO, prefix, rabbitmqctl, start_worker_process, stop_process, wait_log, worker_env  # noqa: F401
+from queue_support import REPO, rabbitmqctl, start_worker_process, stop_process, wait_log, worker_env
 
 pytestmark = pytest.mark.timeout(120)
 

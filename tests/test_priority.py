@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from jaxserve.worker.priority import deprioritize_other_threads
-from queue_support import prefix, start_worker_process, stop_process, wait_log  # noqa: F401 - prefix: a fixture
+from queue_support import start_worker_process, stop_process, wait_log
 
 # Run in a child process: renicing is per thread and cannot be undone
 # without privilege, and this test process has threads of other tests.

@@ -12,8 +12,7 @@ import pytest
 from jaxserve.worker.admission import AdmissionConfig
 from jaxserve.worker.limits import LimitsConfig, LimitsFileError, TenantLimit, load_limits
 from jaxserve.worker.store import RedisStore
-from queue_support import EchoEngine, client, harness, prefix, wait_until  # noqa: F401
-from test_queue_faults import private_redis  # noqa: F401 - fixture
+from queue_support import EchoEngine, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

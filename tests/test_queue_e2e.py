@@ -15,16 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from queue_support import (  # noqa: F401 - fixtures
-    AMQP_URL,
-    EchoEngine,
-    client,
-    expected_completion,
-    harness,
-    prefix,
-    rabbitmqctl,
-    wait_until,
-)
+from queue_support import AMQP_URL, EchoEngine, expected_completion, rabbitmqctl, wait_until
 from queue_support import (
     read_jsonl as _lines,
 )

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,13 +27,10 @@ import pytest
 
 from jaxserve.wire.topology import Topology, declare_topology
 from jaxserve.worker.store import Record, RedisStore
-from queue_support import (  # noqa: F401 - fixtures
+from queue_support import (
     AMQP_URL,
     REPO,
     EchoEngine,
-    client,
-    harness,
-    prefix,
     start_worker_process,
     stop_process,
     wait_log,
@@ -106,55 +101,6 @@ def _json_lines(path: Path) -> list[dict]:
         if isinstance(rec, dict):
             out.append(rec)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PrivateRedis:
-    """A redis-server of the test's own, on a free port, that the test may
-    kill and restart without touching anyone else's."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("private redis did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
-
-@pytest.fixture
-def private_redis():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    r = PrivateRedis()
-    r.start()
-    yield r
-    r.kill()
 
 
 # ------------------------------------------------------- one job, one effect

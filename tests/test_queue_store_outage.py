@@ -24,8 +24,8 @@ import orjson
 import pytest
 
 from busy_cpu import busy_cpu
-from queue_support import client, prefix, start_worker_process  # noqa: F401 - fixtures
-from test_queue_faults import free_port, private_redis, queue_depth  # noqa: F401 - fixture
+from queue_support import free_port, start_worker_process
+from test_queue_faults import queue_depth
 
 pytestmark = pytest.mark.timeout(300)
 

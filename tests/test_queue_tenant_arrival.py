@@ -18,7 +18,7 @@ import pytest
 from busy_cpu import busy_cpu
 from jaxserve.worker.limits import LimitsConfig, TenantLimit
 from jaxserve.worker.store import MemoryStore
-from queue_support import EchoEngine, client, harness, prefix  # noqa: F401 - fixtures
+from queue_support import EchoEngine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,14 +15,11 @@ from jaxserve.client import JobError, QueueFull, retry_with_backoff
 from jaxserve.wire.topology import Topology, TopologyMismatch, declare_topology
 from jaxserve.worker.admission import AdmissionConfig
 from jaxserve.worker.store import Record, RedisStore
-from queue_support import (  # noqa: F401 - fixtures
+from queue_support import (
     AMQP_URL,
     HELD_FIRST_MARKER,
     EchoEngine,
-    client,
     expected_completion,
-    harness,
-    prefix,
     raw_publish,
     unacked_counts,
     wait_until,

@@ -18,7 +18,7 @@ from jaxserve.batch.inputs import InputOptions, read_items
 from jaxserve.batch.run import BatchSettings, run_batch
 from jaxserve.client.client import AsyncClient
 from jaxserve.wire.job import JobProperties, parse_job
-from queue_support import AMQP_URL, prefix, start_worker_process, stop_process, wait_log  # noqa: F401
+from queue_support import AMQP_URL, start_worker_process, stop_process, wait_log
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -21,7 +21,7 @@ from jaxserve.wire import tracecontext
 from jaxserve.wire.tracecontext import parse_traceparent
 from jaxserve.worker import tracing as tracing_mod
 from jaxserve.worker.tracing import Tracing
-from queue_support import AMQP_URL, REPO, EchoEngine, client, prefix, wait_until  # noqa: F401 - fixtures
+from queue_support import AMQP_URL, REPO, EchoEngine, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -149,7 +149,7 @@ def test_off_imports_no_opentelemetry():
 
 
 # ------------------------------------------------------------ through a worker
-async def test_span_tree_of_one_job_continues_the_producers_trace(prefix, client):  # noqa: F811
+async def test_span_tree_of_one_job_continues_the_producers_trace(prefix, client):
     provider, exporter = _provider()
     w = await _worker(prefix, Tracing(provider))
     try:
@@ -195,7 +195,7 @@ async def test_span_tree_of_one_job_continues_the_producers_trace(prefix, client
     assert children[3].attributes["gen_ai.usage.output_tokens"] == result.usage.completion_tokens
 
 
-async def test_no_traceparent_gets_a_root_trace_only_when_tracing_is_on(prefix, client, monkeypatch):  # noqa: F811
+async def test_no_traceparent_gets_a_root_trace_only_when_tracing_is_on(prefix, client, monkeypatch):
     monkeypatch.delenv("TRACEPARENT", raising=False)
     provider, exporter = _provider()
     w = await _worker(prefix, Tracing(provider))
@@ -225,7 +225,7 @@ async def test_no_traceparent_gets_a_root_trace_only_when_tracing_is_on(prefix, 
         await w.shutdown(drain_timeout=0.5)
 
 
-async def test_failed_job_marks_its_span_as_error(prefix, client):  # noqa: F811
+async def test_failed_job_marks_its_span_as_error(prefix, client):
     provider, exporter = _provider()
     w = await _worker(prefix, Tracing(provider))
     try:
@@ -284,7 +284,7 @@ class _Collector:
         self.server.shutdown()
 
 
-def test_worker_exports_over_otlp_and_jaxserve_batch_passes_traceparent(prefix, tmp_path):  # noqa: F811
+def test_worker_exports_over_otlp_and_jaxserve_batch_passes_traceparent(prefix, tmp_path):
     import json
 
     from queue_support import start_worker_process, stop_process, wait_log, worker_env

@@ -1,0 +1,57 @@
+"""Fixtures shared by the test modules; pytest finds them here.
+
+The queue tests' plain helpers (the echo engine, the worker harness, process
+control, a private Redis) live in ``queue_support.py`` and are imported by
+name; only the fixtures built from them are here.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import pytest_asyncio
+
+from queue_support import AMQP_URL, PrivateRedis, WorkerHarness, delete_prefix, unique_prefix
+
+
+@pytest_asyncio.fixture
+async def prefix():
+    """A fresh queue-name prefix; its queues and exchanges are deleted after."""
+    p = unique_prefix()
+    yield p
+    await delete_prefix(p)
+
+
+@pytest_asyncio.fixture
+async def harness(prefix):
+    """Starts in-process workers on ``prefix``; shuts them down after."""
+    h = WorkerHarness(prefix)
+    yield h
+    await h.close()
+
+
+@pytest_asyncio.fixture
+async def client(prefix):
+    """A connected ``AsyncClient`` on ``prefix``; its reply queue is deleted after."""
+    from jaxserve.client import AsyncClient
+
+    c = AsyncClient(AMQP_URL, prefix=prefix, name=f"test-client-{prefix}")
+    await c.connect()
+    yield c
+    try:
+        await c.delete_reply_queue()
+    except Exception:  # noqa: BLE001 - clean-up after the test, whatever the broker says
+        pass
+    await c.close()
+
+
+@pytest.fixture
+def private_redis():
+    """A redis-server of the test's own, which the test may kill and restart."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    r = PrivateRedis()
+    r.start()
+    yield r
+    r.kill()
