@@ -73,9 +73,13 @@ def test_few_shot_turns_go_after_the_system_message(tok):
     msgs = ({"role": "system", "content": "Classify."}, {"role": "user", "content": "the senate voted"})
     req = L.LabelRequest(labels=("sports", "business"), messages=msgs, form="chat", few_shot=shots)
     assert [(m["role"], m["content"]) for m in L.chat_messages(req)] == [
-        ("system", "Classify."), ("user", "a late goal won it"), ("assistant", "sports"),
-        ("user", "shares fell 3%"), ("assistant", "business"), ("user", "the senate voted"),
-    ]  # fmt: skip
+        ("system", "Classify."),
+        ("user", "a late goal won it"),
+        ("assistant", "sports"),
+        ("user", "shares fell 3%"),
+        ("assistant", "business"),
+        ("user", "the senate voted"),
+    ]
     plain = L.render(
         tok, L.LabelRequest(labels=("sports", "business"), prompt="Topic of: rates rose. Topic:", few_shot=shots)
     )
@@ -187,8 +191,15 @@ def test_label_fields_reach_the_job_and_its_fingerprint():
     assert (
         job(messages=[{"role": "user", "content": "x"}], labels=["a", "b"]).label_prompt == "chat"
     )  # as before the field
-    chat = job(prompt="x", labels=["a", "b"], label_prompt="chat", calibrate=True, calibration_input="-", label_normalization="first",
-               few_shot=[{"text": "t", "label": "b"}])  # fmt: skip
+    chat = job(
+        prompt="x",
+        labels=["a", "b"],
+        label_prompt="chat",
+        calibrate=True,
+        calibration_input="-",
+        label_normalization="first",
+        few_shot=[{"text": "t", "label": "b"}],
+    )
     assert (chat.label_prompt, chat.calibrate, chat.calibration_input, chat.few_shot) == (
         "chat",
         True,
@@ -324,8 +335,10 @@ def test_batch_label_defaults_and_flags(tmp_path):
         _label_defaults(["sports", "business"], None, False, None, None, None, None, str(tmp_path / "bad.jsonl"))
     # label defaults go to labelled lines only; a chat line is scored in the chat form
     inp = tmp_path / "in.jsonl"
-    inp.write_bytes(b'{"id": "p", "prompt": "x"}\n{"id": "m", "messages": [{"role": "user", "content": "y"}]}\n'
-                    b'{"id": "g", "prompt": "z", "labels": null}\n')  # fmt: skip
+    inp.write_bytes(
+        b'{"id": "p", "prompt": "x"}\n{"id": "m", "messages": [{"role": "user", "content": "y"}]}\n'
+        b'{"id": "g", "prompt": "z", "labels": null}\n'
+    )
     _, items = read_items(inp, InputOptions(labels=["a", "b"], label_defaults=off))
     assert items[0].body == {
         "prompt": "x",
@@ -345,8 +358,22 @@ def test_batch_cli_reports_a_bad_few_shot_file_before_the_broker(tmp_path):
     inp = tmp_path / "docs.jsonl"
     inp.write_text('{"id": "1", "text": "a goal"}\n')
     (tmp_path / "shots.jsonl").write_text('{"text": "x"}\n')
-    res = CliRunner().invoke(batch, [str(inp), "-o", str(tmp_path / "o.jsonl"), "--labels", "a,b", "--template", "{{ text }}",
-                                     "--few-shot", str(tmp_path / "shots.jsonl"), "--amqp-url", "amqp://guest:guest@127.0.0.1:1/"])  # fmt: skip
+    res = CliRunner().invoke(
+        batch,
+        [
+            str(inp),
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--labels",
+            "a,b",
+            "--template",
+            "{{ text }}",
+            "--few-shot",
+            str(tmp_path / "shots.jsonl"),
+            "--amqp-url",
+            "amqp://guest:guest@127.0.0.1:1/",
+        ],
+    )
     assert res.exit_code == 1 and "needs a string 'label' field" in res.output, res.output
 
 
@@ -357,9 +384,9 @@ async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harn
     w = await harness.start(EchoEngine(step_s=0.001))
     labels = ["sports", "politics"]
     docs = ["the sports match", "a vote in the senate", "spots"]
-    results = await asyncio.gather(*[
-        client.submit(d, labels=labels, label_prompt="chat", calibrate=True, queue="batch", timeout=60) for d in docs
-    ])  # fmt: skip
+    results = await asyncio.gather(
+        *[client.submit(d, labels=labels, label_prompt="chat", calibrate=True, queue="batch", timeout=60) for d in docs]
+    )
     assert w.label_calibrations.computed == 1 and len(w.label_calibrations) == 1
     tok = ByteTokenizer()
 
