@@ -18,7 +18,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar, cast
 
 import aio_pika
@@ -441,7 +441,8 @@ class Client:
         self._run(self._ac.connect())
 
     def _run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+        # every caller passes a coroutine: an async def's call, or an async generator's __anext__()
+        return asyncio.run_coroutine_threadsafe(cast("Coroutine[Any, Any, T]", coro), self._loop).result(timeout)
 
     def submit(self, prompt: str | None = None, **kwargs: Any) -> Result:
         return self._run(self._ac.submit(prompt, **kwargs))

@@ -66,6 +66,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import cast
 
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
@@ -800,7 +801,7 @@ class Scheduler:
         for req, s in live:
             req.num_computed_tokens += s.num_scheduled_tokens
             if s.sample:
-                req.append_output_token(sampled_token_ids[s.request_id])  # type: ignore[arg-type]
+                req.append_output_token(cast(int, sampled_token_ids[s.request_id]))  # not None: checked above
             self._register_full_blocks(req)
             if not req.samples:
                 if req.num_computed_tokens == req.num_tokens:

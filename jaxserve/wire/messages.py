@@ -10,13 +10,14 @@ kept (``extra="allow"``) rather than refused.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from jaxserve.wire.errors import ERROR_CODES, is_retryable
 
+# pydantic reads the runtime tuple; a type checker cannot build a Literal from it
 ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 FinishReason = Literal["stop", "length"]
 
@@ -178,7 +179,7 @@ class Result(_Reply):
             id=key,
             status="ok",
             text=text,
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            finish_reason=cast(FinishReason, finish_reason),  # pydantic validates it
             usage=Usage(prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens)),
             timings=timings,
             labels=None if labels is None else [LabelScore(**x) for x in labels],

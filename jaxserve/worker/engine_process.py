@@ -619,7 +619,7 @@ class EngineProcess:
                 fut.set_exception(self._dead_error())
 
     def _dead_error(self) -> EngineThreadDead:
-        message, cause = self._dead  # type: ignore[misc]
+        message, cause = cast("tuple[str, BaseException | None]", self._dead)  # set before it is called
         err = EngineThreadDead(message)
         err.__cause__ = cause
         return err

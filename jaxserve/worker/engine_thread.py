@@ -48,7 +48,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput, SamplingParams
 
@@ -204,7 +204,7 @@ class EngineThread:
 
     # ---- engine thread -----------------------------------------------
     def _dead_error(self) -> EngineThreadDead:
-        message, cause = self._dead  # type: ignore[misc]
+        message, cause = cast("tuple[str, BaseException | None]", self._dead)  # set before it is called
         err = EngineThreadDead(message)
         err.__cause__ = cause
         return err
