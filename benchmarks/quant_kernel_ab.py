@@ -61,13 +61,16 @@ def main() -> None:
     if not cpu.available():
         raise SystemExit("the C++ CPU kernels are unavailable")
     rng = np.random.default_rng(0)
-    weights = {n: quant.to_device(quant.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, args.kind))
-               for n, s in SHAPES.items()}  # fmt: skip
+    weights = {
+        n: quant.to_device(quant.quantize(rng.standard_normal(s).astype(np.float32) * 0.05, args.kind))
+        for n, s in SHAPES.items()
+    }
     dense = {n: quant.dequantize(w) for n, w in weights.items()}
 
     def chain(mode: int):
         def run(ws, xs):
             return [cpu.qmatmul_cpu(ws[n], xs[n], mode=mode) for n in SHAPES]
+
         return jax.jit(run)
 
     integer, floats, lanes = chain(0), chain(1), chain(2)
@@ -76,10 +79,13 @@ def main() -> None:
     for T in [int(t) for t in args.tokens.split(",")]:
         xs = {n: jnp.asarray(rng.standard_normal((s[1], T)).astype(np.float32)) for n, s in SHAPES.items()}
         if T <= 16:
-            sides = {"integer": lambda: integer(weights, xs), "float": lambda: floats(weights, xs),
-                     "integer_token_lanes": lambda: lanes(weights, xs)}
+            sides = {
+                "integer": lambda xs=xs: integer(weights, xs),
+                "float": lambda xs=xs: floats(weights, xs),
+                "integer_token_lanes": lambda xs=xs: lanes(weights, xs),
+            }
         else:
-            sides = {"integer": lambda: integer(weights, xs), "float": lambda: xla(dense, xs)}
+            sides = {"integer": lambda xs=xs: integer(weights, xs), "float": lambda xs=xs: xla(dense, xs)}
         for f in sides.values():  # compile and warm
             jax.block_until_ready(f())
         times = {k: [] for k in sides}
@@ -100,11 +106,19 @@ def main() -> None:
         if "integer_token_lanes" in med:  # the prefill loop (tokens in lanes) at a decode size
             row["token_lanes_over_integer"] = round(med["integer_token_lanes"] / med["integer"], 3)
         rows.append(row)
-        print(f"T={T:4d}  integer {row['integer_ms']:8.3f} ms  float {row['float_ms']:8.3f} ms  "
-              f"float/integer {row['float_over_integer']:.2f}x  ({row['float_side']})"
-              + (f"  token-lanes/integer {row['token_lanes_over_integer']:.2f}x" if "token_lanes_over_integer" in row else ""))  # fmt: skip
+        print(
+            f"T={T:4d}  integer {row['integer_ms']:8.3f} ms  float {row['float_ms']:8.3f} ms  "
+            f"float/integer {row['float_over_integer']:.2f}x  ({row['float_side']})"
+            + (
+                f"  token-lanes/integer {row['token_lanes_over_integer']:.2f}x"
+                if "token_lanes_over_integer" in row
+                else ""
+            )
+        )
     if args.output:
-        Path(args.output).write_text(json.dumps({"kind": args.kind, "rounds": args.rounds, "rows": rows}, indent=2) + "\n")
+        Path(args.output).write_text(
+            json.dumps({"kind": args.kind, "rounds": args.rounds, "rows": rows}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import queue_common as qc  # noqa: E402
-from queue_batch_vs_offline import make_prompts  # noqa: E402
+import queue_common as qc
+from queue_batch_vs_offline import make_prompts
 
 
 async def depth(client: Any, queue: str) -> int:
@@ -54,11 +54,21 @@ async def depth(client: Any, queue: str) -> int:
             await ch.close()
 
 
-async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str, temperature: float = 0.0) -> dict[str, Any]:
+async def one_interactive(
+    client: Any, prompt: str, max_tokens: int, key: str, temperature: float = 0.0
+) -> dict[str, Any]:
     t0 = time.monotonic()
     seed = 0 if temperature > 0 else None  # reproducible texts when sampling
-    stream = await client.stream(prompt, queue="interactive", key=key, max_tokens=max_tokens, temperature=temperature,
-                                 seed=seed, cache=False, timeout=60)
+    stream = await client.stream(
+        prompt,
+        queue="interactive",
+        key=key,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        cache=False,
+        timeout=60,
+    )
     t_pub = time.monotonic()
     first_text = None
     async for _delta in stream:
@@ -83,7 +93,9 @@ async def one_interactive(client: Any, prompt: str, max_tokens: int, key: str, t
         "worker_admit_s": timings.get("admit_s"),
         "ok": bool(stream.result and stream.result.ok),
         "error": (stream.result.error.code if stream.result and stream.result.error else None),
-        "completion_tokens": ((stream.result.raw.get("usage") or {}).get("completion_tokens") if stream.result else None),
+        "completion_tokens": (
+            (stream.result.raw.get("usage") or {}).get("completion_tokens") if stream.result else None
+        ),
     }
 
 
@@ -104,10 +116,15 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
         d = await depth(client, batch_q)
         while d < target:
             for _ in range(target - d):
-                body = {"prompt": batch_prompts[n_batch % len(batch_prompts)], "max_tokens": args.batch_max_tokens,
-                        "temperature": 0, "cache": False}  # the same prompts recur: the response cache would answer them
-                await loader.publish(body, key=f"{run_tag}-b{n_batch}", queue="batch", reply_to=results_q,
-                                     expect_reply=False)
+                body = {
+                    "prompt": batch_prompts[n_batch % len(batch_prompts)],
+                    "max_tokens": args.batch_max_tokens,
+                    "temperature": 0,
+                    "cache": False,
+                }  # the same prompts recur: the response cache would answer them
+                await loader.publish(
+                    body, key=f"{run_tag}-b{n_batch}", queue="batch", reply_to=results_q, expect_reply=False
+                )
                 n_batch += 1
             d = await depth(client, batch_q)
         return d
@@ -123,7 +140,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
         k = 0
         for rnd in range(args.rounds):
             t_idle = time.monotonic()
-            for i in range(args.samples):
+            for _ in range(args.samples):
                 await asyncio.sleep(args.spacing)
                 r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-i{k}", args.temperature)
                 r.update(round=rnd, batch_depth=await depth(client, batch_q))
@@ -136,7 +153,7 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             await asyncio.sleep(args.spacing)  # let the worker fill its batch
             t_loaded = time.monotonic()
             done0 = await depth(client, results_q)  # nobody consumes it: it counts the batch jobs done
-            for i in range(args.samples):
+            for _ in range(args.samples):
                 d = await top_up(args.min_depth)
                 r = await one_interactive(client, prompts[k], args.max_tokens, f"{run_tag}-l{k}", args.temperature)
                 r.update(round=rnd, batch_depth=d)
@@ -150,10 +167,19 @@ async def run(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
             purged = await (await ch.declare_queue(batch_q, passive=True)).purge()
             await ch.close()
             await asyncio.sleep(3.0)
-            print(f"round {rnd}: idle median {qc.median([x['ttft_s'] for x in idle if x['round'] == rnd]):.4f}s "
-                  f"loaded median {qc.median([x['ttft_s'] for x in loaded if x['round'] == rnd]):.4f}s "
-                  f"(filled {d0} in {fill_s:.1f}s; purged {getattr(purged, 'message_count', purged)})", file=sys.stderr)
-        return {"idle": idle, "loaded": loaded, "batch_jobs_published": n_batch, "spans": spans, "batch_done": batch_done}
+            print(
+                f"round {rnd}: idle median {qc.median([x['ttft_s'] for x in idle if x['round'] == rnd]):.4f}s "
+                f"loaded median {qc.median([x['ttft_s'] for x in loaded if x['round'] == rnd]):.4f}s "
+                f"(filled {d0} in {fill_s:.1f}s; purged {getattr(purged, 'message_count', purged)})",
+                file=sys.stderr,
+            )
+        return {
+            "idle": idle,
+            "loaded": loaded,
+            "batch_jobs_published": n_batch,
+            "spans": spans,
+            "batch_done": batch_done,
+        }
     finally:
         await client.delete_reply_queue()
         await client.close()
@@ -179,8 +205,13 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
         lag = sorted(x[1] for x in data["loop_lag"] if any(a <= x[0] <= b for a, b in spans))
         steps = [s for s in data["steps"] if any(a <= s[0] <= b for a, b in spans)]
         out[phase] = {
-            "loop_lag_ms": {"median": round(1000 * qc.median(lag), 3), "p90": round(1000 * pct(lag, 0.9), 3),
-                            "max": round(1000 * lag[-1], 3)} if lag else None,
+            "loop_lag_ms": {
+                "median": round(1000 * qc.median(lag), 3),
+                "p90": round(1000 * pct(lag, 0.9), 3),
+                "max": round(1000 * lag[-1], 3),
+            }
+            if lag
+            else None,
             "engine_steps": len(steps),
             "engine_seqs_per_step_mean": round(sum(s[2] for s in steps) / len(steps), 2) if steps else None,
             # the outputs Engine.step returned: the batch sequences it
@@ -192,7 +223,8 @@ def attach_profile(path: str, res: dict[str, Any]) -> dict[str, Any]:
             # the expected rest of the step in flight at a random moment:
             # long steps are likelier to be the one an arrival lands in
             "engine_step_residual_ms": round(1000 * sum(s[1] ** 2 for s in steps) / (2 * sum(s[1] for s in steps)), 3)
-            if steps else None,
+            if steps
+            else None,
         }
     return out
 
@@ -223,7 +255,8 @@ def timeline(steps: list[list[float]], job: dict[str, float], first_token: float
         # the engine's view of the two parts: waiting (for the step in
         # flight, on a loaded worker) and its own step
         "engine_own_step_ms": round(1000 * (job["engine_first_token"] - job["engine_first_scheduled"]), 2)
-        if "engine_first_token" in job and "engine_first_scheduled" in job else None,
+        if "engine_first_token" in job and "engine_first_scheduled" in job
+        else None,
         "steps_between": len(after) - 1 if after else 0,
         "steps_between_ms": round(1000 * sum(s[1] for s in after[:-1]), 2) if after else 0.0,
         "own_step_ms": round(1000 * own[1], 2) if own else None,
@@ -246,31 +279,47 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spacing", type=float, default=0.5, help="Seconds between interactive jobs.")
     ap.add_argument("--max-tokens", type=int, default=16, help="Interactive jobs.")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="Interactive jobs (seed 0 when > 0). A chunk carries text, and a random model's greedy "
-                         "tokens can all be empty text (llama-56m): sample there.")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="Interactive jobs (seed 0 when > 0). A chunk carries text, and a random model's greedy "
+        "tokens can all be empty text (llama-56m): sample there.",
+    )
     ap.add_argument("--batch-max-tokens", type=int, default=64, help="Background batch jobs.")
     ap.add_argument("--batch-depth", type=int, default=400, help="Ready batch jobs before the loaded phase.")
     ap.add_argument("--min-depth", type=int, default=300, help="Top-up level before each loaded sample.")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="tiny", help="Preset or checkpoint folder (llama-56m: a batch step of tens of ms).")
+    ap.add_argument(
+        "--model", default="tiny", help="Preset or checkpoint folder (llama-56m: a batch step of tens of ms)."
+    )
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=128)
     ap.add_argument("--worker-arg", action="append", default=[], help="Extra flag for `jaxserve worker` (repeatable).")
-    ap.add_argument("--profile", action="store_true",
-                    help="Worker with benchmarks/queue_profile.py's instrumentation: per interactive job, publish -> "
-                         "delivery on the worker's loop (same monotonic clock), and the loop's lag per phase.")
-    ap.add_argument("--late-admission", action="store_true",
-                    help="With --profile: the engine ignores the worker's before_plan hook (the behaviour before "
-                         "3652a22; add --worker-arg=--engine-arg --worker-arg=async_scheduling=true for its defaults)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="Worker with benchmarks/queue_profile.py's instrumentation: per interactive job, publish -> "
+        "delivery on the worker's loop (same monotonic clock), and the loop's lag per phase.",
+    )
+    ap.add_argument(
+        "--late-admission",
+        action="store_true",
+        help="With --profile: the engine ignores the worker's before_plan hook (the behaviour before "
+        "3652a22; add --worker-arg=--engine-arg --worker-arg=async_scheduling=true for its defaults)",
+    )
     ap.add_argument("--label", default="ttft")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
-    engine = {"model": args.model, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_model_len": args.max_model_len}
+    engine = {
+        "model": args.model,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+    }
     t_script = time.monotonic()
     machine = qc.machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="jaxserve-ttft-bench-"))
@@ -298,11 +347,27 @@ def main() -> None:
 
     def summ(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"n": len(rows)}
-        for name in ("ttft_s", "first_text_s", "publish_s", "worker_queue_s", "publish_to_received_s", "worker_admit_s", "worker_ttft_s",
-                     "first_chunk_return_s", "total_s", "batch_depth", "chunks"):
+        for name in (
+            "ttft_s",
+            "first_text_s",
+            "publish_s",
+            "worker_queue_s",
+            "publish_to_received_s",
+            "worker_admit_s",
+            "worker_ttft_s",
+            "first_chunk_return_s",
+            "total_s",
+            "batch_depth",
+            "chunks",
+        ):
             xs = [r[name] for r in rows if r.get(name) is not None]
             if xs:
-                out[name] = {"median": round(qc.median(xs), 5), "p90": round(pct(xs, 0.9), 5), "min": min(xs), "max": max(xs)}
+                out[name] = {
+                    "median": round(qc.median(xs), 5),
+                    "p90": round(pct(xs, 0.9), 5),
+                    "min": min(xs),
+                    "max": max(xs),
+                }
         return out
 
     profile = None
@@ -327,21 +392,42 @@ def main() -> None:
         # batch throughput while interactive jobs run (the price of any
         # interactive-first rule): results published during the loaded phases
         "batch_jobs_done_loaded": sum(n for n, _ in res["batch_done"]),
-        "batch_jobs_per_s_loaded": round(sum(n for n, _ in res["batch_done"]) / max(1e-9, sum(t for _, t in res["batch_done"])), 3),
+        "batch_jobs_per_s_loaded": round(
+            sum(n for n, _ in res["batch_done"]) / max(1e-9, sum(t for _, t in res["batch_done"])), 3
+        ),
         # Medians of the parts (each its own median: they need not add up).
         "breakdown_median_s": {
-            phase: {name: summ_[name]["median"] for name in ("worker_queue_s", "publish_to_received_s", "worker_ttft_s",
-                                                          "first_chunk_return_s") if name in summ_}
+            phase: {
+                name: summ_[name]["median"]
+                for name in ("worker_queue_s", "publish_to_received_s", "worker_ttft_s", "first_chunk_return_s")
+                if name in summ_
+            }
             for phase, summ_ in (("idle", idle), ("loaded", loaded))
         },
     }
     if profile is not None:
         # Medians of each part of the worker's delivery -> first token.
         summary["timeline_median_ms"] = {
-            phase: {name: qc.median([r["timeline"][name] for r in res[phase] if r.get("timeline", {}).get(name) is not None])
-                    for name in ("inflight_rest_ms", "add_sent_ms", "admitted_ms", "first_step_start_ms", "engine_arrival_ms",
-                                 "engine_first_scheduled_ms", "engine_first_token_ms", "engine_own_step_ms", "loop_first_token_ms", "steps_between", "steps_between_ms", "own_step_ms",
-                                 "after_own_step_ms")}
+            phase: {
+                name: qc.median(
+                    [r["timeline"][name] for r in res[phase] if r.get("timeline", {}).get(name) is not None]
+                )
+                for name in (
+                    "inflight_rest_ms",
+                    "add_sent_ms",
+                    "admitted_ms",
+                    "first_step_start_ms",
+                    "engine_arrival_ms",
+                    "engine_first_scheduled_ms",
+                    "engine_first_token_ms",
+                    "engine_own_step_ms",
+                    "loop_first_token_ms",
+                    "steps_between",
+                    "steps_between_ms",
+                    "own_step_ms",
+                    "after_own_step_ms",
+                )
+            }
             for phase in ("idle", "loaded")
         }
     data = {
@@ -355,7 +441,9 @@ def main() -> None:
         "idle": idle,
         "loaded": loaded,
         "batch_jobs_published": res["batch_jobs_published"],
-        "engine_steps": int(m1.get("jaxserve_engine_steps_total", 0) - m0.get("jaxserve_engine_steps_total", 0)) if m0 and m1 else None,
+        "engine_steps": int(m1.get("jaxserve_engine_steps_total", 0) - m0.get("jaxserve_engine_steps_total", 0))
+        if m0 and m1
+        else None,
         "worker_profile": profile,
         "samples": {"idle": res["idle"], "loaded": res["loaded"]},
         "worker_stats": stats,

@@ -67,8 +67,16 @@ def row(f: Figure, res: Result, path: Path) -> str:
         parts.append(f"{len(s.runs)} rounds")
     commit = f"{res.git.get('commit')}{' (dirty)' if res.git.get('jaxserve_dirty') else ''}"
     note = f" {f.note}" if f.note else ""
-    cells = [f.what + note, figure, peer, ratio, "; ".join(parts), machine_mod.short(res.machine),
-             f"{commit}, {res.date_utc[:10]}, [result]({_rel(path)})", f"`{res.command}`"]
+    cells = [
+        f.what + note,
+        figure,
+        peer,
+        ratio,
+        "; ".join(parts),
+        machine_mod.short(res.machine),
+        f"{commit}, {res.date_utc[:10]}, [result]({_rel(path)})",
+        f"`{res.command}`",
+    ]
     return "| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |"
 
 
@@ -82,8 +90,12 @@ def _rel(path: Path) -> str:
 def result_rows(res: Result, path: Path) -> list[str]:
     """The rows of one result (what ``suite.py run`` prints, smoke runs included)."""
     if not res.figures:
-        return [f"| {res.scenario}: no figures (see the result) | – | – | – | – | {machine_mod.short(res.machine)} | "
-                f"[result]({_rel(path)}) | `{res.command}` |"]
+        return [
+            (
+                f"| {res.scenario}: no figures (see the result) | – | – | – | – | {machine_mod.short(res.machine)} | "
+                f"[result]({_rel(path)}) | `{res.command}` |"
+            )
+        ]
     return [row(f, res, path) for f in res.figures]
 
 

@@ -104,6 +104,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c
 def _flags() -> tuple[str, ...]:
     return (*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split())
 
+
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -151,9 +152,14 @@ def available() -> bool:
                     _build(compiler, path)
                     log.info("cpu_kernel.built", path=str(path))
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                targets = ((TARGET, SYMBOL), (TARGET_FM, SYMBOL_FM), (TARGET_MATMUL, SYMBOL_MATMUL),
-                           (TARGET_MATVEC, SYMBOL_MATVEC), (TARGET_ARGMAX, SYMBOL_ARGMAX),
-                           (TARGET_QMATMUL, SYMBOL_QMATMUL))  # fmt: skip
+                targets = (
+                    (TARGET, SYMBOL),
+                    (TARGET_FM, SYMBOL_FM),
+                    (TARGET_MATMUL, SYMBOL_MATMUL),
+                    (TARGET_MATVEC, SYMBOL_MATVEC),
+                    (TARGET_ARGMAX, SYMBOL_ARGMAX),
+                    (TARGET_QMATMUL, SYMBOL_QMATMUL),
+                )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 ok = True
@@ -235,17 +241,26 @@ def paged_attention_cpu_fm(
     H = HD // D
     f32 = jnp.float32
     out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), f32))(
-        q_fm.astype(f32), cos.astype(f32), sin.astype(f32), k_cache, v_cache,
-        *_paging(meta, positions, sliding_window), scale=np.float32(scale),
-    )  # fmt: skip
+        q_fm.astype(f32),
+        cos.astype(f32),
+        sin.astype(f32),
+        k_cache,
+        v_cache,
+        *_paging(meta, positions, sliding_window),
+        scale=np.float32(scale),
+    )
     return out.reshape(T, H, D)
 
 
 def _matmul_shapes_ok(w: jax.Array, x: jax.Array) -> bool:
     return (
-        w.ndim == 2 and x.ndim == 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32
-        and w.shape[1] == x.shape[0] and x.shape[1] % MATMUL_TOKEN_MULTIPLE == 0
-    )  # fmt: skip
+        w.ndim == 2
+        and x.ndim == 2
+        and w.dtype == jnp.float32
+        and x.dtype == jnp.float32
+        and w.shape[1] == x.shape[0]
+        and x.shape[1] % MATMUL_TOKEN_MULTIPLE == 0
+    )
 
 
 def matmul_pays(w: jax.Array, x: jax.Array) -> bool:
@@ -255,10 +270,7 @@ def matmul_pays(w: jax.Array, x: jax.Array) -> bool:
     it measured faster than XLA's matmul (see the constants; fewer tokens
     are XLA's). Availability is :func:`available`."""
     T = x.shape[-1]
-    return (
-        _matmul_shapes_ok(w, x) and MATMUL_MIN_TOKENS <= T <= MATMUL_MAX_TOKENS
-        and w.shape[0] <= MATMUL_MAX_ROWS
-    )  # fmt: skip
+    return _matmul_shapes_ok(w, x) and MATMUL_MIN_TOKENS <= T <= MATMUL_MAX_TOKENS and w.shape[0] <= MATMUL_MAX_ROWS
 
 
 def matmul_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -276,9 +288,13 @@ def matmul_cpu(w: jax.Array, x: jax.Array) -> jax.Array:
 
 def _matvec_shapes_ok(w: jax.Array, x: jax.Array) -> bool:
     return (
-        w.ndim == 2 and x.ndim == 2 and w.dtype == jnp.float32 and x.dtype == jnp.float32
-        and w.shape[1] == x.shape[0] and x.shape[1] in MATVEC_KERNEL_TOKENS
-    )  # fmt: skip
+        w.ndim == 2
+        and x.ndim == 2
+        and w.dtype == jnp.float32
+        and x.dtype == jnp.float32
+        and w.shape[1] == x.shape[0]
+        and x.shape[1] in MATVEC_KERNEL_TOKENS
+    )
 
 
 def matvec_pays(w: jax.Array, x: jax.Array) -> bool:
@@ -311,9 +327,12 @@ def qmatmul_serves(w, x: jax.Array) -> bool:
     ``jaxserve.models.quant.QuantizedWeight`` ``w``: any token count, one
     device's weight (availability is :func:`available`)."""
     return (
-        getattr(w, "kind", None) in _QUANT_KINDS and x.ndim == 2 and x.shape[0] == w.shape[1]
-        and x.shape[1] >= 1 and jnp.issubdtype(x.dtype, jnp.floating)
-    )  # fmt: skip
+        getattr(w, "kind", None) in _QUANT_KINDS
+        and x.ndim == 2
+        and x.shape[0] == w.shape[1]
+        and x.shape[1] >= 1
+        and jnp.issubdtype(x.dtype, jnp.floating)
+    )
 
 
 def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
@@ -358,6 +377,16 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
 
 
 __all__ = [
-    "available", "matmul_cpu", "matmul_pays", "matvec_cpu", "matvec_pays", "paged_attention_cpu",
-    "paged_attention_cpu_fm", "qmatmul_cpu", "qmatmul_serves", "unsupported", "vocab_argmax_cpu", "vocab_argmax_serves",
-]  # fmt: skip
+    "available",
+    "matmul_cpu",
+    "matmul_pays",
+    "matvec_cpu",
+    "matvec_pays",
+    "paged_attention_cpu",
+    "paged_attention_cpu_fm",
+    "qmatmul_cpu",
+    "qmatmul_serves",
+    "unsupported",
+    "vocab_argmax_cpu",
+    "vocab_argmax_serves",
+]
