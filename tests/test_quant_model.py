@@ -106,7 +106,8 @@ def test_gguf_blocks_taken_directly_match_the_dequantized_file(tmp_path, qtype):
     weights = hf_weights(len(vocab["tokens"]), seed=11, tied=True)
     path = write_llama_gguf(tmp_path / "q.gguf", vocab, weights, QT[qtype], seed=11)
     folder = resolve_model(path)
-    direct = load_model(folder, quantization="int8")  # the file's blocks, whatever the flag asks
+    asked = "int8" if qtype == "Q8_0" else "int4"
+    direct = load_model(folder, quantization=asked)  # the file's blocks: the width asked for
     floats = load_model(folder)  # dequantized to float32 as it is read
 
     # the stored integers are the file's own bytes (q/k rows un-permuted, q/k/v fused)
@@ -130,3 +131,25 @@ def test_gguf_blocks_taken_directly_match_the_dequantized_file(tmp_path, qtype):
     scale = np.abs(b).max()
     assert np.abs(a - b).max() < 0.05 * scale, (np.abs(a - b).max(), scale)
     assert np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.9
+
+
+def test_the_other_block_width_is_requantized_as_asked(tmp_path):
+    """--quantization int8 on a Q4_1 file means int8 weights (as llama.cpp's
+    Q8_0 of the same weights), not the file's 4-bit blocks; int4 on a Q8_0
+    file means 4-bit ones."""
+    gguf = pytest.importorskip("gguf")
+    from jaxserve.presets import resolve_model
+    from test_gguf import gpt2_vocab, hf_weights, write_llama_gguf
+
+    QT = gguf.GGMLQuantizationType
+    vocab = gpt2_vocab("default", size=300)
+    weights = hf_weights(len(vocab["tokens"]), seed=12, tied=True)
+    for qtype, asked, kind in (("Q4_1", "int8", "q8_0"), ("Q8_0", "int4", "q4_1")):
+        folder = resolve_model(write_llama_gguf(tmp_path / f"{qtype}.gguf", vocab, weights, QT[qtype], seed=12))
+        loaded = load_model(folder, quantization=asked)
+        floats = load_model(folder)
+        w = loaded.model.layers[0].w_down.get_value()
+        assert w.kind == kind
+        ref = np.asarray(floats.model.layers[0].w_down[...])
+        err = np.abs(np.asarray(quant.dequantize(w)) - ref).max()
+        assert 0 < err <= 0.1 * np.abs(ref).max()  # quantized again from the file's values

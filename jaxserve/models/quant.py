@@ -198,13 +198,16 @@ def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, ...]) -> 
 def load_param(src: Any, parts: list[tuple[str, tuple[int, ...], Any]], kind: str) -> QuantizedWeight:
     """One ``[O, I]`` parameter, quantized, from a checkpoint's tensors
     (``jaxserve.models.loader``'s parts: HF name, HF shape, the parameter
-    rows it fills, in row order). GGUF tensors already in Q8_0, Q4_0 or
-    Q4_1 blocks are taken as they are whatever ``kind`` asks (the file's
-    quantization was chosen for it; a fused parameter concatenates its
-    parts' rows); any other tensor is read as float and quantized to
-    ``kind``, one parameter at a time. JAX arrays as leaves."""
+    rows it fills, in row order). GGUF tensors already in blocks of the
+    width ``kind`` asks for (Q8_0 for int8; Q4_0 or Q4_1 for int4) are taken
+    as they are, never through float32 (a fused parameter concatenates its
+    parts' rows); any other tensor, a GGUF block of the other width
+    included, is read as float and quantized to ``kind``, one parameter at a
+    time: ``--quantization int8`` on a Q4_1 file gives int8 weights, as
+    asked, not the file's 4-bit ones. JAX arrays as leaves."""
     raw = getattr(src, "raw_blocks", None)
-    if raw is not None and all(src.dtype_name(name) in GGUF_KINDS for name, _, _ in parts):
+    bits = kind[:2]  # "q8" or "q4": the block width asked for
+    if raw is not None and all(GGUF_KINDS.get(src.dtype_name(name), "")[:2] == bits for name, _, _ in parts):
         pieces = [from_gguf_blocks(src.dtype_name(name), raw(name).blocks, shape) for name, shape, _ in parts]
         if len({p.kind for p in pieces}) == 1:
             if len(pieces) == 1:
