@@ -3,9 +3,9 @@
 A label is scored by the log-probability the model gives its tokens right
 after the prompt, so *which* prompt and *which* tokens decide whether the
 scores mean anything. On SmolLM2-135M-Instruct the same 240 documents
-(``benchmarks/data/topics.jsonl``) go from near chance as a plain
-continuation to the accuracy in BENCHMARKS.md through the chat form with
-calibration (``benchmarks/classify_accuracy.py`` measures every form).
+(``benchmarks/data/topics.jsonl``) go from 36 % right as a plain
+continuation to 69 % in the chat form with calibration, 76 % with two worked
+examples per class (``benchmarks/classify_accuracy.py`` measures every form).
 
 Two forms (``label_prompt``):
 
