@@ -125,21 +125,28 @@ def content_free(m: Method, shots: list[dict]) -> L.LabelRequest:
     return dataclasses.replace(request_for(m, "N/A", shots))
 
 
-def run_engine(engine, jobs: dict[str, L.LabelTokens]) -> dict[str, list[float]]:
-    """Every score request through the engine at once (it batches them)."""
-    for rid, t in jobs.items():
-        engine.add_score_request(rid, t.prompt_ids, t.label_ids)
+def run_engine(engine, jobs: dict[str, L.LabelTokens], window: int = 64) -> dict[str, list[float]]:
+    """Every score request through the engine, at most ``window`` in flight
+    (the engine batches them), and each distinct prompt + labels once (the
+    calibrated methods score the same documents as their plain siblings)."""
+    unique: dict[str, L.LabelTokens] = {}
+    for t in jobs.values():
+        unique.setdefault(t.identity(), t)
+    todo = list(unique.items())
     done: dict[str, list[float]] = {}
     t0 = time.time()
-    while engine.has_unfinished():
+    while todo or engine.has_unfinished():
+        while todo and (len(unique) - len(todo)) - len(done) < window:
+            ident, t = todo.pop(0)
+            engine.add_score_request(ident, t.prompt_ids, t.label_ids)
         for out in engine.step():
             if out.finished:
                 if out.error is not None:
                     raise RuntimeError(f"{out.request_id}: {out.error}")
                 done[out.request_id] = list(out.label_logprobs)
-                if len(done) % 250 == 0:
-                    print(f"  {len(done)}/{len(jobs)} scored, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    return done
+                if len(done) % 100 == 0:
+                    print(f"  {len(done)}/{len(unique)} scored, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {rid: done[t.identity()] for rid, t in jobs.items()}
 
 
 def hf_check(model_path: str, tok, jobs: dict[str, L.LabelTokens], texts: dict[str, tuple[str, bool, tuple[str, ...]]],
