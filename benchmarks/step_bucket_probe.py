@@ -45,9 +45,18 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=24)
     args = ap.parse_args()
 
-    engine = Engine(EngineArgs(model=args.model, quantization=args.quantization, max_num_seqs=32,
-                               max_num_batched_tokens=512, max_model_len=256, async_scheduling=False,
-                               interactive_batch_prefill_tokens=32, interactive_step_tokens=0))
+    engine = Engine(
+        EngineArgs(
+            model=args.model,
+            quantization=args.quantization,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            max_model_len=256,
+            async_scheduling=False,
+            interactive_batch_prefill_tokens=32,
+            interactive_step_tokens=0,
+        )
+    )
     engine.warmup()
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -62,8 +71,9 @@ def main() -> None:
             sched._interactive_seen = sched._clock()  # as if an interactive job had just been seen
             sched.config.interactive_step_tokens = STEP_CAP[shape]
             if shape == "b64":
-                engine.add_request(f"p{rnd}", rng.integers(100, 10000, size=32).tolist(),
-                                   SamplingParams(max_tokens=1, temperature=0.0))
+                engine.add_request(
+                    f"p{rnd}", rng.integers(100, 10000, size=32).tolist(), SamplingParams(max_tokens=1, temperature=0.0)
+                )
             engine.step()  # launches a step of this shape
             t0 = time.perf_counter()
             engine.step()  # collects it
@@ -71,8 +81,10 @@ def main() -> None:
             sched.config.interactive_step_tokens = 0
             engine.step()
     for shape, xs in times.items():
-        print(f"{shape}: median {1000 * statistics.median(xs):.1f} ms, min {1000 * min(xs):.1f}, "
-              f"max {1000 * max(xs):.1f} (n={len(xs)})")
+        print(
+            f"{shape}: median {1000 * statistics.median(xs):.1f} ms, min {1000 * min(xs):.1f}, "
+            f"max {1000 * max(xs):.1f} (n={len(xs)})"
+        )
 
 
 if __name__ == "__main__":

@@ -122,9 +122,7 @@ class EngineArgs:
         from jaxserve.kernels.backends import BACKENDS
 
         if self.attention_backend not in BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}"
-            )
+            raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")

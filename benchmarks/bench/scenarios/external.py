@@ -51,15 +51,24 @@ def headline_figures(data: dict[str, Any], source: str) -> list[Figure]:
     elif isinstance(head, dict):
         items = [{"what": k, "value": v} for k, v in head.items() if isinstance(v, (int, float))]
     elif isinstance(data.get("summary"), dict):
-        items = [{"what": k, "value": v} for k, v in data["summary"].items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        items = [
+            {"what": k, "value": v}
+            for k, v in data["summary"].items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
     out = []
     for h in items:
         higher = bool(h.get("higher_is_better", True))
         goal_value = h.get("goal_value")
-        out.append(Figure(str(h["what"]), Stat(str(h.get("label", source)), str(h.get("unit", "")), [float(h["value"])]),
-                          goal=h.get("goal"), goal_value=float(goal_value) if goal_value is not None else None,
-                          higher_is_better=higher))
+        out.append(
+            Figure(
+                str(h["what"]),
+                Stat(str(h.get("label", source)), str(h.get("unit", "")), [float(h["value"])]),
+                goal=h.get("goal"),
+                goal_value=float(goal_value) if goal_value is not None else None,
+                higher_is_better=higher,
+            )
+        )
     return out
 
 
@@ -72,25 +81,32 @@ def accuracy_figures(data: dict[str, Any], source: str) -> list[Figure]:
     n = data.get("documents")
     model = _model_label(str(data.get("model", "")))
     out = []
-    names = ([default] if default in methods else []) + [m for m in ("plain", "chat", "calibrated", "few-shot")
-                                                       if m != default and m in methods]
+    names = ([default] if default in methods else []) + [
+        m for m in ("plain", "chat", "calibrated", "few-shot") if m != default and m in methods
+    ]
     for name in names:
         r = methods[name]
         label = f"method {name}" + (" (the default)" if name == default else "")
-        f = Figure(f"classification accuracy, {n} labelled documents, {model}",
-                   Stat(label, "%", [round(100 * r["accuracy"]["all"], 1)]),
-                   note=f"(half A {100 * r['accuracy']['A']:.1f} %, half B {100 * r['accuracy']['B']:.1f} %)")
+        f = Figure(
+            f"classification accuracy, {n} labelled documents, {model}",
+            Stat(label, "%", [round(100 * r["accuracy"]["all"], 1)]),
+            note=f"(half A {100 * r['accuracy']['A']:.1f} %, half B {100 * r['accuracy']['B']:.1f} %)",
+        )
         if name == default:
             f.goal, f.goal_value = ">= 75 %", 75.0
         out.append(f)
     check = data.get("hf_check") or {}
     if check.get("max_abs_diff") is not None:
-        out.append(Figure(f"label log-likelihoods against transformers on the same token ids ({check.get('labels_compared')} labels)",
-                          Stat("max abs difference", "nats", [float(check["max_abs_diff"])]),
-                          goal="<= 1e-4", goal_value=1e-4, higher_is_better=False))
+        out.append(
+            Figure(
+                f"label log-likelihoods against transformers on the same token ids ({check.get('labels_compared')} labels)",
+                Stat("max abs difference", "nats", [float(check["max_abs_diff"])]),
+                goal="<= 1e-4",
+                goal_value=1e-4,
+                higher_is_better=False,
+            )
+        )
     return out
-
-
 
 
 def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
@@ -107,17 +123,26 @@ def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
         if r is None:
             continue
         agree_goal, ppl_goal = goals[kind]
-        f = Figure(f"greedy tokens equal to f32's over fixed prompts ({r.get('positions')} positions), {model}, {data.get('path')}",
-                   Stat(f"jaxserve {kind}", "%", [round(100 * r["greedy_agreement"], 1)]),
-                   note=f"(largest per-token logprob difference {r['max_token_logprob_diff']:.3g})")
+        f = Figure(
+            f"greedy tokens equal to f32's over fixed prompts ({r.get('positions')} positions), {model}, {data.get('path')}",
+            Stat(f"jaxserve {kind}", "%", [round(100 * r["greedy_agreement"], 1)]),
+            note=f"(largest per-token logprob difference {r['max_token_logprob_diff']:.3g})",
+        )
         if agree_goal is not None:
             f.goal, f.goal_value = f">= {100 * agree_goal:.0f} %", 100 * agree_goal
         out.append(f)
-        out.append(Figure(f"perplexity on benchmarks/data/perplexity.txt ({r.get('perplexity_tokens')} tokens), {model}",
-                          Stat(f"jaxserve {kind}", "", [round(r["perplexity"], 4)]),
-                          Stat("jaxserve f32", "", [round(f32["perplexity"], 4)]),
-                          [round(r["perplexity"] / f32["perplexity"], 4)], goal=f"<= {ppl_goal}x", goal_ratio=ppl_goal,
-                          higher_is_better=False, compare_swing=False))
+        out.append(
+            Figure(
+                f"perplexity on benchmarks/data/perplexity.txt ({r.get('perplexity_tokens')} tokens), {model}",
+                Stat(f"jaxserve {kind}", "", [round(r["perplexity"], 4)]),
+                Stat("jaxserve f32", "", [round(f32["perplexity"], 4)]),
+                [round(r["perplexity"] / f32["perplexity"], 4)],
+                goal=f"<= {ppl_goal}x",
+                goal_ratio=ppl_goal,
+                higher_is_better=False,
+                compare_swing=False,
+            )
+        )
     return out
 
 
@@ -135,20 +160,33 @@ def structured_figures(data: dict[str, Any], source: str) -> list[Figure]:
         if name == "0_constrained" or base is None:
             continue
         n = name.split("_", 1)[0]
-        out.append(Figure(f"decode step of a {rows}-row batch with {n} constrained rows vs none, {model} (median ms)",
-                          Stat(f"{n} constrained", "ms", [ms]), Stat("0 constrained", "ms", [base]), [round(ms / base, 4)],
-                          higher_is_better=False, compare_swing=False))
+        out.append(
+            Figure(
+                f"decode step of a {rows}-row batch with {n} constrained rows vs none, {model} (median ms)",
+                Stat(f"{n} constrained", "ms", [ms]),
+                Stat("0 constrained", "ms", [base]),
+                [round(ms / base, 4)],
+                higher_is_better=False,
+                compare_swing=False,
+            )
+        )
     runs = data.get("jobs_runs") or {}
     schema, free = runs.get("schema") or [], runs.get("free") or []
     if schema and free:
         valid = sum(r.get("valid_json", 0) for r in schema)
         total = len(schema) * int(data.get("jobs") or 0)
-        out.append(Figure(f"{data.get('jobs')} extraction jobs, JSON Schema vs unconstrained, {model} (jobs/s)",
-                          Stat("jaxserve, schema", "jobs/s", [r["jobs_per_s"] for r in schema]),
-                          Stat("jaxserve, no schema", "jobs/s", [r["jobs_per_s"] for r in free]),
-                          [a["jobs_per_s"] / b["jobs_per_s"] for a, b in zip(schema, free, strict=False)],
-                          goal=">= 1/1.15 (0.87x)", goal_ratio=1 / 1.15, compare_swing=False,
-                          note=f"({valid} of {total} schema outputs valid JSON; free jobs stop at EOS, so their tokens differ)"))
+        out.append(
+            Figure(
+                f"{data.get('jobs')} extraction jobs, JSON Schema vs unconstrained, {model} (jobs/s)",
+                Stat("jaxserve, schema", "jobs/s", [r["jobs_per_s"] for r in schema]),
+                Stat("jaxserve, no schema", "jobs/s", [r["jobs_per_s"] for r in free]),
+                [a["jobs_per_s"] / b["jobs_per_s"] for a, b in zip(schema, free, strict=False)],
+                goal=">= 1/1.15 (0.87x)",
+                goal_ratio=1 / 1.15,
+                compare_swing=False,
+                note=f"({valid} of {total} schema outputs valid JSON; free jobs stop at EOS, so their tokens differ)",
+            )
+        )
     return out
 
 
@@ -163,8 +201,13 @@ def run_script(script: Path, extra: list[str], ctx: Any, out_flag: str) -> tuple
     cmd = [sys.executable, str(script), *extra, out_flag, str(target)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=BENCH.parent)
     found = sorted(out_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
-    run = {"command": " ".join(cmd), "returncode": proc.returncode, "stdout_tail": proc.stdout[-3000:],
-           "stderr_tail": proc.stderr[-3000:], "output": str(found[-1]) if found else None}
+    run = {
+        "command": " ".join(cmd),
+        "returncode": proc.returncode,
+        "stdout_tail": proc.stdout[-3000:],
+        "stderr_tail": proc.stderr[-3000:],
+        "output": str(found[-1]) if found else None,
+    }
     if proc.returncode != 0 or not found:
         raise SystemExit(f"{script.name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(found[-1].read_text()), run
@@ -183,11 +226,18 @@ class ExternalScenario:
         self.__doc__ = f"{name}: {description}\n\n" + (__doc__ or "")
 
     def add_arguments(self, p: argparse.ArgumentParser) -> None:
-        p.add_argument("--script-arg", action="append", default=[],
-                       help=f"an argument passed on to {self.script.name} (repeatable)")
-        p.add_argument("--report", default=None,
-                       help=f"a report {self.script.name} already wrote (its own full run): take its figures "
-                            "instead of running it again; the result records the report's commit")
+        p.add_argument(
+            "--script-arg",
+            action="append",
+            default=[],
+            help=f"an argument passed on to {self.script.name} (repeatable)",
+        )
+        p.add_argument(
+            "--report",
+            default=None,
+            help=f"a report {self.script.name} already wrote (its own full run): take its figures "
+            "instead of running it again; the result records the report's commit",
+        )
 
     def run(self, args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
         if args.report:
@@ -196,20 +246,41 @@ class ExternalScenario:
         else:
             data, run = run_script(self.script, list(args.script_arg), ctx, self.out_flag)
         figs = self.extract(data, self.script.stem.replace("_", " "))
-        return figs, [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}], \
-            {"script": str(self.script.relative_to(BENCH.parent)), "script_args": args.script_arg,
-             "script_report": data,
-             **({"git": {"commit": data.get("commit"), "jaxserve_dirty": None, "from_report": args.report}}
-                if args.report else {})}
+        return (
+            figs,
+            [{**run, "system": self.script.stem, "round": 0, "warmup": False, "ok": True}],
+            {
+                "script": str(self.script.relative_to(BENCH.parent)),
+                "script_args": args.script_arg,
+                "script_report": data,
+                **(
+                    {"git": {"commit": data.get("commit"), "jaxserve_dirty": None, "from_report": args.report}}
+                    if args.report
+                    else {}
+                ),
+            },
+        )
 
 
-ACCURACY = ExternalScenario("accuracy", "classify_accuracy.py",
-                            "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M",
-                            accuracy_figures, "--out")
-STRUCTURED = ExternalScenario("structured", "structured_bench.py",
-                              "structured output's cost on SmolLM2-135M: a 64-row step with 0, 1 and 64 constrained rows; "
-                              "500 extraction jobs with and without a JSON Schema",
-                              structured_figures, "--json")
-QUANT_QUALITY = ExternalScenario("quant-quality", "quant_quality.py",
-                                 "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity",
-                                 quant_figures, "--output-dir")
+ACCURACY = ExternalScenario(
+    "accuracy",
+    "classify_accuracy.py",
+    "classification accuracy on the labelled set (benchmarks/data/) per method, SmolLM2-135M",
+    accuracy_figures,
+    "--out",
+)
+STRUCTURED = ExternalScenario(
+    "structured",
+    "structured_bench.py",
+    "structured output's cost on SmolLM2-135M: a 64-row step with 0, 1 and 64 constrained rows; "
+    "500 extraction jobs with and without a JSON Schema",
+    structured_figures,
+    "--json",
+)
+QUANT_QUALITY = ExternalScenario(
+    "quant-quality",
+    "quant_quality.py",
+    "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity",
+    quant_figures,
+    "--output-dir",
+)
