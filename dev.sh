@@ -133,12 +133,17 @@ case "$cmd" in
     setup_venv test ;;
   check)
     setup_venv test
+    failed=()
     log "ruff check"
-    "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" check . || failed+=("ruff check")
     log "ruff format --check"
-    "$VENV/bin/ruff" format --check .
+    "$VENV/bin/ruff" format --check . || failed+=("ruff format")
     log "mypy"
-    exec "$VENV/bin/mypy" ;;
+    "$VENV/bin/mypy" || failed+=(mypy)
+    if [ ${#failed[@]} -gt 0 ]; then
+      log "failed: ${failed[*]}"
+      exit 1
+    fi ;;
   test)
     setup_venv test
     ensure_rabbitmq
