@@ -45,7 +45,8 @@ import hashlib
 import os
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, cast
 
 import aio_pika
 import orjson
@@ -56,6 +57,7 @@ from jaxserve.engine import scoring
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
 from jaxserve.metrics import EngineMetrics
 from jaxserve.metrics import serve as serve_metrics
+from jaxserve.tokenizer import labels as label_prompts
 from jaxserve.wire import (
     BATCH,
     DEFAULT_AMQP_URL,
@@ -67,15 +69,14 @@ from jaxserve.wire import (
     Result,
     Topology,
     WireDecodeError,
+    amqp_compat,
     check_reply_to,
     decode_cancel,
+    outputs,
     parse_job,
 )
-from jaxserve.wire import outputs
 from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import declare_topology
-from jaxserve.wire import amqp_compat
-from jaxserve.tokenizer import labels as label_prompts
 from jaxserve.worker.admission import AdmissionConfig, InteractiveAdmission
 from jaxserve.worker.calibration import LabelCalibrations
 from jaxserve.worker.engine_process import EngineProcess, kv_cache_bytes
@@ -150,7 +151,9 @@ class WorkerConfig:
     # Trace jobs and export to this OTLP collector (--otlp-endpoint); the
     # OTEL_* variables configure tracing too (jaxserve.worker.tracing).
     otlp_endpoint: str | None = None
-    worker_id: str = dataclasses.field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    worker_id: str = dataclasses.field(
+        default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
 
 
 def _published_at(message: Any) -> float | None:
@@ -173,7 +176,11 @@ def _text(value: Any) -> str | None:
 
 class Worker:
     def __init__(
-        self, engine_factory: Callable[[], Any], config: WorkerConfig | None = None, store: Any = None, tracing: Tracing | None = None
+        self,
+        engine_factory: Callable[[], Any],
+        config: WorkerConfig | None = None,
+        store: Any = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine_factory = engine_factory
         self.cfg = config or WorkerConfig()
@@ -216,7 +223,10 @@ class Worker:
         # Store outages: the job consumers pause while the store is down
         # (jaxserve.worker.store_health); one lock orders every consume/cancel.
         self.store_health = StoreHealth(
-            lambda: self.store.ping(), on_change=self._on_store_change, spawn=self._spawn, retry_max_s=self.cfg.store_retry_max_s
+            lambda: self.store.ping(),
+            on_change=self._on_store_change,
+            spawn=self._spawn,
+            retry_max_s=self.cfg.store_retry_max_s,
         )
         self._store_paused = False
         self._consumers_lock = asyncio.Lock()
@@ -303,21 +313,29 @@ class Worker:
                 max_consecutive_step_failures=self.cfg.max_consecutive_step_failures,
             )
             self.engine_thread.start()
-        log.info("engine_warmup_started", model=getattr(self.engine, "model_name", None), load_s=round(load_s, 3),
-                 engine_process=getattr(self.engine_thread, "pid", None))
+        log.info(
+            "engine_warmup_started",
+            model=getattr(self.engine, "model_name", None),
+            load_s=round(load_s, 3),
+            engine_process=getattr(self.engine_thread, "pid", None),
+        )
         # Compile every shape bucket before taking any job (no AMQP yet, so
         # nothing can miss a heartbeat while compilation holds the GIL).
-        if not (await self._unless_stopped(self.engine_thread.warmup(), stop))[0]:
+        host = cast("EngineThread | EngineProcess", self.engine_thread)  # set above on both paths
+        if not (await self._unless_stopped(host.warmup(), stop))[0]:
             log.info("worker_stopped_before_consuming", phase="warmup")
             return False
         self.metrics.warmup_seconds.labels(self.metrics.model_name).set(time.monotonic() - t0 - load_s)
         if self.cfg.compute_nice:
             if self.cfg.engine_process:
-                niced = deprioritize_process(self.engine_thread.pid, self.cfg.compute_nice)
+                # the engine process is running (it built the engine)
+                niced = deprioritize_process(cast(int, cast(EngineProcess, host).pid), self.cfg.compute_nice)
             else:
                 niced = deprioritize_other_threads(self.cfg.compute_nice)
             log.info("compute_threads_deprioritized", nice=self.cfg.compute_nice, threads=niced)
-        log.info("engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
+        log.info(
+            "engine_ready", model=getattr(self.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3)
+        )
         self.limits = JobLimits(
             max_body_bytes=self.cfg.max_body_bytes,
             vocab_size=self._vocab_size(),
@@ -363,7 +381,10 @@ class Worker:
         pub.reconnect_callbacks.add(self._make_reconnect_cb("publish"))
         pub.close_callbacks.add(self._make_close_cb("publish"))
         self.interactive_publisher = ReplyPublisher(
-            self._url(), name=f"{self.cfg.worker_id} interactive", reconnect_interval=self.cfg.reconnect_interval, stats=self.stats
+            self._url(),
+            name=f"{self.cfg.worker_id} interactive",
+            reconnect_interval=self.cfg.reconnect_interval,
+            stats=self.stats,
         )
         ipub = await self.interactive_publisher.start()
         ipub.reconnect_callbacks.add(self._make_reconnect_cb("publish"))
@@ -384,7 +405,9 @@ class Worker:
             ch = await conn.channel()
             await ch.set_qos(prefetch_count=self.prefetch[qc])
             self._channels[qc] = ch
-            q = await ch.declare_queue(self.topo.queue_for(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
+            q = await ch.declare_queue(
+                self.topo.queue_for(qc), durable=True, arguments=self.topo.job_queue_arguments(qc)
+            )
             self._queues[qc] = q
             async with self._consumers_lock:
                 if self.store_health.up:
@@ -511,7 +534,8 @@ class Worker:
         consumers are paused, so it is not redelivered here in a loop).
         Raises :class:`_Abandoned` when the job leaves the phase it was in
         meanwhile, or went back."""
-        phase = None if kj is None else (_ADMISSION if kj.state in _ADMISSION else frozenset({kj.state}))
+        # read only when there is a job
+        phase = frozenset() if kj is None else (_ADMISSION if kj.state in _ADMISSION else frozenset({kj.state}))
         health = self.store_health
         give_up_at: float | None = None
         while True:
@@ -522,8 +546,12 @@ class Worker:
                     self.stats["store_unavailable"] += 1
                     health.failed(exc)
                     if give_up_at is None:
-                        log.warning("store_unavailable_waiting", key=None if kj is None else kj.key, error=str(exc),
-                                    hold_s=self.cfg.store_hold_s)  # fmt: skip
+                        log.warning(
+                            "store_unavailable_waiting",
+                            key=None if kj is None else kj.key,
+                            error=str(exc),
+                            hold_s=self.cfg.store_hold_s,
+                        )
                 else:
                     if kj is not None:
                         if kj.state not in phase:
@@ -588,7 +616,11 @@ class Worker:
                     try:
                         for qc in (INTERACTIVE, BATCH):
                             q = self._queues.get(qc)
-                            if q is not None and qc not in self._consumer_tags and not (qc == BATCH and self._batch_paused):
+                            if (
+                                q is not None
+                                and qc not in self._consumer_tags
+                                and not (qc == BATCH and self._batch_paused)
+                            ):
                                 self._consumer_tags[qc] = await q.consume(self._make_job_cb(qc), no_ack=False)
                         self._store_paused = False
                         log.info("job_consumers_resumed", reason="store available")
@@ -633,7 +665,7 @@ class Worker:
             await self._admit(kj)
         except _Abandoned:
             pass
-        except Exception as exc:  # noqa: BLE001 - a worker bug: give the job back, never lose it
+        except Exception as exc:  # a worker bug: give the job back, never lose it (logged with its traceback)
             self.stats["admit_failed"] += 1
             log.error("job_admit_failed", key=kj.key, error=repr(exc), exc_info=exc)
             await self._requeue(kj, f"worker error: {exc!r}")
@@ -655,7 +687,7 @@ class Worker:
             made.append(d)
             err = RequestError("invalid_request", f"AMQP properties that do not decode: {', '.join(bad)}")
             await self._refuse(d, key, err, len(message.body))
-            return
+            return None
         d = Delivery(message, queue_class, reply_to, _text(message.correlation_id), self.stats)
         made.append(d)
         try:
@@ -663,7 +695,7 @@ class Worker:
         except RequestError as err:
             d.reply_to = self.topo.results  # never into the worker's own queues
             await self._refuse(d, key, err, len(message.body))
-            return
+            return None
         try:
             job = parse_job(
                 message.body,
@@ -681,13 +713,13 @@ class Worker:
             )
         except RequestError as err:
             await self._refuse(d, key, err, len(message.body))
-            return
+            return None
 
         existing = self.active.get(job.key)
         if existing is not None:
             if existing.job.fingerprint != job.fingerprint:
                 await self._refuse(d, job.key, self._reused(job.key), len(message.body))
-                return
+                return None
             # A redelivery (our channel died) or a duplicate publish: never
             # run a key twice; the running job answers it when it ends.
             existing.attach(d)
@@ -697,10 +729,16 @@ class Worker:
         kj = KeyJob(job.key, job, d, received_at)
         self.active[job.key] = kj
         trace = self.tracing.start_job(
-            message.headers, queue=self.topo.queue_for(queue_class), queue_class=queue_class, message_id=job.key,
-            correlation_id=d.correlation_id, body_size=len(message.body), redelivered=d.redelivered,
-            received_mono=kj.received_mono, broker_wait_s=self._broker_wait(kj),
-        )  # fmt: skip
+            message.headers,
+            queue=self.topo.queue_for(queue_class),
+            queue_class=queue_class,
+            message_id=job.key,
+            correlation_id=d.correlation_id,
+            body_size=len(message.body),
+            redelivered=d.redelivered,
+            received_mono=kj.received_mono,
+            broker_wait_s=self._broker_wait(kj),
+        )
         if trace is not None:
             self._traces[kj.request_id] = trace
         return kj
@@ -722,7 +760,9 @@ class Worker:
         if trace_id is not None:
             result = result.model_copy(update={"trace_id": trace_id})
         outcome = await self._publish_final(d, result)
-        await d.settle(Settlement.ACK if outcome is PublishOutcome.CONFIRMED or outcome.undeliverable else Settlement.REQUEUE)
+        await d.settle(
+            Settlement.ACK if outcome is PublishOutcome.CONFIRMED or outcome.undeliverable else Settlement.REQUEUE
+        )
 
     def _publisher_for(self, queue_class: str) -> ReplyPublisher:
         publisher = self.interactive_publisher if queue_class == INTERACTIVE else None
@@ -732,7 +772,11 @@ class Worker:
 
     async def _publish_final(self, d: Delivery, result: Result) -> PublishOutcome:
         return await self._publisher_for(d.queue_class).publish(
-            d.reply_to, result.to_bytes(), correlation_id=d.correlation_id, message_id=result.id, timeout_s=self.cfg.reply_timeout_s
+            d.reply_to,
+            result.to_bytes(),
+            correlation_id=d.correlation_id,
+            message_id=result.id,
+            timeout_s=self.cfg.reply_timeout_s,
         )
 
     def _cancelled_locally(self, key: str) -> bool:
@@ -804,7 +848,9 @@ class Worker:
             if hit is not None:
                 self.stats["cache_hits"] += 1
                 log.info("job_cache_hit", key=key, queue=kj.queue_class)
-                cached = Result.model_validate({**hit, "id": key, "cached": True, "timings": self._timings(kj), "trace_id": None})
+                cached = Result.model_validate(
+                    {**hit, "id": key, "cached": True, "timings": self._timings(kj), "trace_id": None}
+                )
                 await self._finish(kj, cached)
                 return
         if calibration is not None and not await self._calibrate(kj, calibration):
@@ -823,11 +869,21 @@ class Worker:
         try:
             if label_ids is not None:
                 await self.engine_thread.add_score_request(
-                    kj.request_id, prompt_ids, label_ids, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
+                    kj.request_id,
+                    prompt_ids,
+                    label_ids,
+                    request_class=rc,
+                    priority=job.engine_priority,
+                    deadline=deadline_mono,
                 )
             else:
                 await self.engine_thread.add_request(
-                    kj.request_id, prompt_ids, job.params, request_class=rc, priority=job.engine_priority, deadline=deadline_mono
+                    kj.request_id,
+                    prompt_ids,
+                    job.params,
+                    request_class=rc,
+                    priority=job.engine_priority,
+                    deadline=deadline_mono,
                 )
         except RequestError as err:
             kj.in_engine = False
@@ -868,10 +924,15 @@ class Worker:
         tenant = kj.job.tenant or ""
         self._count_rejection("rate_limited", decision.reason, kj.queue_class, tenant)
         if kj.queue_class == INTERACTIVE:
-            await self._finish(kj, Result.failure(
-                kj.key, "rate_limited", f"tenant {tenant!r} is over its {decision.reason} limit",
-                retry_after_s=round(decision.retry_after_s, 3),
-            ))  # fmt: skip
+            await self._finish(
+                kj,
+                Result.failure(
+                    kj.key,
+                    "rate_limited",
+                    f"tenant {tenant!r} is over its {decision.reason} limit",
+                    retry_after_s=round(decision.retry_after_s, 3),
+                ),
+            )
         else:
             await self._defer(kj, decision.retry_after_s, decision.reason)
 
@@ -903,20 +964,31 @@ class Worker:
                 # behind, and the producer should know now, not after more waiting.
                 await self._release_limits(kj, used_tokens=0)
                 self._count_rejection("overloaded", "broker_wait", kj.queue_class, tenant)
-                await self._finish(kj, Result.failure(
-                    key, "overloaded", f"the job waited {waited:.2f}s in the broker, over the {self.cfg.admission.target_ttft_s:g}s "
-                    "target time to first token; retry later", retry_after_s=round(min(waited, 30.0), 3),
-                ))  # fmt: skip
+                await self._finish(
+                    kj,
+                    Result.failure(
+                        key,
+                        "overloaded",
+                        f"the job waited {waited:.2f}s in the broker, over the {self.cfg.admission.target_ttft_s:g}s "
+                        "target time to first token; retry later",
+                        retry_after_s=round(min(waited, 30.0), 3),
+                    ),
+                )
                 return False
             retry = self.admission.try_admit(kj.request_id, len(prompt_ids))
             if retry is not None:
                 await self._release_limits(kj, used_tokens=0)
                 self._count_rejection("overloaded", "interactive_token_budget", kj.queue_class, tenant)
-                await self._finish(kj, Result.failure(
-                    key, "overloaded",
-                    f"the worker holds {self.admission.held_tokens} interactive prompt tokens not yet started "
-                    f"(budget {self.admission.budget}); retry later", retry_after_s=retry,
-                ))  # fmt: skip
+                await self._finish(
+                    kj,
+                    Result.failure(
+                        key,
+                        "overloaded",
+                        f"the worker holds {self.admission.held_tokens} interactive prompt tokens not yet started "
+                        f"(budget {self.admission.budget}); retry later",
+                        retry_after_s=retry,
+                    ),
+                )
                 return False
             kj.admission_held = True
         return True
@@ -946,7 +1018,9 @@ class Worker:
         charged, kj.limit_tokens = kj.limit_tokens, None
         unserved = kj.admitted_mono is None  # never reached the engine: its request is given back
         try:
-            await self.limiter.release(kj.job.tenant or "", kj.request_id, max(0, charged - used_tokens), unserved=unserved)
+            await self.limiter.release(
+                kj.job.tenant or "", kj.request_id, max(0, charged - used_tokens), unserved=unserved
+            )
         except Exception as exc:  # noqa: BLE001
             log.warning("limiter_release_failed", key=kj.key, error=repr(exc))
 
@@ -967,7 +1041,9 @@ class Worker:
         headers["x-jaxserve-deferred"] = int(headers.get("x-jaxserve-deferred") or 0) + 1
         copy = copy_message(message, headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
         assert self.publisher is not None
-        outcome = await self.publisher.publish_message(self.topo.queue_for(kj.queue_class), copy, self.cfg.reply_timeout_s)
+        outcome = await self.publisher.publish_message(
+            self.topo.queue_for(kj.queue_class), copy, self.cfg.reply_timeout_s
+        )
         how = Settlement.ACK if outcome is PublishOutcome.CONFIRMED else Settlement.REQUEUE
         for d in kj.unsettled():
             await d.settle(how)
@@ -995,8 +1071,14 @@ class Worker:
         eng = self.engine
         name = getattr(eng, "model_name", None)
         served = self.served_model_name
-        if job.model is not None and name is not None and job.model not in (served, name, os.path.basename(str(name).rstrip("/"))):
-            raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {served!r}")
+        if (
+            job.model is not None
+            and name is not None
+            and job.model not in (served, name, os.path.basename(str(name).rstrip("/")))
+        ):
+            raise RequestError(
+                "unknown_model", f"model {job.model!r} is not served here; this worker serves {served!r}"
+            )
         max_len = int(getattr(eng, "max_model_len", 1 << 30))
         tok = eng.tokenizer
         if job.messages is not None:
@@ -1009,7 +1091,9 @@ class Worker:
             except RequestError:
                 raise
             except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-                raise RequestError("invalid_request", f"messages could not be rendered with the chat template: {exc}") from None
+                raise RequestError(
+                    "invalid_request", f"messages could not be rendered with the chat template: {exc}"
+                ) from None
         else:
             ids = list(tok.encode(job.prompt or ""))
         if not ids:
@@ -1029,17 +1113,24 @@ class Worker:
         follow, the chat form, few-shot turns)."""
         tok = self.engine.tokenizer
         request = label_prompts.LabelRequest(
-            labels=tuple(job.labels), prompt=job.prompt, messages=None if job.messages is None else tuple(job.messages),
-            form=job.label_prompt, few_shot=tuple(label_prompts.FewShot(t, lab) for t, lab in job.few_shot),
+            labels=tuple(job.labels),
+            prompt=job.prompt,
+            messages=None if job.messages is None else tuple(job.messages),
+            form=job.label_prompt,
+            few_shot=tuple(label_prompts.FewShot(t, lab) for t, lab in job.few_shot),
             first_token_only=job.label_normalization == "first",
-        )  # fmt: skip
+        )
         try:
             tokens = label_prompts.prepare(tok, request)
-            calibration = label_prompts.prepare(tok, request.content_free(job.calibration_input)) if job.calibrate else None
+            calibration = (
+                label_prompts.prepare(tok, request.content_free(job.calibration_input)) if job.calibrate else None
+            )
         except label_prompts.LabelPromptError as exc:
             raise RequestError("invalid_request", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - template errors are the request's fault
-            raise RequestError("invalid_request", f"the labels' prompt could not be rendered ({job.label_prompt}): {exc}") from None
+            raise RequestError(
+                "invalid_request", f"the labels' prompt could not be rendered ({job.label_prompt}): {exc}"
+            ) from None
         prompt_ids, out = tokens.prompt_ids, tokens.label_ids
         max_len = int(getattr(self.engine, "max_model_len", 1 << 30))
         longest = max(len(ids) for ids in out)
@@ -1053,7 +1144,9 @@ class Worker:
 
     async def _submit_calibration(self, request_id: str, tokens: Any, request_class: Any, priority: int) -> None:
         assert self.engine_thread is not None
-        await self.engine_thread.add_score_request(request_id, tokens.prompt_ids, tokens.label_ids, request_class=request_class, priority=priority)
+        await self.engine_thread.add_score_request(
+            request_id, tokens.prompt_ids, tokens.label_ids, request_class=request_class, priority=priority
+        )
 
     async def _calibrate(self, kj: KeyJob, tokens: Any) -> bool:
         """The job's content-free label scores (``self.label_calibrations``:
@@ -1067,14 +1160,18 @@ class Worker:
             if err.retryable:
                 await self._requeue(kj, f"label calibration: {err.message}")
             else:
-                await self._finish(kj, Result.failure(kj.key, err.code, f"label calibration: {err.message}", err.retryable))
+                await self._finish(
+                    kj, Result.failure(kj.key, err.code, f"label calibration: {err.message}", err.retryable)
+                )
             return False
         except Exception as exc:  # noqa: BLE001 - the engine thread is gone
             await self._requeue(kj, f"engine unavailable: {exc!r}")
             return False
         return True
 
-    def _cache_key(self, job: Any, prompt_ids: list[int], label_ids: list[list[int]] | None, calibration: Any = None) -> str:
+    def _cache_key(
+        self, job: Any, prompt_ids: list[int], label_ids: list[list[int]] | None, calibration: Any = None
+    ) -> str:
         """What determines a deterministic job's result, hashed: the served
         model, the prompt's token ids and every parameter that shapes the
         output (not the key, the tenant or the priority)."""
@@ -1085,11 +1182,21 @@ class Worker:
             "labels": label_ids,
             "normalization": job.label_normalization if label_ids is not None else None,
             **({"calibration": calibration.identity()} if calibration is not None else {}),
-            "params": None if label_ids is not None else [
-                p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed if job.seed_given else None,
-                p.repetition_penalty, p.frequency_penalty, p.presence_penalty, list(p.stop),
+            "params": None
+            if label_ids is not None
+            else [
+                p.max_tokens,
+                p.temperature,
+                p.top_p,
+                p.top_k,
+                p.min_p,
+                p.seed if job.seed_given else None,
+                p.repetition_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+                list(p.stop),
             ],
-        }  # fmt: skip
+        }
         if label_ids is None and (p.structured is not None or p.logprobs):
             # a constraint changes the text, logprobs the result's fields
             s = p.structured
@@ -1177,18 +1284,32 @@ class Worker:
         if out.label_logprobs is not None and kj.job.labels is not None and kj.label_ids is not None:
             cal, norm = kj.label_calibration, kj.job.label_normalization
             offsets = None if cal is None else scoring.normalize(cal.logprobs, cal.token_counts, norm)
-            scored = scoring.combine(kj.job.labels, out.label_logprobs, [len(ids) for ids in kj.label_ids], norm, offsets)
+            scored = scoring.combine(
+                kj.job.labels, out.label_logprobs, [len(ids) for ids in kj.label_ids], norm, offsets
+            )
             labels = [{"label": s.label, "logprob": s.logprob, "prob": s.prob} for s in scored]
             return Result.success(
-                kj.key, scoring.best(scored).label, "stop", out.prompt_tokens, 0, self._timings(kj),
-                labels=labels, model=self.served_model_name,
-            )  # fmt: skip
+                kj.key,
+                scoring.best(scored).label,
+                "stop",
+                out.prompt_tokens,
+                0,
+                self._timings(kj),
+                labels=labels,
+                model=self.served_model_name,
+            )
         if reason in ("stop", "length"):
             text = out.text if (out.text or not kj.text_parts) else "".join(kj.text_parts)
             return Result.success(
-                kj.key, text, reason, out.prompt_tokens, out.completion_tokens, self._timings(kj), model=self.served_model_name,
+                kj.key,
+                text,
+                reason,
+                out.prompt_tokens,
+                out.completion_tokens,
+                self._timings(kj),
+                model=self.served_model_name,
                 **self._extras(kj, out, text),
-            )  # fmt: skip
+            )
         if reason == "abort":
             return Result.failure(kj.key, "cancelled", "the job was aborted")
         return Result.failure(kj.key, "internal", f"the engine failed the request (finish_reason={reason!r})", True)
@@ -1240,7 +1361,11 @@ class Worker:
         self._fatal.set()
 
     def _on_deadline(self, kj: KeyJob) -> None:
-        if kj.first_token_mono is None and self.active.get(kj.key) is kj and kj.state in (*_ADMISSION, JobState.RUNNING):
+        if (
+            kj.first_token_mono is None
+            and self.active.get(kj.key) is kj
+            and kj.state in (*_ADMISSION, JobState.RUNNING)
+        ):
             self._spawn(self._abort_with(kj, "expired", "the job's deadline passed while it waited"))
 
     async def _abort_with(self, kj: KeyJob, code: str, message: str) -> None:
@@ -1328,7 +1453,9 @@ class Worker:
                 outcome = PublishOutcome.UNROUTABLE
             else:
                 replayed = result.ok and (record is not None or d is not kj.primary)
-                outcome = await self._publish_final(d, result.model_copy(update={"replayed": True}) if replayed else result)
+                outcome = await self._publish_final(
+                    d, result.model_copy(update={"replayed": True}) if replayed else result
+                )
             replies[outcome.value] += 1
             if d.settled is not None:  # requeued by a drain while we published
                 continue
@@ -1371,7 +1498,9 @@ class Worker:
             )
         if result.ok:
             assert result.usage is not None
-            kw.update(result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq)
+            kw.update(
+                result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq
+            )
             if self.cfg.log_text:
                 kw["text"] = result.text
         else:
@@ -1452,7 +1581,12 @@ class Worker:
     async def _queue_depth_loop(self, period_s: float = 5.0) -> None:
         """The broker's view for the metrics: ready messages and consumers of
         the job queues, the dead letters and the results queue."""
-        names = {"interactive": self.topo.interactive, "batch": self.topo.batch, "dead": self.topo.dead, "results": self.topo.results}
+        names = {
+            "interactive": self.topo.interactive,
+            "batch": self.topo.batch,
+            "dead": self.topo.dead,
+            "results": self.topo.results,
+        }
         while True:
             conn = self._conns.get("control")
             if conn is not None and not conn.is_closed and self.metrics is not None:
@@ -1461,8 +1595,13 @@ class Worker:
                         ch = await conn.channel()
                         try:
                             res = (await ch.declare_queue(name, passive=True)).declaration_result
-                            self.metrics.queue_depth.labels(self.metrics.model_name, label).set(res.message_count)
-                            self.metrics.queue_consumers.labels(self.metrics.model_name, label).set(res.consumer_count)
+                            # a declare-ok always carries both counts
+                            self.metrics.queue_depth.labels(self.metrics.model_name, label).set(
+                                cast(int, res.message_count)
+                            )
+                            self.metrics.queue_consumers.labels(self.metrics.model_name, label).set(
+                                cast(int, res.consumer_count)
+                            )
                         finally:
                             if not ch.is_closed:
                                 await ch.close()
@@ -1542,5 +1681,7 @@ class Worker:
                 return
             since = et.busy_since_mono
             if since is not None and time.monotonic() - since > self.cfg.engine_hang_timeout_s:
-                self._on_engine_fatal(RuntimeError(f"the engine has been busy in one call for over {self.cfg.engine_hang_timeout_s:g}s"))
+                self._on_engine_fatal(
+                    RuntimeError(f"the engine has been busy in one call for over {self.cfg.engine_hang_timeout_s:g}s")
+                )
                 return
