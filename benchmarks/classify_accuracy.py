@@ -116,8 +116,13 @@ def request_for(m: Method, text: str, shots: list[dict]) -> L.LabelRequest:
         if m.few_shot
         else ()
     )
-    return L.LabelRequest(labels=m.labels, prompt=m.template.format(text=text), form=m.form, few_shot=few,
-                          first_token_only=m.normalization == "first")  # fmt: skip
+    return L.LabelRequest(
+        labels=m.labels,
+        prompt=m.template.format(text=text),
+        form=m.form,
+        few_shot=few,
+        first_token_only=m.normalization == "first",
+    )
 
 
 def content_free(m: Method, shots: list[dict]) -> L.LabelRequest:
@@ -149,8 +154,13 @@ def run_engine(engine, jobs: dict[str, L.LabelTokens], window: int = 64) -> dict
     return {rid: done[t.identity()] for rid, t in jobs.items()}
 
 
-def hf_check(model_path: str, tok, jobs: dict[str, L.LabelTokens], texts: dict[str, tuple[str, bool, tuple[str, ...]]],
-             ours: dict[str, list[float]]) -> dict:  # fmt: skip
+def hf_check(
+    model_path: str,
+    tok,
+    jobs: dict[str, L.LabelTokens],
+    texts: dict[str, tuple[str, bool, tuple[str, ...]]],
+    ours: dict[str, list[float]],
+) -> dict:
     """transformers on the same token ids: max |ours - theirs| over every
     label of every request; and whether transformers' tokenizer writes the
     same ids for each rendered prompt + label."""
@@ -285,11 +295,14 @@ def main() -> None:
         acc = {k: sum(preds[i] == gold[i] for i in idx) / max(1, len(idx)) for k, idx in half.items()}
         acc["all"] = sum(p == g for p, g in zip(preds, gold)) / len(docs)
         results[m.name] = {
-            "accuracy": acc, "correct": sum(p == g for p, g in zip(preds, gold)), "n": len(docs),
-            "predicted_counts": {c: preds.count(c) for c in CLASSES}, "confusion": confusion(gold, preds),
+            "accuracy": acc,
+            "correct": sum(p == g for p, g in zip(preds, gold)),
+            "n": len(docs),
+            "predicted_counts": {c: preds.count(c) for c in CLASSES},
+            "confusion": confusion(gold, preds),
             "label_tokens": [len(x) for x in jobs[f"{m.name}|{docs[0]['id']}"].label_ids],
             "method": dataclasses.asdict(m),
-        }  # fmt: skip
+        }
     best_on_a = max(results, key=lambda k: results[k]["accuracy"]["A"])
     default = default_method_name()
     check = None
@@ -304,20 +317,30 @@ def main() -> None:
         print(f"{name:22s} {a['A']:7.1%} {a['B']:7.1%} {a['all']:7.1%}   {list(r['predicted_counts'].values())}{mark}")
     print(f"best on half A: {best_on_a}; default method: {default}")
     if check:
-        print(f"transformers on the same token ids ({check['labels_compared']} labels): max |diff| {check['max_abs_diff']:.2e}; "
-              f"its own tokenization gives the same ids for {check['hf_tokenization_same_ids']} of them")  # fmt: skip
+        print(
+            f"transformers on the same token ids ({check['labels_compared']} labels): max |diff| {check['max_abs_diff']:.2e}; "
+            f"its own tokenization gives the same ids for {check['hf_tokenization_same_ids']} of them"
+        )
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M%SZ")
     out = Path(args.out) if args.out else ROOT / "benchmarks/results" / f"classify-accuracy-{stamp}.json"
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     report = {
-        "command": "python " + " ".join(sys.argv), "commit": commit, "utc": stamp, "model": args.model,
+        "command": "python " + " ".join(sys.argv),
+        "commit": commit,
+        "utc": stamp,
+        "model": args.model,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-        "data": os.path.relpath(args.data, ROOT), "documents": len(docs), "halves": {k: len(v) for k, v in half.items()},
-        "default_method": default, "best_on_half_A": best_on_a, "methods": results, "hf_check": check,
+        "data": os.path.relpath(args.data, ROOT),
+        "documents": len(docs),
+        "halves": {k: len(v) for k, v in half.items()},
+        "default_method": default,
+        "best_on_half_A": best_on_a,
+        "methods": results,
+        "hf_check": check,
         "seconds": {"load": round(load_s, 1), "scoring": round(score_s, 1), "score_requests": len(jobs)},
-    }  # fmt: skip
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     if default in results:
