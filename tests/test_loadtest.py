@@ -140,9 +140,12 @@ def test_loadtest_closed_loop_against_echo_worker(prefix, tmp_path):
 def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
     """A worker that refuses in all three ways: a 2-message interactive queue
     (QueueFull in the client), a queued-token admission budget (overloaded)
-    and a tenant limit (rate_limited)."""
+    and a tenant limit (rate_limited). Only jobs that run keep their request
+    (a refused one gives it back), so the limit is set below what the worker
+    serves at 16 clients and above what one client sends in 2 s (jobs of
+    16-32 tokens at 0.05 s a step: at most 4)."""
     limits = tmp_path / "limits.yaml"
-    limits.write_text("default: {requests_per_s: 15, burst: 15}\n")
+    limits.write_text("default: {requests_per_s: 1, burst: 5}\n")
     log, out = tmp_path / "worker.log", tmp_path / "out"
     proc = _worker(
         prefix,
@@ -152,7 +155,7 @@ def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
         "--interactive-max-length",
         "2",
         "--max-queued-tokens",
-        "200",
+        "30",
         "--limits",
         str(limits),
     )
