@@ -58,7 +58,7 @@ import shutil
 import tempfile
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -348,15 +348,26 @@ def materialize_preset(preset: str | os.PathLike[str], cache: str | os.PathLike[
 
     presets_root.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_dirs(presets_root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=presets_root))
+    return build_folder_once(target, _MODEL_FILES, lambda tmp: _write_model_folder(tmp, preset_path, data))
+
+
+def build_folder_once(target: Path, files: Sequence[str], write: Callable[[Path], None]) -> Path:
+    """``target`` holding ``files``, written by ``write`` into a temporary
+    sibling folder and renamed into place, so concurrent processes never see
+    a half-written folder: the first complete one wins and a broken one in
+    the way is replaced. Returns ``target`` at once when it is complete."""
+    if all((target / f).is_file() for f in files):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _write_model_folder(tmp, preset_path, data)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
             # Someone else finished first (rename onto a non-empty dir fails),
             # or a broken folder is in the way: keep a complete one.
-            if all((target / f).is_file() for f in _MODEL_FILES):
+            if all((target / f).is_file() for f in files):
                 shutil.rmtree(tmp, ignore_errors=True)
                 return target
             shutil.rmtree(target, ignore_errors=True)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,25 +57,9 @@ def gguf_model_folder(gguf_path: str | os.PathLike[str], cache_root: str | os.Pa
     root = Path(cache_root).expanduser() / "gguf"
     stem = source.stem if source.stem else "model"
     target = root / f"{stem}-{_identity(source)}"
-    if all((target / f).exists() for f in _FILES):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
-        _write_folder(tmp, source)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # another process finished first, or a broken folder is in the way
-            if all((target / f).exists() for f in _FILES):
-                shutil.rmtree(tmp, ignore_errors=True)
-                return target
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    from jaxserve.presets import build_folder_once
+
+    return build_folder_once(target, _FILES, lambda tmp: _write_folder(tmp, source))
 
 
 def _write_folder(folder: Path, source: Path) -> None:
