@@ -9,6 +9,7 @@ import numpy as np
 import orjson
 
 from jaxserve.cli.errors import user_errors
+from jaxserve.cli.options import quantization_option
 
 
 @click.group()
@@ -26,12 +27,7 @@ def bench() -> None:
 )
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
-@click.option(
-    "--quantization",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
-)
+@quantization_option
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(

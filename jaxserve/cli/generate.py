@@ -8,6 +8,7 @@ import click
 import orjson
 
 from jaxserve.cli.errors import user_errors
+from jaxserve.cli.options import quantization_option
 
 
 @click.command()
@@ -19,12 +20,7 @@ from jaxserve.cli.errors import user_errors
 @click.option("--seed", type=int, default=None, help="Seed for sampling (reproducible output).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
-@click.option(
-    "--quantization",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
-)
+@quantization_option
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
 @click.option(

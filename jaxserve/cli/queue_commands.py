@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from jaxserve.cli.options import quantization_option
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
 _amqp_option = click.option(
@@ -96,12 +97,7 @@ def _params(
     help="Fraction of device memory for weights + KV cache (gpu_memory_utilization).",
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
-@click.option(
-    "--quantization",
-    type=click.Choice(["int8", "int4"]),
-    default=None,
-    help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load (GGUF Q8_0/Q4_x taken as they are).",
-)
+@quantization_option
 @click.option(
     "--interactive-reserved-seqs",
     type=click.IntRange(min=0),

@@ -717,10 +717,18 @@ class Engine:
         log.error("engine.request_failed", request_id=request_id, error=repr(exc), exc_info=exc)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)  # no-op if it already ended
         state = self._states.get(request_id)
+        if state is None:
+            self._forget(request_id)
+            return None
+        return self._ended_with(
+            request_id, state, RequestError("internal", f"engine step failed for this request: {exc!r}", retryable=True)
+        )
+
+    def _ended_with(self, request_id: str, state: OutputState, error: RequestError) -> RequestOutput:
+        """The final output of a request ended by ``error`` (the scheduler
+        already finished it); the engine forgets it."""
         metrics = self._metrics.get(request_id, {})
         self._forget(request_id)
-        if state is None:
-            return None
         metrics["finished"] = time.monotonic()
         return RequestOutput(
             request_id=request_id,
@@ -730,7 +738,7 @@ class Engine:
             finish_reason="error",
             prompt_tokens=state.num_prompt_tokens,
             completion_tokens=len(state.token_ids),
-            error=RequestError("internal", f"engine step failed for this request: {exc!r}", retryable=True),
+            error=error,
             metrics=metrics,
         )
 
@@ -936,20 +944,7 @@ class Engine:
         alone; not retryable: the same grammar fails the same way)."""
         log.warning("engine.structured_failed", request_id=request_id, error=message)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-        metrics = self._metrics.get(request_id, {})
-        self._forget(request_id)
-        metrics["finished"] = time.monotonic()
-        return RequestOutput(
-            request_id=request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason="error",
-            prompt_tokens=state.num_prompt_tokens,
-            completion_tokens=len(state.token_ids),
-            error=RequestError("internal", message, retryable=False),
-            metrics=metrics,
-        )
+        return self._ended_with(request_id, state, RequestError("internal", message, retryable=False))
 
 
 def _place_model(model, args: EngineArgs, cache_dtype):
