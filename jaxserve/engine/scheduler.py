@@ -20,20 +20,10 @@ One step, in order:
    chunks and newly admitted interactive requests (step 3); only then batch
    prefill chunks and batch admissions: an interactive prefill never waits
    behind a batch chunk for the token budget. A chunk is capped by what is
-   left of the token budget and by ``long_prefill_token_threshold``. With
-   ``interactive_prefill_alone`` (the default), a step that starts an
-   interactive prompt holds interactive work only: the batch decodes wait
-   one step, so the prompt's step is as short as on an idle engine. When no
-   interactive prompt can start after all (no seat or block for it), the
-   step is planned as usual. While interactive work is about (waiting,
-   running, or seen within ``interactive_recent_s``), batch prompt chunks
-   and admissions together get at most ``interactive_batch_prefill_tokens``
-   of the step: an arriving interactive prompt waits for the step in
-   flight, and batch prompt tokens are what make a step long. With
-   ``interactive_step_tokens`` set, a step's tokens, decodes included, are
-   bounded too at such times (interactive tokens are never cut; batch
-   tokens get what they leave): the batch decodes beyond it wait a step,
-   those served least recently going first.
+   left of the token budget and by ``long_prefill_token_threshold``. The
+   latency rules (``interactive_prefill_alone``, the batch prompt share and
+   the interactive step cap) leave some batch work out of a step while
+   interactive work is about: :mod:`jaxserve.engine.latency_policy`.
 2. Blocks are allocated lazily to cover ``num_computed_tokens`` plus the
    chunk. When they run out, the worst running request (lowest class; then
    newest, or largest priority value then newest) is preempted: it loses all
@@ -60,112 +50,25 @@ the failed step back to waiting with only its delivered tokens, and
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import heapq
 import itertools
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import cast
 
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.latency_policy import LatencyPolicy
+from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.types import RequestClass, RequestError
+from jaxserve.engine.waiting_queue import WaitingQueue
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclasses.dataclass
-class ScheduledRequest:
-    """One request's share of a step.
-
-    Compute ``token_ids`` (``num_scheduled_tokens`` of them) at absolute
-    positions ``start_position ..``; ``block_ids`` is the request's whole
-    block table and covers every position up to the end of the chunk. When
-    ``sample`` is set, the chunk reaches the end of the request's known
-    tokens and the step must sample one token for it from the last row.
-    ``is_new`` marks the first step after admission (fresh, or resumed after
-    a preemption); then ``start_position > 0`` means a prefix-cache hit.
-    """
-
-    request_id: str
-    num_scheduled_tokens: int
-    start_position: int
-    token_ids: list[int]
-    block_ids: list[int]
-    sample: bool
-    is_new: bool = False
-    #: label scoring: the target tokens of the chunk's score rows, which are
-    #: its last ``len(score_targets)`` tokens (see ``Request.score_from``)
-    score_targets: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_logits_rows(self) -> int:
-        """Rows of the step's logits this request needs: one to sample, or
-        one per score row."""
-        return len(self.score_targets) + int(self.sample)
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """The plan for one step.
-
-    ``scheduled``: the requests to compute, in scheduling order.
-    ``total_num_scheduled_tokens``: sum of their ``num_scheduled_tokens``.
-    ``preempted_req_ids``: requests that lost their blocks this step (the
-    runner should drop any per-request state; they come back later with
-    ``is_new`` set).
-    ``finished_req_ids``: requests that finished, including aborted ones,
-    since the previous plan; ``aborted_req_ids`` is the aborted subset.
-    """
-
-    scheduled: list[ScheduledRequest]
-    total_num_scheduled_tokens: int
-    preempted_req_ids: list[str]
-    finished_req_ids: list[str]
-    aborted_req_ids: list[str]
-    step: int
-    #: (source, destination) block copies to make before this step's
-    #: forward: each fork's copy of its parent's partial last block
-    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> dict[str, int]:
-        return {s.request_id: s.num_scheduled_tokens for s in self.scheduled}
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def get(self, request_id: str) -> ScheduledRequest | None:
-        for s in self.scheduled:
-            if s.request_id == request_id:
-                return s
-        return None
-
-
-@dataclasses.dataclass
-class SchedulerStats:
-    """A snapshot for metrics. Counters are cumulative since start; prefix
-    cache queries/hits count tokens (as vLLM's metrics do)."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_interactive: int
-    num_waiting_batch: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_steps: int
 
 
 @dataclasses.dataclass
@@ -176,58 +79,6 @@ class _Admission:
     candidates: list  # the block hashes looked up
     num_tokens: int  # tokens it computes in its first step
     num_new_blocks: int  # blocks to allocate
-
-
-class _WaitingQueue:
-    """One class's waiting requests: arrival order (``fcfs``) or a heap by
-    (priority, arrival) (``priority``). Under fcfs a preempted request goes
-    to the front; under priority it regains its place by its own key, which
-    ranks it ahead of every later arrival of the same priority."""
-
-    def __init__(self, policy: str) -> None:
-        self._policy = policy
-        self._fifo: collections.deque[Request] = collections.deque()
-        self._heap: list[tuple[tuple, Request]] = []
-
-    def __len__(self) -> int:
-        return len(self._fifo) if self._policy == "fcfs" else len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        if self._policy == "fcfs":
-            return iter(list(self._fifo))
-        return iter([r for _, r in sorted(self._heap, key=lambda e: e[0])])
-
-    def push(self, req: Request) -> None:
-        if self._policy == "fcfs":
-            self._fifo.append(req)
-        else:
-            heapq.heappush(self._heap, (req.sort_key("priority"), req))
-
-    def push_front(self, req: Request) -> None:
-        if self._policy == "fcfs":
-            self._fifo.appendleft(req)
-        else:
-            self.push(req)
-
-    def peek(self) -> Request:
-        return self._fifo[0] if self._policy == "fcfs" else self._heap[0][1]
-
-    def pop(self) -> Request:
-        if self._policy == "fcfs":
-            return self._fifo.popleft()
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, req: Request) -> None:
-        if self._policy == "fcfs":
-            self._fifo.remove(req)
-            return
-        for i, (_, r) in enumerate(self._heap):
-            if r is req:
-                self._heap[i] = self._heap[-1]
-                self._heap.pop()
-                heapq.heapify(self._heap)
-                return
-        raise ValueError(f"{req.request_id!r} is not waiting")
 
 
 class Scheduler:
@@ -258,7 +109,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._parked: list[Request] = []  # prefill-only requests with forks still to start
         self._copies: list[tuple[int, int]] = []  # block copies for the next plan
-        self._waiting = {cls: _WaitingQueue(config.policy) for cls in RequestClass}
+        self._waiting = {cls: WaitingQueue(config.policy) for cls in RequestClass}
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
         self._seq = itertools.count()
@@ -268,9 +119,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._rows_left = config.max_num_seqs  # logits rows left in the step being planned
-        self._clock = clock
-        self._interactive_seen = float("-inf")  # clock() when interactive work was last about
-        self._last_served: dict[str, int] = {}  # request id -> the last step that planned it
+        self.latency = LatencyPolicy(config, clock)
 
     # ------------------------------------------------------------ admission
 
@@ -334,72 +183,25 @@ class Scheduler:
         self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
         interactive = [r for r in self.running if r.request_class == RequestClass.INTERACTIVE]
         batch = [r for r in self.running if r.request_class != RequestClass.INTERACTIVE]
-        interactive_about = self._interactive_about(interactive)
         # Interactive first in time: every decode, then interactive chunks and
         # newly arrived interactive requests, and only then batch chunks and
         # batch admissions, so an interactive prefill never waits behind a
-        # batch prefill chunk for the step's token budget.
-        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
-        # While interactive work is about, a step with batch work is bounded
-        # (SchedulerConfig.interactive_step_tokens): the step in flight is
-        # what an arriving interactive prompt waits for. Batch tokens get
-        # what the interactive ones leave; the batch decodes that do not
-        # fit wait one step, least recently served first next time.
-        step_cap = cfg.interactive_step_tokens if interactive_about else 0
-        if step_cap:
-            n_interactive = sum(1 for r in decodes if r.request_class == RequestClass.INTERACTIVE)
-            decodes = self._batch_decodes_within(decodes, max(0, step_cap - n_interactive))
-        # A step that starts an interactive prompt is that prompt's own
-        # (SchedulerConfig.interactive_prefill_alone): batch decodes wait.
-        alone = cfg.interactive_prefill_alone and self._interactive_prompt_pending(interactive)
-        held: list[Request] = []
-        if alone:
-            held = [r for r in decodes if r.request_class != RequestClass.INTERACTIVE]
-            decodes = [r for r in decodes if r.request_class == RequestClass.INTERACTIVE]
-        budget = self._plan_running(decodes, budget, planned, preempted)
+        # batch prefill chunk for the token budget. The latency policy says
+        # which batch work this step leaves out.
+        rules = self.latency.rules(self.running, bool(self._waiting[RequestClass.INTERACTIVE]))
+        budget = self._plan_running(rules.decodes, budget, planned, preempted)
         budget = self._plan_running([r for r in interactive if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             budget = self._admit_waiting(budget, planned, (RequestClass.INTERACTIVE,), preempted)
-        if alone and any(n > 1 or is_new for _, n, is_new in planned.values()):
+        if rules.prefill_started_alone(planned):
             return self._plan(planned, preempted)
         # no interactive prompt could start after all: the batch decodes as usual
-        budget = self._plan_running(held, budget, planned, preempted)
-        cap = cfg.interactive_batch_prefill_tokens
-        if cap and interactive_about:
-            budget = min(budget, cap)  # the batch prompt tokens' share: nothing else follows them
-        if step_cap:
-            budget = min(budget, step_cap - sum(n for _, n, _ in planned.values()))
+        budget = self._plan_running(rules.held, budget, planned, preempted)
+        budget = rules.batch_budget(budget, sum(n for _, n, _ in planned.values()))
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
         return self._plan(planned, preempted)
-
-    def _batch_decodes_within(self, decodes: list[Request], limit: int) -> list[Request]:
-        """``decodes`` with at most ``limit`` batch ones: those served least
-        recently (then in running order), so every batch sequence advances
-        in turn; interactive decodes all stay. Running order is kept."""
-        batch = [r for r in decodes if r.request_class != RequestClass.INTERACTIVE]
-        if len(batch) <= limit:
-            return decodes
-        order = {id(r): k for k, r in enumerate(batch)}
-        chosen = sorted(batch, key=lambda r: (self._last_served.get(r.request_id, -1), order[id(r)]))[:limit]
-        keep = {id(r) for r in chosen}
-        return [r for r in decodes if r.request_class == RequestClass.INTERACTIVE or id(r) in keep]
-
-    def _interactive_prompt_pending(self, interactive: list[Request]) -> bool:
-        """Whether an interactive prompt waits to be computed: a waiting
-        interactive request, or a running one with prompt tokens left."""
-        return bool(self._waiting[RequestClass.INTERACTIVE]) or any(r.num_tokens_to_compute > 1 for r in interactive)
-
-    def _interactive_about(self, interactive: list[Request]) -> bool:
-        """Whether interactive work is waiting or running, or was within
-        ``interactive_recent_s`` (``SchedulerConfig``): the window keeps the
-        batch steps short between the requests of an interactive stream."""
-        now = self._clock()
-        if interactive or self._waiting[RequestClass.INTERACTIVE]:
-            self._interactive_seen = now
-            return True
-        return now - self._interactive_seen < self.config.interactive_recent_s
 
     def _plan_running(
         self, reqs: list[Request], budget: int, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]
@@ -463,7 +265,7 @@ class Scheduler:
         scheduled = []
         total = 0
         for req, n, is_new in planned.values():
-            self._last_served[req.request_id] = self._step
+            self.latency.served(req.request_id, self._step)
             start = req.num_computed_tokens
             scheduled.append(
                 ScheduledRequest(
@@ -861,7 +663,7 @@ class Scheduler:
             req.block_ids = []
         req.status = status
         del self.requests[req.request_id]
-        self._last_served.pop(req.request_id, None)
+        self.latency.forget(req.request_id)
         self._finished_ids.append(req.request_id)
         if status == RequestStatus.FINISHED_ABORTED:
             self._aborted_ids.append(req.request_id)
