@@ -58,6 +58,7 @@ from typing import cast
 
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
+from jaxserve.engine.forks import ForkTable
 from jaxserve.engine.latency_policy import LatencyPolicy
 from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.engine.request import Request, RequestStatus
@@ -107,8 +108,7 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []
-        self._parked: list[Request] = []  # prefill-only requests with forks still to start
-        self._copies: list[tuple[int, int]] = []  # block copies for the next plan
+        self.forks = ForkTable()  # label scoring's parked prompts and their forks
         self._waiting = {cls: WaitingQueue(config.policy) for cls in RequestClass}
         self._finished_ids: list[str] = []
         self._aborted_ids: list[str] = []
@@ -161,11 +161,17 @@ class Scheduler:
                 f"{self.num_waiting} requests are already waiting (limit {cap}); retry later",
                 retryable=True,
             )
+        self.register(request)
+        self._waiting[request.request_class].push(request)
+
+    def register(self, request: Request) -> None:
+        """Make a request known (not yet queued): its admission order and,
+        with prefix caching, its block hashes (``add_request``, and a
+        scoring job's forks when their parent parks)."""
         request.seq_no = next(self._seq)
         if self._prefix_caching:
             request.enable_block_hashing(self.block_size)
-        self.requests[rid] = request
-        self._waiting[request.request_class].push(request)
+        self.requests[request.request_id] = request
 
     # ------------------------------------------------------------ planning
 
@@ -178,7 +184,7 @@ class Scheduler:
         planned: dict[str, tuple[Request, int, bool]] = {}
         preempted: list[Request] = []
 
-        self._start_forks()
+        self.forks.start(self)
         self.running.sort(key=self._key)
         self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
         interactive = [r for r in self.running if r.request_class == RequestClass.INTERACTIVE]
@@ -224,7 +230,7 @@ class Scheduler:
                 continue
             while True:
                 need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-                if need <= 0 or need <= self._free_blocks_for(req):
+                if need <= 0 or need <= self.free_blocks_for(req):
                     if need > 0:
                         blocks = self.allocator.allocate(need)
                         assert blocks is not None
@@ -289,77 +295,11 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             aborted_req_ids=self._aborted_ids,
             step=self._step,
-            block_copies=self._copies,
+            block_copies=self.forks.take_copies(),
         )
         self._finished_ids = []
         self._aborted_ids = []
-        self._copies = []
         return out
-
-    # ------------------------------------------------------------ forks
-
-    def _start_forks(self) -> None:
-        """Start the forks of parked requests while sequence slots and blocks
-        allow, oldest parent first. A fork begins running at its parent's
-        computed tokens: it references the parent's full blocks and gets its
-        own copy of the partial last block (queued in ``block_copies``, made
-        by the runner before the step's forward). A parent whose forks have
-        all started is finished, releasing its references."""
-        cfg = self.config
-        bs = self.block_size
-        while self._parked:
-            parent = self._parked[0]
-            computed = parent.num_computed_tokens
-            full, partial = divmod(computed, bs)
-            shared = parent.block_ids[:full]
-            while parent.fork_children:
-                child = parent.fork_children[0]
-                limit = cfg.max_num_seqs - (
-                    cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0
-                )
-                if len(self.running) >= limit:
-                    return
-                new: list[int] = []
-                if partial:
-                    if self._free_blocks_for(child) < 1:
-                        return
-                    new = self.allocator.allocate(1) or []
-                    if not new:
-                        return
-                    self._copies.append((parent.block_ids[full], new[0]))
-                parent.fork_children.pop(0)
-                self.allocator.touch(shared)
-                child.block_ids = shared + new
-                child.num_computed_tokens = computed
-                child.num_registered_blocks = min(full, parent.num_registered_blocks)
-                child.status = RequestStatus.RUNNING
-                child.first_scheduled_time = time.monotonic()
-                self.running.append(child)
-            self._finish(parent, RequestStatus.FINISHED_STOPPED)  # leaves _parked
-
-    def _unfork(self, req: Request) -> bool:
-        """Drop a fork that has not started yet from its parked parent."""
-        for parent in self._parked:
-            if req in parent.fork_children:
-                parent.fork_children.remove(req)
-                return True
-        return False
-
-    def _park(self, req: Request) -> None:
-        """A prefill-only request computed its prompt: register its forks
-        and keep its blocks until they have all started."""
-        self.running.remove(req)
-        req.status = RequestStatus.PARKED
-        for child in req.fork_children:
-            if child.request_id in self.requests:
-                raise RequestError("invalid_request", f"duplicate request id {child.request_id!r}")
-            if child.all_token_ids[: req.num_tokens] != req.all_token_ids:
-                raise ValueError(f"fork {child.request_id!r} does not continue {req.request_id!r}'s tokens")
-            child.seq_no = next(self._seq)
-            if self._prefix_caching:
-                child.enable_block_hashing(self.block_size)
-            self.requests[child.request_id] = child
-        self._parked.append(req)
 
     def _admit_waiting(
         self,
@@ -423,7 +363,7 @@ class Scheduler:
 
     def _admission_fits(self, req: Request, admission: _Admission) -> bool:
         need = admission.num_new_blocks + self.allocator.num_blocks_to_touch(admission.hits)
-        return need <= self._free_blocks_for(req)
+        return need <= self.free_blocks_for(req)
 
     def _admit(
         self, req: Request, admission: _Admission, planned: dict[str, tuple[Request, int, bool]], now: float
@@ -493,7 +433,7 @@ class Scheduler:
                 n = min(n, cfg.long_prefill_token_threshold)
             n = self._fit_rows(req, req.num_computed_tokens, n)
             need = _cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
-            while need > self._free_blocks_for(req):
+            while need > self.free_blocks_for(req):
                 make_room()
             if need > 0:
                 blocks = self.allocator.allocate(need)
@@ -549,7 +489,9 @@ class Scheduler:
     def _key(self, req: Request) -> tuple:
         return req.sort_key(self.config.policy)
 
-    def _free_blocks_for(self, req: Request) -> int:
+    def free_blocks_for(self, req: Request) -> int:
+        """Free blocks ``req`` may take: a batch request leaves
+        ``interactive_reserved_blocks`` alone."""
         free = self.allocator.num_free_blocks
         if req.request_class == RequestClass.BATCH:
             free -= self.config.interactive_reserved_blocks
@@ -608,7 +550,7 @@ class Scheduler:
             if not req.samples:
                 if req.num_computed_tokens == req.num_tokens:
                     if req.prefill_only:
-                        self._park(req)  # its forks take over
+                        self.forks.park(self, req)  # its forks take over
                     else:  # a scoring request has all its score rows
                         self._finish(req, RequestStatus.FINISHED_STOPPED)
                         finished.append(req.request_id)
@@ -651,12 +593,9 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.PARKED:
-            self._parked.remove(req)
-            for child in req.fork_children:  # forks that never started go with it
-                self.requests.pop(child.request_id, None)
-                child.status = status
-            req.fork_children = []
-        elif not self._unfork(req):
+            for child_id in self.forks.unpark(req, status):  # forks that never started go with it
+                self.requests.pop(child_id, None)
+        elif not self.forks.unfork(req):
             self._waiting[req.request_class].remove(req)
         if req.block_ids:
             self.allocator.free(req.block_ids)
