@@ -4,7 +4,7 @@ The file (YAML; this shape is the contract)::
 
     default: {requests_per_s: 50, burst: 100}
     tenants:
-      acme: {requests_per_s: 1, burst: 5, tokens_per_min: 20000, max_in_flight: 8}
+      acme: {requests_per_s: 1, burst: 5, tokens_per_min: 20000, max_in_flight: 8, cost_per_day: 25}
 
 A job's tenant is its body's ``tenant`` (jobs without one count as the
 tenant ``""``, under ``default``). Per tenant, every key optional:
@@ -13,7 +13,13 @@ tenant ``""``, under ``default``). Per tenant, every key optional:
 * ``tokens_per_min``: a token bucket of ``burst`` = the per-minute amount,
   charged prompt + ``max_tokens`` at admission and corrected by the actual
   use when the job ends (unused tokens go back);
-* ``max_in_flight``: jobs of the tenant running at once.
+* ``max_in_flight``: jobs of the tenant running at once;
+* ``cost_per_day``: a budget of money (the currency of the worker's
+  prices, ``jaxserve.cost``), a bucket of ``burst`` = the daily amount
+  that refills continuously over 24 h, charged and settled like
+  ``tokens_per_min``: the cost of prompt + ``max_tokens`` at admission,
+  the unspent part back when the job ends. Without prices the worker
+  charges nothing and the budget never refuses.
 
 A tenant listed under ``tenants`` gets its own keys and falls back to
 ``default`` for the rest. :class:`MemoryLimiter` keeps the state in the
@@ -42,7 +48,8 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-_KEYS = ("requests_per_s", "burst", "tokens_per_min", "max_in_flight")
+_KEYS = ("requests_per_s", "burst", "tokens_per_min", "max_in_flight", "cost_per_day")
+DAY_S = 86400.0
 
 
 class LimitsFileError(ValueError):
@@ -55,6 +62,7 @@ class TenantLimit:
     burst: float | None = None
     tokens_per_min: float | None = None
     max_in_flight: int | None = None
+    cost_per_day: float | None = None
 
     def merged(self, fallback: TenantLimit) -> TenantLimit:
         return TenantLimit(*(getattr(self, k) if getattr(self, k) is not None else getattr(fallback, k) for k in _KEYS))
@@ -121,7 +129,7 @@ def load_limits(path: str | Path) -> LimitsConfig:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     allowed: bool
-    reason: str = ""  # requests_per_s | tokens_per_min | max_in_flight
+    reason: str = ""  # requests_per_s | tokens_per_min | max_in_flight | cost_per_day
     retry_after_s: float = 0.0
 
 
@@ -135,16 +143,19 @@ class Limiter(Protocol):
         of ``at``; or say which limit refuses it and for how long (then it
         holds nothing)."""
 
-    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
-        """Charge an arrived job its ``tokens`` (prompt + max_tokens), judged
-        as of its arrival ``at``. A refusal takes nothing; the caller then
-        releases the job."""
+    async def charge(self, tenant: str, job: str, tokens: int, at: float, cost: float = 0.0) -> Decision:
+        """Charge an arrived job its ``tokens`` (prompt + max_tokens) and
+        their ``cost`` (the same tokens at the worker's price), judged as of
+        its arrival ``at``. A refusal takes nothing; the caller then releases
+        the job."""
 
-    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
+    async def release(
+        self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False, unused_cost: float = 0.0
+    ) -> None:
         """The job ended: it leaves the in-flight set and gives back the
-        tokens it did not use, and its request when it never ran
-        (``unserved``: answered from the store, refused, requeued before
-        the engine took it)."""
+        tokens and the cost it was charged but did not use, and its request
+        when it never ran (``unserved``: answered from the store, refused,
+        requeued before the engine took it)."""
 
     async def renew(self, tenant: str, job: str) -> None: ...
 
@@ -197,19 +208,29 @@ class MemoryLimiter:
         running.add(job)
         return ALLOWED
 
-    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
+    async def charge(self, tenant: str, job: str, tokens: int, at: float, cost: float = 0.0) -> Decision:
         lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None:
             wait = self._take((tenant, "tokens"), lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at)
             if wait:
                 return Decision(False, "tokens_per_min", wait)
+        if lim.cost_per_day is not None and cost > 0:
+            wait = self._take((tenant, "cost"), lim.cost_per_day / DAY_S, lim.cost_per_day, float(cost), at)
+            if wait:
+                if lim.tokens_per_min is not None:  # a refusal takes nothing
+                    self._give((tenant, "tokens"), lim.tokens_per_min, float(tokens))
+                return Decision(False, "cost_per_day", wait)
         return ALLOWED
 
-    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
+    async def release(
+        self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False, unused_cost: float = 0.0
+    ) -> None:
         self._in_flight.get(tenant, set()).discard(job)
         lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None and unused_tokens > 0:
             self._give((tenant, "tokens"), lim.tokens_per_min, float(unused_tokens))
+        if lim.cost_per_day is not None and unused_cost > 0:
+            self._give((tenant, "cost"), lim.cost_per_day, float(unused_cost))
         if unserved and lim.requests_per_s is not None:
             self._give((tenant, "requests"), lim.request_burst, 1.0)
 
@@ -301,7 +322,7 @@ class RedisLimiter:
                 return Decision(False, "requests_per_s", wait)
         return ALLOWED
 
-    async def charge(self, tenant: str, job: str, tokens: int, at: float) -> Decision:
+    async def charge(self, tenant: str, job: str, tokens: int, at: float, cost: float = 0.0) -> Decision:
         lim = self.config.for_tenant(tenant)
         if lim.tokens_per_min is not None:
             wait = await self._bucket(
@@ -309,17 +330,27 @@ class RedisLimiter:
             )
             if wait:
                 return Decision(False, "tokens_per_min", wait)
+        if lim.cost_per_day is not None and cost > 0:
+            wait = await self._bucket("cost", tenant, lim.cost_per_day / DAY_S, lim.cost_per_day, float(cost), at)
+            if wait:
+                if lim.tokens_per_min is not None:  # a refusal takes nothing
+                    await self._give(keys=[self._k("tokens", tenant)], args=[lim.tokens_per_min, float(tokens)])
+                return Decision(False, "cost_per_day", wait)
         return ALLOWED
 
     async def _leave(self, tenant: str, job: str, lim: TenantLimit) -> None:
         if lim.max_in_flight is not None:
             await self._r.zrem(self._k("inflight", tenant), job)
 
-    async def release(self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False) -> None:
+    async def release(
+        self, tenant: str, job: str, unused_tokens: int, *, unserved: bool = False, unused_cost: float = 0.0
+    ) -> None:
         lim = self.config.for_tenant(tenant)
         await self._leave(tenant, job, lim)
         if lim.tokens_per_min is not None and unused_tokens > 0:
             await self._give(keys=[self._k("tokens", tenant)], args=[lim.tokens_per_min, float(unused_tokens)])
+        if lim.cost_per_day is not None and unused_cost > 0:
+            await self._give(keys=[self._k("cost", tenant)], args=[lim.cost_per_day, float(unused_cost)])
         if unserved and lim.requests_per_s is not None:
             await self._give(keys=[self._k("requests", tenant)], args=[lim.request_burst, 1.0])
 
