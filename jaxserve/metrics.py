@@ -130,6 +130,15 @@ class EngineMetrics:
             ["model_name", "queue", "code", "reason", "tenant"],
             registry=r,
         )
+        # What served jobs cost (jaxserve.cost), by tenant as the limits file
+        # bounds it (listed tenants by name, "default", "other": the worker
+        # passes LimitsConfig.metric_label), so label values stay few.
+        self.cost = Counter(
+            "jaxserve_cost",
+            "Cost of served jobs' tokens at the worker's prices, by tenant and currency",
+            ["model_name", "tenant", "currency"],
+            registry=r,
+        )
         self.requeues = Counter(
             "jaxserve_requeues",
             "Jobs given back to the broker, by reason",
@@ -309,6 +318,12 @@ class EngineMetrics:
 
     def rejection(self, code: str, reason: str, queue: str, tenant: str) -> None:
         self.rejections.labels(self.model_name, queue, code, reason, tenant).inc()
+
+    def record_cost(self, tenant: str, amount: float, currency: str) -> None:
+        """A served job's ``usage.cost``; ``tenant`` is already a bounded
+        label (``LimitsConfig.metric_label``, or "default" without limits)."""
+        if amount > 0:
+            self.cost.labels(self.model_name, tenant, currency).inc(amount)
 
 
 def _run_check(check: HealthCheck | None, missing: str, default: bool) -> tuple[bool, str]:
