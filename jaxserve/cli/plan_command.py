@@ -165,6 +165,45 @@ def _ints(text: str, what: str) -> list[int]:
     show_default=True,
     help="Cores one job queue's broker process can use.",
 )
+@click.option(
+    "--prices",
+    "prices_file",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Prices file (YAML/JSON, as jaxserve worker --prices): adds the plan's cost per day and per million tokens.",
+)
+@click.option(
+    "--hardware-per-hour",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Price of one worker's machine per hour: the plan costs workers x this x 24 a day (overrides --prices).",
+)
+@click.option("--currency", default=None, help="Currency of --hardware-per-hour (default: the prices file's, or USD).")
+@click.option(
+    "--compare",
+    "compare_profile",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="A small model's profile: compare the --profile model alone with it plus this one taking the overflow.",
+)
+@click.option(
+    "--primary-workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--compare: workers the primary keeps (default: half of what it needs alone); the rest overflows.",
+)
+@click.option(
+    "--fallback-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=None,
+    help="--compare: the share of jobs the fallback serves, instead of --primary-workers.",
+)
+@click.option(
+    "--fallback-hardware-per-hour",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="--compare: price per hour of one fallback worker's machine (overrides --prices).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine output.")
 def plan(
     measure,
@@ -194,6 +233,13 @@ def plan(
     scaleout_file,
     scaleout_efficiency,
     broker_cores,
+    prices_file,
+    hardware_per_hour,
+    currency,
+    compare_profile,
+    primary_workers,
+    fallback_share,
+    fallback_hardware_per_hour,
     as_json,
 ) -> None:
     """Number of workers, max_num_seqs and KV memory per worker for a workload.
@@ -206,6 +252,12 @@ def plan(
     Prints the arithmetic line by line and which budget binds (prefill
     compute, decode compute, KV memory, TTFT, ITL; worker event loop with
     --scaleout). Exit status 2 when no number of workers can meet the targets.
+
+    \b
+    Cost: --prices FILE or --hardware-per-hour X adds cost per day and per
+    million tokens. --compare SMALL.json plans the same workload twice: the
+    --profile model alone, and with SMALL taking its overflow:
+    jaxserve plan --profile big.json --compare small.json --prices prices.yaml --rps 20 ...
     """
     if measure:
         _measure(
@@ -263,18 +315,85 @@ def plan(
         scaleout=limits,
         broker_cores=broker_cores,
     )
+    if compare_profile is None and (primary_workers is not None or fallback_share is not None):
+        raise click.UsageError("--primary-workers and --fallback-share go with --compare")
+    if primary_workers is not None and fallback_share is not None:
+        raise click.UsageError("give --primary-workers or --fallback-share, not both")
+    from jaxserve.planning.costing import compare_fallback, plan_cost
+
     try:
-        result = make_plan(workload, profile, options)
+        price, cur = _price(profile, prices_file, hardware_per_hour, currency)
+        if compare_profile is not None:
+            small = Profile.load(compare_profile)
+            small_price, small_cur = _price(small, prices_file, fallback_hardware_per_hour, currency)
+            if small_cur is not None and cur is not None and small_cur != cur:
+                raise click.ClickException(f"the two models are priced in {cur} and {small_cur}: use one currency")
+    except ProfileError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        if compare_profile is not None:
+            comparison = compare_fallback(
+                workload,
+                profile,
+                small,
+                options,
+                primary_workers=primary_workers,
+                fallback_share=fallback_share,
+                primary_price=price,
+                fallback_price=small_price,
+                currency=cur or small_cur,
+            )
+        else:
+            result = make_plan(workload, profile, options)
     except PlanInfeasible as exc:
         if as_json:
             click.echo(json.dumps({"feasible": False, "budget": exc.budget, "message": str(exc)}))
         else:
             click.echo(f"infeasible: {exc}", err=True)
         sys.exit(2)
+    if compare_profile is not None:
+        click.echo(json.dumps({"feasible": True, **comparison.to_dict()}, indent=2) if as_json else comparison.text())
+        return
+    cost = None if price is None or cur is None else plan_cost(result, price, cur)
     if as_json:
-        click.echo(json.dumps({"feasible": True, **result.to_dict()}, indent=2))
+        out = {"feasible": True, **result.to_dict()}
+        if cost is not None:
+            out["cost"] = cost.to_dict()
+            out["lines"] = out["lines"] + cost.lines
+        click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(result.text())
+        text = result.text()
+        if cost is not None:
+            text += "\n" + "\n".join(
+                [
+                    *cost.lines,
+                    f"cost per day          {cost.per_day:.2f} {cost.currency}",
+                    f"per million tokens    {cost.per_million_tokens:.4g} {cost.currency}",
+                ]
+            )
+        click.echo(text)
+
+
+def _price(profile, prices_file, hardware_per_hour, currency):
+    """The price of ``profile``'s model and its currency: --hardware-per-hour
+    (with the profile's own rates), else its entry in --prices; (None, None)
+    when there is neither."""
+    from jaxserve.cost import ModelPrice, PriceError, PriceTable
+
+    if hardware_per_hour is not None:
+        return ModelPrice.from_profile(hardware_per_hour, profile), currency or "USD"
+    if prices_file is None:
+        return None, None
+    try:
+        table = PriceTable.from_file(prices_file)
+    except PriceError as exc:
+        raise click.ClickException(str(exc)) from None
+    if currency is not None and currency != table.currency:
+        raise click.ClickException(f"{prices_file} prices in {table.currency}, not --currency {currency}")
+    price = table.price_for(profile.model)
+    if price is None:
+        raise click.ClickException(f"{prices_file} has no price for the profile's model {profile.model!r}")
+    return price, table.currency
 
 
 def _measure(
