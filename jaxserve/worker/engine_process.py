@@ -55,6 +55,7 @@ of one is fine) importable from that path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import mmap
@@ -72,6 +73,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
+from jaxserve.worker.engine_host import EngineHost, EngineInfo, engine_info
+from jaxserve.worker.engine_host import kv_cache_bytes as kv_cache_bytes  # the worker imports it from here
 from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.logs import apply_logging_setup, logging_setup
 
@@ -91,38 +94,20 @@ class EngineBuildError(RuntimeError):
     holds its traceback). An exception that can is raised as itself."""
 
 
-def kv_cache_bytes(engine: Any) -> int | None:
-    """The KV cache's size in bytes, where the engine tells it."""
-    size = getattr(engine, "kv_cache_bytes", None)
-    if size is None:
-        size = getattr(getattr(getattr(engine, "runner", None), "kv_cache", None), "nbytes", None)
-    return size if isinstance(size, int) else None
-
-
-def describe_engine(engine: Any) -> dict[str, Any]:
-    """The attributes the worker reads of an engine, as plain values: only
-    those the engine has, so ``getattr(remote, name, default)`` answers as
-    it would on the engine itself."""
-    attrs: dict[str, Any] = {}
-    for name in ("model_name", "max_model_len", "max_num_seqs", "interactive_reserved_seqs", "tokenizer"):
-        if hasattr(engine, name):
-            attrs[name] = getattr(engine, name)
-    vocab = getattr(getattr(engine, "model_config", None), "vocab_size", None) or getattr(engine, "vocab_size", None)
-    if vocab is not None:
-        attrs["vocab_size"] = vocab
-    size = kv_cache_bytes(engine)
-    if size is not None:
-        attrs["kv_cache_bytes"] = size
-    return attrs
-
-
 class RemoteEngine:
     """What the worker's process knows of an engine running in the engine
-    process: its fixed attributes (:func:`describe_engine`, copied once after
-    the build) and ``num_computed_tokens`` from shared memory."""
+    process, in the shape of the engine: the fields of its
+    :class:`EngineInfo` that are set, as attributes (so
+    ``getattr(remote, name, default)`` answers as it would on the engine),
+    and ``num_computed_tokens`` from shared memory. Kept for callers that
+    read the engine's attributes; :attr:`EngineProcess.info` is the typed
+    form."""
 
-    def __init__(self, attrs: dict[str, Any], status: Any) -> None:
-        self.__dict__.update(attrs)
+    def __init__(self, info: EngineInfo, status: Any) -> None:
+        for field in dataclasses.fields(info):
+            value = getattr(info, field.name)
+            if value is not None and field.name != "has_scheduler":
+                setattr(self, field.name, value)
         self._status = status
 
     @property
@@ -312,7 +297,7 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the worker, which fails its start
         pipe.send(("build_failed", _portable(exc), traceback.format_exc()))
         return
-    pipe.send(("built", describe_engine(engine)))
+    pipe.send(("built", engine_info(engine)))
 
     stats_of = getattr(getattr(engine, "scheduler", None), "stats", None)
     step_stats: list[Any] = []
@@ -417,6 +402,7 @@ class EngineProcess:
         self._dead: tuple[str, BaseException | None] | None = None
         self._stop_requested = False
         self.engine: RemoteEngine | None = None
+        self._info: EngineInfo | None = None
         #: what ended the engine, other than stop(); None while it lives
         self.fatal_error: BaseException | None = None
 
@@ -438,6 +424,23 @@ class EngineProcess:
         self._transport, _ = await self.loop.connect_accepted_socket(lambda: _EngineConnection(self), mine)
         self._send(self._setup)
         return await self._built
+
+    async def open(self) -> EngineInfo:
+        """:class:`~jaxserve.worker.engine_host.EngineHost`'s start:
+        :meth:`start`, then :attr:`info`."""
+        await self.start()
+        return self.info
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("the engine is not built yet: await open() first")
+        return self._info
+
+    @property
+    def num_computed_tokens(self) -> int | None:
+        value = self._status[_COMPUTED]
+        return None if math.isnan(value) else int(value)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop after the command or step in progress and wait for the engine
@@ -564,6 +567,7 @@ class EngineProcess:
         elif kind == "fatal":
             self._died(message[1], f"the engine thread died: {message[1]!r}")
         elif kind == "built":
+            self._info = message[1]
             self.engine = RemoteEngine(message[1], self._status)
             if self._built is not None and not self._built.done():
                 self._built.set_result(self.engine)
@@ -623,3 +627,8 @@ class EngineProcess:
         err = EngineThreadDead(message)
         err.__cause__ = cause
         return err
+
+
+def _conforms(host: EngineProcess) -> EngineHost:
+    """mypy holds EngineProcess to the EngineHost protocol here."""
+    return host

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput, SamplingParams
+from jaxserve.worker.engine_host import EngineHost, EngineInfo, engine_info
 
 OutputsCallback = Callable[[list[RequestOutput]], None]
 FailureCallback = Callable[[BaseException], None]
@@ -93,6 +94,8 @@ class EngineThread:
     ) -> None:
         check_max_consecutive_step_failures(max_consecutive_step_failures)
         self.engine = engine
+        self._factory: Callable[[], Any] | None = None  # set by from_factory; open() calls it
+        self._info: EngineInfo | None = None
         # Runs on the engine thread after every step (metrics); must be cheap.
         self.on_step = on_step
         self.loop = loop
@@ -104,13 +107,11 @@ class EngineThread:
         # Commands the before_plan hook took off the queue but left for the
         # loop (a non-admission, to keep the order); the loop runs them first.
         self._deferred: list[Any] = []
-        if hasattr(engine, "before_plan"):
-            engine.before_plan = self._admit_arrivals
         # Interactive outputs the engine hands over before it plans the next
         # step go to the loop at once; on_step still sees them with the rest.
         self._urgent: list[RequestOutput] = []
-        if hasattr(engine, "on_urgent_outputs"):
-            engine.on_urgent_outputs = self._post_urgent
+        if engine is not None:
+            self._attach(engine)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopped = threading.Event()
         # Guards the hand-over between _call queueing a command and the dying
@@ -129,9 +130,65 @@ class EngineThread:
         #: time.monotonic() when the running step or command started; None when idle
         self.busy_since_mono: float | None = None
 
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[], Any],
+        loop: asyncio.AbstractEventLoop,
+        on_outputs: OutputsCallback,
+        on_step_error: FailureCallback | None = None,
+        **kwargs: Any,
+    ) -> EngineThread:
+        """A host that builds its engine in :meth:`open` (``factory()`` on a
+        worker thread), as :class:`EngineProcess` does in its process: the
+        worker constructs either host the same way, before the build, so a
+        shutdown during the build finds it."""
+        host = cls(None, loop, on_outputs, on_step_error, **kwargs)
+        host._factory = factory
+        return host
+
+    def _attach(self, engine: Any) -> None:
+        """Take ``engine``: install the hooks it has room for."""
+        self.engine = engine
+        self._info = engine_info(engine)
+        if hasattr(engine, "before_plan"):
+            engine.before_plan = self._admit_arrivals
+        if hasattr(engine, "on_urgent_outputs"):
+            engine.on_urgent_outputs = self._post_urgent
+
     # ---- asyncio side -------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    async def open(self) -> EngineInfo:
+        """:class:`~jaxserve.worker.engine_host.EngineHost`'s start: build
+        the engine (hosts made by :meth:`from_factory`), start the thread
+        unless :meth:`start` did, and return :attr:`info`."""
+        if self.engine is None:
+            factory = cast("Callable[[], Any]", self._factory)  # from_factory set it: engine is None
+            self._attach(await asyncio.to_thread(factory))
+        with self._lock:  # stop() sets _stop_requested before it looks, under this lock, for a thread
+            if self._stop_requested:
+                raise EngineThreadDead("the engine thread was stopped before it started")
+            if self._thread.ident is None:
+                self._thread.start()
+        return self.info
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("the engine is not built yet: await open() first")
+        return self._info
+
+    @property
+    def pid(self) -> int | None:
+        """None: the engine runs in this process."""
+        return None
+
+    @property
+    def num_computed_tokens(self) -> int | None:
+        computed = getattr(self.engine, "num_computed_tokens", None)
+        return computed if isinstance(computed, int) else None
 
     def _call(self, fn: Callable[[], Any], admission: bool = False) -> asyncio.Future:
         fut = self.loop.create_future()
@@ -195,6 +252,11 @@ class EngineThread:
         """Stop after the command or step in progress; commands still queued
         then fail with :class:`EngineThreadDead`. ``on_fatal`` is not called."""
         self._stop_requested = True
+        with self._lock:
+            started = self._thread.ident is not None
+        if not started:  # stopped before open() started it: nothing else will fail the queued commands
+            self._exit(None)
+            return
         self._cmds.put(_STOP)
         self._thread.join(timeout)
 
@@ -377,3 +439,8 @@ class EngineThread:
             except RuntimeError:  # loop closed
                 pass
         self._stopped.set()
+
+
+def _conforms(host: EngineThread) -> EngineHost:
+    """mypy holds EngineThread to the EngineHost protocol here."""
+    return host
