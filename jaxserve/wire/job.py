@@ -37,6 +37,8 @@ MIN_LABELS, MAX_LABELS = 2, 64
 MAX_LABEL_CHARS = 256
 MAX_FEW_SHOT = 32  # as jaxserve.tokenizer.labels.MAX_FEW_SHOT
 MAX_FEW_SHOT_CHARS = 8192
+MAX_FALLBACK_MODELS = 4  # a job is re-routed once, to the first that has room: a long list buys nothing
+MAX_MODEL_NAME_CHARS = 250  # "<class>.<model>" must fit AMQP's 255-byte routing key
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
@@ -73,6 +75,15 @@ class JsonSchemaSpec(BaseModel):
         default=None, alias="schema", description="The JSON Schema the output follows (absent: any JSON object)."
     )
     strict: bool | None = Field(default=None, description="Accepted; the schema is always enforced token by token.")
+
+
+class Degrade(BaseModel):
+    """The degraded answer a job accepts instead of ``overloaded``."""
+
+    model_config = _STRICT
+    max_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] = Field(
+        description="Run with this smaller completion limit when the full one cannot start in budget."
+    )
 
 
 class TextFormat(BaseModel):
@@ -170,7 +181,28 @@ class JobBody(BaseModel):
     ) = None
     stream: bool | None = Field(default=None, description="Send chunk messages before the final result.")
     n: Literal[1] | None = Field(default=None, description="Only 1: one completion per job.")
-    model: str | None = Field(default=None, description="Must name the served model if given (else unknown_model).")
+    model: str | None = Field(
+        default=None,
+        description="The model to run the job: routes it to that model's queues (docs/protocol.md, Routing by "
+        "model); absent: the deployment's default model. A model nobody serves is unknown_model.",
+    )
+    fallback_models: (
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]],
+            Field(min_length=1, max_length=MAX_FALLBACK_MODELS),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="Up to 4 distinct other models, in order: when the job's model cannot start it within its "
+        "budget (what would be answered overloaded), the job is re-routed once to the first that has room; the "
+        "result's served_model names the model that answered. Not the job's own model.",
+    )
+    degrade: Degrade | None = Field(
+        default=None,
+        description="A degraded answer the job accepts instead of overloaded: {max_tokens: N}, N smaller than the "
+        "job's max_tokens. The result's degraded lists what was degraded.",
+    )
     tenant: Annotated[str, Field(max_length=256)] | None = Field(default=None, description="Opaque tenant id, logged.")
     deadline: float | None = Field(
         default=None,
@@ -292,6 +324,8 @@ class Job:
     calibrate: bool = False
     calibration_input: str = "N/A"
     few_shot: tuple[tuple[str, str], ...] = ()  # (text, label)
+    fallback_models: tuple[str, ...] = ()  # in order; () keeps today's behaviour (issue 28)
+    degrade_max_tokens: int | None = None  # the smaller limit the job accepts instead of overloaded
 
     @property
     def deterministic(self) -> bool:
@@ -397,10 +431,17 @@ def check_reply_to(reply_to: Any, reserved: frozenset[str]) -> None:
         return
     if not isinstance(reply_to, str):
         raise _bad(f"reply_to must be a UTF-8 queue name, got {_show(reply_to)}")
-    if reply_to in reserved:
+    if reply_to in reserved or _is_model_queue(reply_to, reserved):
         raise _bad(
             f"reply_to {reply_to!r} names one of the worker's own queues or exchanges; use a reply queue of your own"
         )
+
+
+def _is_model_queue(name: str, reserved: frozenset[str]) -> bool:
+    """``<prefix>.interactive.<model>`` and ``<prefix>.batch.<model>``: other
+    models' job queues (``Topology.model_queue``), known from the default
+    model's queue names among ``reserved``."""
+    return any(r.endswith((".interactive", ".batch")) and name.startswith(r + ".") for r in reserved)
 
 
 def parse_expiration(value: Any) -> float | None:
@@ -466,6 +507,7 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     mt_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    _check_degradation(body, max_tokens, mt_name)
     if limits.max_model_len is not None and max_tokens > limits.max_model_len:
         raise _bad(f"{mt_name} {max_tokens} exceeds max_model_len {limits.max_model_len}")
     top_k = body.top_k or 0
@@ -522,7 +564,24 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         calibrate=bool(body.calibrate),
         calibration_input="N/A" if body.calibration_input is None else body.calibration_input,
         few_shot=tuple((x.text, x.label) for x in body.few_shot or ()),
+        fallback_models=tuple(body.fallback_models or ()),
+        degrade_max_tokens=None if body.degrade is None else body.degrade.max_tokens,
     )
+
+
+def _check_degradation(body: JobBody, max_tokens: int, mt_name: str) -> None:
+    """``fallback_models``: distinct, none the job's own model (a re-route
+    there would queue the job behind itself). ``degrade.max_tokens``: below
+    the job's own limit, else it degrades nothing."""
+    fallbacks = body.fallback_models or []
+    for i, name in enumerate(fallbacks):
+        if name in fallbacks[:i]:
+            raise _bad(f"fallback_models must be distinct, got {name!r} twice")
+        if body.model is not None and name == body.model:
+            raise _bad(f"fallback_models[{i}] {name!r} is the job's own model; name other models")
+    limit = None if body.degrade is None else body.degrade.max_tokens
+    if limit is not None and limit >= max_tokens:
+        raise _bad(f"degrade.max_tokens must be smaller than the job's {mt_name} {max_tokens}, got {limit}")
 
 
 def _check_label_fields(body: JobBody) -> None:

@@ -20,6 +20,9 @@ from jaxserve.wire.errors import ERROR_CODES, is_retryable
 # pydantic reads the runtime tuple; a type checker cannot build a Literal from it
 ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 FinishReason = Literal["stop", "length"]
+#: what a degraded answer gave up (issue 28): "model" the job was re-routed
+#: to one of its fallback_models; "max_tokens" it ran with degrade.max_tokens
+Degradation = Literal["model", "max_tokens"]
 
 
 class WireDecodeError(ValueError):
@@ -130,6 +133,16 @@ class Result(_Reply):
         description="Label scoring: every label of the job, in the job's order, with its logprob and prob.",
     )
     model: str | None = Field(default=None, description="The served model name.")
+    served_model: str | None = Field(
+        default=None,
+        description="The model that answered: the job's own, or the fallback it was re-routed to (then degraded "
+        "holds 'model').",
+    )
+    degraded: list[Degradation] | None = Field(
+        default=None,
+        description="Present when the job was answered in a degraded form it asked to accept instead of "
+        "overloaded: 'model' (re-routed to one of its fallback_models), 'max_tokens' (run with degrade.max_tokens).",
+    )
     logprobs: dict[str, Any] | None = Field(
         default=None,
         description="Jobs with logprobs: OpenAI's chat shape, {content: [{token, logprob, bytes, top_logprobs: "
@@ -174,6 +187,8 @@ class Result(_Reply):
         model: str | None = None,
         logprobs: dict[str, Any] | None = None,
         parsed: Any = None,
+        served_model: str | None = None,
+        degraded: list[str] | None = None,
     ) -> Result:
         return cls(
             id=key,
@@ -186,6 +201,8 @@ class Result(_Reply):
             model=model,
             logprobs=logprobs,
             parsed=parsed,
+            served_model=served_model,
+            degraded=None if not degraded else [cast(Degradation, d) for d in degraded],  # pydantic validates them
         )
 
     @classmethod

@@ -12,6 +12,20 @@ With the default prefix ``jaxserve`` the topology is::
     jaxserve.dead          quorum queue bound to jaxserve.dlx
     jaxserve.results       quorum queue: replies of jobs without reply_to
     jaxserve.control       fanout exchange for cancel messages
+    jaxserve.models        direct exchange routing jobs by model (issue 28)
+
+Routing by model. The two job queues above are the *default model's*: a job
+without ``model`` goes there through the default exchange, exactly as in a
+single-model deployment. Every other served model M has queues of its own,
+``jaxserve.interactive.<q(M)>`` and ``jaxserve.batch.<q(M)>`` (``q`` is
+:func:`queue_safe`), with the same arguments. A worker binds its job queues
+to ``jaxserve.models`` under the routing keys ``<class>.<name>`` for its
+served name and every alias (the default model's worker binds the two
+queues above), and a job naming a model is published to ``jaxserve.models``
+with routing key ``<class>.<model>`` and ``mandatory``: a model nobody binds
+comes back as basic.return, so the producer answers ``unknown_model`` at
+once instead of leaving the job in a queue no worker reads. The declaring
+side lives in :mod:`jaxserve.worker.routing`.
 
 The arguments are stable on purpose: RabbitMQ refuses (406) to redeclare a
 queue with different arguments. Change optional arguments of an existing
@@ -21,6 +35,8 @@ deployment with a policy (``rabbitmqctl set_policy``) instead.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import re
 from typing import Any
 
 DEFAULT_PREFIX = "jaxserve"
@@ -29,6 +45,42 @@ DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 INTERACTIVE = "interactive"
 BATCH = "batch"
 QUEUE_CLASSES = (INTERACTIVE, BATCH)
+
+#: AMQP's limit on a routing key and on a queue name (a short string)
+AMQP_NAME_MAX = 255
+#: a model's part of a queue name: at most this many characters kept as written
+QUEUE_SAFE_MAX = 64
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def queue_safe(model: str) -> str:
+    """The part of a queue name that stands for ``model``.
+
+    A name made only of ``A-Z a-z 0-9 _ . -`` and at most 64 characters is
+    kept as it is (``smollm2-135m``); any other (``org/Model:v2``, a path, a
+    long name) has its other characters replaced by ``_``, is cut to 64
+    characters and gets ``~`` and 8 hex digits of its SHA-256, so two names
+    that differ only in replaced characters never share a queue
+    (tests/test_routing_wire.py)."""
+    if not model:
+        raise ValueError("a model name is not empty")
+    if len(model) <= QUEUE_SAFE_MAX and not _UNSAFE.search(model):
+        return model
+    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{_UNSAFE.sub('_', model)[:QUEUE_SAFE_MAX]}~{digest}"
+
+
+def route_key(queue_class: str, model: str) -> str:
+    """The routing key of ``model``'s ``queue_class`` queue on the models
+    exchange: ``interactive.smollm2-135m``. The model name is used as
+    written (a direct exchange matches it exactly); raises ValueError when
+    the key would pass AMQP's 255 bytes (no worker can bind such a name)."""
+    if queue_class not in QUEUE_CLASSES:
+        raise ValueError(f"unknown queue class {queue_class!r}; expected 'interactive' or 'batch'")
+    key = f"{queue_class}.{model}"
+    if len(key.encode("utf-8", "surrogatepass")) > AMQP_NAME_MAX:
+        raise ValueError(f"model name of {len(model)} characters is too long for a routing key")
+    return key
 
 
 class TopologyMismatch(RuntimeError):
@@ -70,11 +122,25 @@ class Topology:
     def control(self) -> str:
         return f"{self.prefix}.control"
 
+    @property
+    def models(self) -> str:
+        """The direct exchange that routes jobs naming a model."""
+        return f"{self.prefix}.models"
+
     def reserved_names(self) -> frozenset[str]:
         """The worker's own queues and exchanges: a job's ``reply_to`` must
         not name any of them (a reply there would be consumed as a job, show
-        up as a dead letter or reach every worker as a control message)."""
-        return frozenset({self.interactive, self.batch, self.dead, self.dlx, self.control})
+        up as a dead letter or reach every worker as a control message).
+        Other models' job queues (``<interactive>.<q(M)>``) are refused by
+        :func:`jaxserve.wire.job.check_reply_to` from this set's names."""
+        return frozenset({self.interactive, self.batch, self.dead, self.dlx, self.control, self.models})
+
+    def model_queue(self, queue_class: str, model: str | None) -> str:
+        """The ``queue_class`` queue of a model that is not the default:
+        ``<prefix>.interactive.<q(model)>``; ``None`` names the default
+        model's queue (:meth:`queue_for`)."""
+        base = self.queue_for(queue_class)
+        return base if model is None else f"{base}.{queue_safe(model)}"
 
     def queue_for(self, queue_class: str) -> str:
         if queue_class == INTERACTIVE:
@@ -121,6 +187,20 @@ class Topology:
             "publish": {
                 "exchange": "",
                 "routing_keys": {INTERACTIVE: self.interactive, BATCH: self.batch},
+            },
+            "models": {
+                "exchange": self.models,
+                "type": "direct",
+                "durable": True,
+                "declared_by": "jaxserve.worker.routing.declare_model_routes",
+                "routing_key": "<class>.<model>",
+                "queues": {
+                    INTERACTIVE: f"{self.interactive}.<q(model)>",
+                    BATCH: f"{self.batch}.<q(model)>",
+                },
+                "default_model_queues": {INTERACTIVE: self.interactive, BATCH: self.batch},
+                "mandatory": True,
+                "unroutable": "unknown_model",
             },
         }
 
@@ -178,7 +258,7 @@ async def delete_topology(connection: Any, topo: Topology) -> None:
     try:
         for name in topo.queue_arguments():
             await channel.queue_delete(name)
-        for exch in (topo.dlx, topo.control):
+        for exch in (topo.dlx, topo.control, topo.models):
             await channel.exchange_delete(exch)
     finally:
         if not channel.is_closed:
