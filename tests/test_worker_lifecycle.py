@@ -464,7 +464,7 @@ async def test_sqlite_claims_of_a_dead_process_are_free(tmp_path):
 
 
 async def test_a_delivery_that_cannot_be_read_is_answered_and_acked_once(worker, monkeypatch):
-    import jaxserve.worker.worker as wmod
+    import jaxserve.worker.intake as wmod
 
     w, pub = await worker()
 

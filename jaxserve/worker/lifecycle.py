@@ -3,8 +3,8 @@
 A key is served by one :class:`KeyJob` at a time (the worker's active
 table). Every AMQP delivery of that key (the first, a duplicate publish, a
 redelivery after a lost channel) is one :class:`Delivery`, attached to the
-job, and every delivery is settled exactly once: acked, requeued (nack with
-requeue) or rejected. :meth:`Delivery.settle` enforces "once" (a second
+job, and every delivery is settled exactly once: acked or requeued (nack
+with requeue). :meth:`Delivery.settle` enforces "once" (a second
 settlement is refused and counted as a bug), so no code path can ack twice
 or forget one: a job only reaches a terminal state once none of its
 deliveries is left unsettled.
@@ -17,6 +17,7 @@ States and transitions (anything else raises :class:`IllegalTransition`)::
                    HELD  (claimed by another worker / store unreachable)
 
     RECEIVED, ADMITTING, HELD, RUNNING, FINISHING ──> REQUEUED
+    ADMITTING ──> DEFERRED  (a batch job over its tenant's limit: republished, then acked)
 
 * ADMITTING: checks against the store (replay, key reuse, cancel), the
   deadline, the claim, the prompt.
@@ -26,7 +27,7 @@ States and transitions (anything else raises :class:`IllegalTransition`)::
 * FINISHING: the final result is known; it is stored, then published to
   each delivery's reply destination, then each delivery is settled.
   Deliveries that arrive during FINISHING are answered by the same loop.
-* SETTLED / REQUEUED: terminal; the job has left the active table.
+* SETTLED / REQUEUED / DEFERRED: terminal; the job has left the active table.
 
 Settlement rule (``docs/protocol.md``, "Worker guarantees"): a delivery is
 acked only after its final reply was confirmed by the broker, or when the
@@ -72,19 +73,21 @@ class JobState(enum.Enum):
     FINISHING = "finishing"
     SETTLED = "settled"
     REQUEUED = "requeued"
+    DEFERRED = "deferred"
 
 
 _S = JobState
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.RECEIVED: frozenset({_S.ADMITTING, _S.REQUEUED}),
-    _S.ADMITTING: frozenset({_S.HELD, _S.RUNNING, _S.FINISHING, _S.REQUEUED}),
+    _S.ADMITTING: frozenset({_S.HELD, _S.RUNNING, _S.FINISHING, _S.REQUEUED, _S.DEFERRED}),
     _S.HELD: frozenset({_S.ADMITTING, _S.REQUEUED}),
     _S.RUNNING: frozenset({_S.FINISHING, _S.REQUEUED}),
     _S.FINISHING: frozenset({_S.SETTLED, _S.REQUEUED}),
     _S.SETTLED: frozenset(),
     _S.REQUEUED: frozenset(),
+    _S.DEFERRED: frozenset(),
 }
-TERMINAL = frozenset({_S.SETTLED, _S.REQUEUED})
+TERMINAL = frozenset({_S.SETTLED, _S.REQUEUED, _S.DEFERRED})
 
 
 class IllegalTransition(RuntimeError):
@@ -94,11 +97,10 @@ class IllegalTransition(RuntimeError):
 class Settlement(enum.Enum):
     ACK = "ack"
     REQUEUE = "requeue"
-    REJECT = "reject"  # nack without requeue: dead-lettered
 
 
 class Delivery:
-    """One AMQP delivery. ``settle`` acks, requeues or rejects it on its own
+    """One AMQP delivery. ``settle`` acks or requeues it on its own
     channel, once. If that channel is gone the broker has requeued the
     message already; the settlement then only records that."""
 
@@ -106,7 +108,7 @@ class Delivery:
         self, message: Any, queue_class: str, reply_to: str, correlation_id: str | None, stats: Any = None
     ) -> None:
         self.message = message
-        self.stats = stats  # a Counter: acked / nacked_requeue / nacked_reject / settle_skipped
+        self.stats = stats  # a Counter: acked / nacked_requeue / settle_skipped
         self.queue_class = queue_class
         self.reply_to = reply_to
         self.correlation_id = correlation_id
@@ -139,7 +141,7 @@ class Delivery:
             if how is Settlement.ACK:
                 await self.message.ack()
             else:
-                await self.message.nack(requeue=how is Settlement.REQUEUE)
+                await self.message.nack(requeue=True)
             self._count("acked" if how is Settlement.ACK else f"nacked_{how.value}")
             return True
         except Exception as exc:  # noqa: BLE001 - channel closed / connection lost: the broker requeued it
@@ -174,24 +176,17 @@ class KeyJob:
         self.first_token_mono: float | None = None
         self.last_token_mono = 0.0
         self.engine_metrics: dict[str, float] | None = None  # the engine's timestamps of its request
-        self.in_engine = False
-        self.claimed = False
-        self.result: Result | None = None
+        self.result: Result | None = None  # the final result, once known (its trace ends with it)
         self.label_ids: list[list[int]] | None = None  # label scoring: each label's tokens
         self.label_calibration: Any = None  # calibrated label scoring: the content-free scores (worker.calibration)
         self.cache_key: str | None = None  # response cache: set for deterministic jobs
-        self.limit_tokens: int | None = None  # tokens charged to the tenant's limits (None: not charged)
-        self.admission_held = False  # its prompt counts in the interactive admission budget
-        self.done = asyncio.Event()
         # streaming
         self.seq = 0
         self.pending_text: list[str] = []
         self.pending_tokens = 0  # tokens behind pending_text (and held-back bytes)
         self.text_parts: list[str] = []
         self.outbox = asyncio.Event()
-        self.sender: asyncio.Task | None = None
         self.client_gone = False
-        self.deadline_handle: asyncio.TimerHandle | None = None
 
     @property
     def request_id(self) -> str:
@@ -217,8 +212,6 @@ class KeyJob:
         if state not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"job {self.key!r}: {self.state.value} -> {state.value} is not allowed")
         self.state = state
-        if state in TERMINAL:
-            self.done.set()
 
     def next_unsettled(self) -> Delivery | None:
         for d in self.deliveries:

@@ -18,13 +18,19 @@ import asyncio
 import collections
 import enum
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
 import aiormq.exceptions
 import structlog
 
+from jaxserve.wire import INTERACTIVE
 from jaxserve.wire.job import DIRECT_REPLY_TO
+
+if TYPE_CHECKING:
+    from jaxserve.wire import Chunk, Result
+    from jaxserve.worker.lifecycle import Delivery
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -180,3 +186,57 @@ class ReplyPublisher:
                     except Exception:  # noqa: BLE001
                         pass
                 return PublishOutcome.REFUSED
+
+
+class Replies:
+    """Which publisher and deadline each kind of reply of a worker uses:
+    interactive replies on a connection of their own (their confirms never
+    wait behind a burst of batch replies), finals within ``reply_timeout_s``,
+    chunks within the shorter ``chunk_timeout_s``. ``publishers()`` returns
+    (batch and default, interactive) as they are now: reconnects replace
+    neither, but the tests' fake publisher replaces the default one."""
+
+    def __init__(
+        self,
+        publishers: Callable[[], tuple[ReplyPublisher | None, ReplyPublisher | None]],
+        *,
+        reply_timeout_s: float,
+        chunk_timeout_s: float,
+        queue_for: Callable[[str], str],
+    ) -> None:
+        self._publishers = publishers
+        self.reply_timeout_s = reply_timeout_s
+        self.chunk_timeout_s = chunk_timeout_s
+        self._queue_for = queue_for
+
+    def publisher_for(self, queue_class: str) -> ReplyPublisher:
+        default, interactive = self._publishers()
+        publisher = (interactive if queue_class == INTERACTIVE else None) or default
+        assert publisher is not None
+        return publisher
+
+    async def final(self, d: Delivery, result: Result) -> PublishOutcome:
+        """A final result to the reply destination of one delivery."""
+        return await self.publisher_for(d.queue_class).publish(
+            d.reply_to,
+            result.to_bytes(),
+            correlation_id=d.correlation_id,
+            message_id=result.id,
+            timeout_s=self.reply_timeout_s,
+        )
+
+    async def chunk(self, d: Delivery, chunk: Chunk) -> PublishOutcome:
+        return await self.publisher_for(d.queue_class).publish(
+            d.reply_to,
+            chunk.to_bytes(),
+            correlation_id=d.correlation_id,
+            message_id=None,
+            timeout_s=self.chunk_timeout_s,
+        )
+
+    async def republish(self, queue_class: str, msg: aio_pika.Message) -> PublishOutcome:
+        """A job back at the tail of its own queue (a deferred batch job),
+        over the default publisher as before."""
+        default, _ = self._publishers()
+        assert default is not None
+        return await default.publish_message(self._queue_for(queue_class), msg, self.reply_timeout_s)

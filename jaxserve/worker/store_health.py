@@ -94,6 +94,19 @@ class StoreHealth:
             return False
         return True
 
+    async def best_effort(self, what: str, fn: Callable[..., Awaitable[Any]], *args: Any, stats: Any) -> None:
+        """A store write whose loss costs nothing but efficiency (skipped,
+        and counted in ``stats``, while the store is down)."""
+        if not self.up:
+            stats["store_write_skipped"] += 1
+            return
+        try:
+            await fn(*args)
+        except StoreUnavailable as exc:
+            stats["store_write_skipped"] += 1
+            self.failed(exc)
+            log.warning("store_write_skipped", what=what, error=str(exc))
+
     async def wait_up(self, timeout: float | None) -> bool:
         """Wait until the store is up again, at most ``timeout`` seconds
         (None: no bound); returns whether it is."""

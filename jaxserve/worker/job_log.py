@@ -1,0 +1,73 @@
+"""A job's two log lines (``job_start``, ``job_done`` or ``job_replayed``)
+and the job metrics recorded with the second.
+
+Only answered jobs feed the latency histograms: a refused or cancelled
+job's short "latency" would pull the quantiles down exactly when the worker
+is overloaded (``jaxserve_jobs_total`` counts every outcome;
+``tests/test_queue_e2e.py`` scrapes both).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from jaxserve.wire import Result
+from jaxserve.worker.config import published_at
+from jaxserve.worker.lifecycle import KeyJob
+
+if TYPE_CHECKING:
+    from jaxserve.worker.worker import Worker
+
+log = structlog.get_logger("jaxserve.worker")
+
+
+def log_job_start(kj: KeyJob, prompt_tokens: int, log_text: bool) -> None:
+    job = kj.job
+    kw: dict[str, Any] = dict(
+        key=kj.key,
+        queue=kj.queue_class,
+        bytes=job.body_bytes,
+        prompt_tokens=prompt_tokens,
+        max_tokens=job.params.max_tokens,
+        stream=job.stream,
+        priority=job.priority,
+        redelivered=kj.primary.redelivered,
+        tenant=job.tenant,
+    )
+    if log_text:
+        kw["prompt"] = job.prompt if job.prompt is not None else job.messages
+    log.info("job_start", **kw)
+
+
+def log_job_done(w: Worker, kj: KeyJob, result: Result, replayed: bool, replies: collections.Counter) -> None:
+    outcome = "ok" if result.ok else result.error.code  # type: ignore[union-attr]
+    if not replayed:
+        w.stats["done_" + result.status] += 1
+    w.count_job(kj.queue_class, "replayed" if replayed else outcome)
+    kw: dict[str, Any] = dict(key=kj.key, queue=kj.queue_class, status=result.status, replies=dict(replies))
+    if replayed:
+        log.info("job_replayed", deliveries=len(kj.deliveries), **kw)
+        return
+    if w.metrics is not None and result.ok:
+        ts = published_at(kj.primary.message)
+        w.metrics.observe_job(
+            kj.queue_class,
+            e2e=time.monotonic() - kj.received_mono,
+            ttft=None if kj.first_token_mono is None else kj.first_token_mono - kj.received_mono,
+            broker_wait=None if ts is None else max(0.0, kj.received_at - ts),
+            engine=kj.engine_metrics,
+        )
+    if result.ok:
+        assert result.usage is not None
+        kw.update(
+            result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq
+        )
+        if w.cfg.log_text:
+            kw["text"] = result.text
+    else:
+        kw.update(code=outcome)
+    log.info("job_done", **kw)

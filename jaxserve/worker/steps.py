@@ -1,0 +1,335 @@
+"""Admission, as an ordered list of steps (:data:`STEPS`).
+
+Each step looks at one thing about a job before it may run; it returns True
+to let the job go on, or answers it (``finish``), gives it back (``requeue``)
+or defers it (``defer``) and returns False. A step that takes a resource
+(the deadline timer, the claim, the tenant's count and tokens, the
+interactive admission hold) registers it in the run's holdings, so the
+run's ending gives it back whatever step ends it.
+
+The order is part of the behaviour: the tenant's arrival is counted before
+any store look-up (``tests/test_queue_tenant_arrival.py``); a stored result
+or cancel wins over every limit; the claim comes before the prompt is
+tokenized; the tokens limit and the interactive budget come last, once the
+prompt's length is known (``tests/test_queue_admission.py``,
+``tests/test_limits.py``). A new step (re-routing an overloaded job to a
+fallback model, say) is one more function in :data:`STEPS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from jaxserve.engine.types import RequestError
+from jaxserve.wire import INTERACTIVE, Result
+from jaxserve.worker import prompts
+from jaxserve.worker.lifecycle import JobState
+from jaxserve.worker.results import timings
+from jaxserve.worker.store import Record
+
+if TYPE_CHECKING:
+    from jaxserve.worker.job_run import Ending, JobRun
+
+log = structlog.get_logger("jaxserve.worker")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What the steps learn about a job on the way: its tokens."""
+
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    label_ids: list[list[int]] | None = None
+    calibration: Any = None  # the content-free label request, when the job calibrates
+
+
+Step = Callable[["JobRun", Prepared], Awaitable[bool]]
+
+
+def reused(key: str) -> RequestError:
+    return RequestError(
+        "idempotency_key_reused",
+        f"key {key!r} was already used for a different job body; use a new message_id for a new job",
+    )
+
+
+async def cancelled_here(run: JobRun, _p: Prepared) -> bool:
+    """A cancel this worker saw (kept locally, so a store outage cannot lose it)."""
+    if run.w.cancels.seen(run.key):
+        await run.finish(Result.failure(run.key, "cancelled", "the job was cancelled"))
+        return False
+    return True
+
+
+async def tenant_on_arrival(run: JobRun, _p: Prepared) -> bool:
+    """The tenant's in-flight and request-rate limits, judged as of the
+    job's arrival (``run.received_at``) and asked before any store look-up,
+    so neither a slow store nor a loaded machine moves the moment a job is
+    counted (``tests/test_queue_tenant_arrival.py``). Passing holds the
+    tenant's count (no tokens charged yet); a job that then never runs
+    gives its request back."""
+    w = run.w
+    if w.limiter is None:
+        return True
+    try:
+        decision = await w.limiter.arrive(run.job.tenant or "", run.request_id, run.received_at)
+    except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
+        w.stats["limiter_unavailable"] += 1
+        log.warning("limiter_unavailable", key=run.key, error=repr(exc))
+        return True
+    if not decision.allowed:
+        await _over_limit(run, decision)
+        return False
+    run.tenant_tokens = 0
+    run.res.take("tenant", lambda end: _release_tenant(run, end))
+    return True
+
+
+async def _release_tenant(run: JobRun, end: Ending) -> None:
+    """The job leaves its tenant's in-flight count and gives back the
+    tokens it was charged but did not use."""
+    unserved = run.admitted_mono is None  # never reached the engine: its request is given back
+    try:
+        await run.w.limiter.release(
+            run.job.tenant or "", run.request_id, max(0, run.tenant_tokens - end.used_tokens), unserved=unserved
+        )
+    except Exception as exc:  # noqa: BLE001
+        log.warning("limiter_release_failed", key=run.key, error=repr(exc))
+
+
+async def _over_limit(run: JobRun, decision: Any) -> None:
+    """Interactive: answered rate_limited with retry_after_s; batch: it
+    waits, back in the broker (``JobRun.defer``)."""
+    tenant = run.job.tenant or ""
+    count_rejection(run, "rate_limited", decision.reason)
+    if run.queue_class == INTERACTIVE:
+        await run.finish(
+            Result.failure(
+                run.key,
+                "rate_limited",
+                f"tenant {tenant!r} is over its {decision.reason} limit",
+                retry_after_s=round(decision.retry_after_s, 3),
+            )
+        )
+    else:
+        await run.defer(decision.retry_after_s, decision.reason)
+
+
+def count_rejection(run: JobRun, code: str, reason: str) -> None:
+    w = run.w
+    w.stats[f"rejected_{code}"] += 1
+    label = w.cfg.limits.metric_label(run.job.tenant or "") if w.cfg.limits is not None else "default"
+    if w.metrics is not None and hasattr(w.metrics, "rejection"):
+        w.metrics.rejection(code, reason, run.queue_class, label)
+
+
+async def stored_result(run: JobRun, _p: Prepared) -> bool:
+    """A key answered before (here or by another worker) is replayed."""
+    rec = await run.store_call(run.w.store.get, run.key)
+    if rec is None:
+        return True
+    await answer_from_record(run, rec)
+    return False
+
+
+async def answer_from_record(run: JobRun, rec: Record) -> None:
+    if rec.fingerprint is not None and rec.fingerprint != run.job.fingerprint:
+        run.w.stats["key_reused"] += 1
+        await run.finish(Result.failure(run.key, "idempotency_key_reused", reused(run.key).message))
+        return
+    run.w.stats["replayed"] += 1
+    await run.finish(Result.model_validate(rec.result), record=rec)
+
+
+async def cancelled_in_store(run: JobRun, _p: Prepared) -> bool:
+    if await run.store_call(run.w.store.is_cancelled, run.key):
+        await run.finish(Result.failure(run.key, "cancelled", "the job was cancelled"))
+        return False
+    return True
+
+
+async def deadline(run: JobRun, _p: Prepared) -> bool:
+    """A job past its deadline is answered expired; one with a deadline
+    holds a timer that expires it while it has no first token."""
+    job = run.job
+    if job.deadline is None:
+        return True
+    if time.time() >= job.deadline:
+        await run.finish(Result.failure(run.key, "expired", "the job's deadline passed before it started"))
+        return False
+    handle = asyncio.get_running_loop().call_later(max(0.0, job.deadline - time.time()), run.on_deadline)
+    run.res.take("deadline", lambda _end: handle.cancel())
+    return True
+
+
+async def claim(run: JobRun, _p: Prepared) -> bool:
+    """Claim the key (a shared store: never started on two workers at
+    once); while another worker holds it the job is HELD, and answered from
+    the store once that worker stored a result."""
+    w, key = run.w, run.key
+    while True:
+        owner = await run.store_call(w.store.claim, key, w.cfg.worker_id, w.cfg.claim_lease_s)
+        if owner is None:
+            break
+        w.stats["held_for_other_worker"] += 1
+        log.info("job_held_claimed_elsewhere", key=key, owner=owner)
+        run.to(JobState.HELD)
+        await asyncio.sleep(w.cfg.claim_poll_s)
+        if run.state is not JobState.HELD:
+            return False
+        run.to(JobState.ADMITTING)
+        rec = await run.store_call(w.store.get, key)
+        if rec is not None:
+            await answer_from_record(run, rec)
+            return False
+
+    async def release(end: Ending) -> None:
+        if not end.ok:  # an ok result's store put ends the claim itself
+            await w.best_effort("release", w.store.release, key, w.cfg.worker_id)
+
+    run.res.take("claim", release)
+    return True
+
+
+async def prompt(run: JobRun, p: Prepared) -> bool:
+    """The prompt (and labels) as token ids; a prompt the model cannot take is answered."""
+    w, job = run.w, run.job
+    try:
+        p.prompt_ids = prompts.prepare_prompt(w.engine, w.served_model_name, job)
+        if job.labels is not None:
+            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine, job)
+    except RequestError as err:
+        w.stats["invalid"] += 1
+        log.info("job_invalid", key=run.key, code=err.code, reason=err.message)
+        await run.finish(Result.failure(run.key, err.code, err.message, err.retryable))
+        return False
+    run.label_ids = p.label_ids
+    return True
+
+
+async def cached_result(run: JobRun, p: Prepared) -> bool:
+    """A deterministic job whose result is cached is answered from the cache."""
+    w, job = run.w, run.job
+    if not (job.deterministic and job.use_cache):
+        return True
+    run.cache_key = prompts.cache_key(w.served_model_name, job, p.prompt_ids, p.label_ids, p.calibration)
+    hit = await run.store_call(w.store.cache_get, run.cache_key)
+    if hit is None:
+        return True
+    w.stats["cache_hits"] += 1
+    log.info("job_cache_hit", key=run.key, queue=run.queue_class)
+    cached = Result.model_validate({**hit, "id": run.key, "cached": True, "timings": timings(run), "trace_id": None})
+    await run.finish(cached)
+    return False
+
+
+async def calibrate(run: JobRun, p: Prepared) -> bool:
+    """The job's content-free label scores (``worker.label_calibrations``:
+    computed once per label set, form and template); the job is answered
+    when the engine refuses the content-free input, requeued when the
+    engine is gone."""
+    if p.calibration is None:
+        return True
+    try:
+        run.label_calibration = await run.w.label_calibrations.get(
+            p.calibration, run.request_class, run.job.engine_priority
+        )
+    except RequestError as err:
+        if err.retryable:
+            await run.requeue(f"label calibration: {err.message}")
+        else:
+            await run.finish(Result.failure(run.key, err.code, f"label calibration: {err.message}", err.retryable))
+        return False
+    except Exception as exc:  # noqa: BLE001 - the engine thread is gone
+        await run.requeue(f"engine unavailable: {exc!r}")
+        return False
+    return True
+
+
+async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
+    """The tenant's tokens limit, charged as of the job's arrival."""
+    w = run.w
+    if w.limiter is None or not run.res.holds("tenant"):  # counted on arrival: now its tokens
+        return True
+    job = run.job
+    tokens = len(p.prompt_ids) + (max(len(x) for x in p.label_ids) if p.label_ids else job.params.max_tokens)
+    try:
+        decision = await w.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at)
+    except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
+        w.stats["limiter_unavailable"] += 1
+        log.warning("limiter_unavailable", key=run.key, error=repr(exc))
+        return True
+    if not decision.allowed:
+        await _over_limit(run, decision)
+        return False
+    run.tenant_tokens = tokens
+    return True
+
+
+async def broker_wait(run: JobRun, _p: Prepared) -> bool:
+    """An interactive job that already waited in the broker longer than the
+    target time to first token could not start in time: the worker (or
+    fleet) is behind, and the producer should know now, not after more
+    waiting."""
+    w = run.w
+    if run.queue_class != INTERACTIVE:
+        return True
+    waited = w.broker_wait(run)
+    target = w.cfg.admission.target_ttft_s
+    if waited is None or waited <= target:
+        return True
+    count_rejection(run, "overloaded", "broker_wait")
+    await run.finish(
+        Result.failure(
+            run.key,
+            "overloaded",
+            f"the job waited {waited:.2f}s in the broker, over the {target:g}s target time to first token; retry later",
+            retry_after_s=round(min(waited, 30.0), 3),
+        )
+    )
+    return False
+
+
+async def interactive_budget(run: JobRun, p: Prepared) -> bool:
+    """An interactive job's prompt joins the admission budget
+    (``jaxserve.worker.admission``) until its first token, or is refused
+    overloaded with retry_after_s."""
+    w = run.w
+    if run.queue_class != INTERACTIVE:
+        return True
+    retry = w.admission.try_admit(run.request_id, len(p.prompt_ids))
+    if retry is not None:
+        count_rejection(run, "overloaded", "interactive_token_budget")
+        await run.finish(
+            Result.failure(
+                run.key,
+                "overloaded",
+                f"the worker holds {w.admission.held_tokens} interactive prompt tokens not yet started "
+                f"(budget {w.admission.budget}); retry later",
+                retry_after_s=retry,
+            )
+        )
+        return False
+    run.res.take("admission", lambda _end: w.admission.release(run.request_id))
+    return True
+
+
+STEPS: tuple[Step, ...] = (
+    cancelled_here,
+    tenant_on_arrival,
+    stored_result,
+    cancelled_in_store,
+    deadline,
+    claim,
+    prompt,
+    cached_result,
+    calibrate,
+    tenant_tokens,
+    broker_wait,
+    interactive_budget,
+)
