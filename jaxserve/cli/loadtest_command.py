@@ -81,6 +81,30 @@ def _range(value: str, what: str):
 @click.option("--model", default=None, help="Model name the jobs ask for (default: none, any).")
 @click.option("--tenant", default=None, help="Every job's tenant (the worker's --limits apply per tenant).")
 @click.option(
+    "--fallback-models",
+    default=None,
+    metavar="NAME,NAME",
+    help="Every job's fallback_models: models it may be re-routed to instead of being answered overloaded.",
+)
+@click.option(
+    "--label",
+    default=None,
+    help="This run's name in a comparison plot (default: its fallback models, or 'no fallback').",
+)
+@click.option(
+    "--compare-with",
+    "compare_with",
+    type=click.Path(exists=True),
+    default=None,
+    help="Another run's output folder (or its loadtest.json): loadtest-compare.png shows both runs side by side.",
+)
+@click.option(
+    "--ttft-target-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="The TTFT target, drawn in the comparison plot.",
+)
+@click.option(
     "--cancel-share",
     type=click.FloatRange(0.0, 1.0),
     default=0.05,
@@ -153,6 +177,10 @@ def loadtest(
     temperature,
     model,
     tenant,
+    fallback_models,
+    label,
+    compare_with,
+    ttft_target_s,
     cancel_share,
     settle,
     job_timeout,
@@ -177,7 +205,16 @@ def loadtest(
     completion_tokens / chunks) and end-to-end latency, output tokens/s,
     rejections by code (queue_full, overloaded, rate_limited), cancellations,
     and whether the capacity came back (queues drained, a probe batch
-    completed). Exit status 3 when it did not after some level.
+    completed), and which model served the completed jobs (served_by_model,
+    fallback_share) and what they cost. Exit status 3 when the capacity did
+    not come back after some level.
+
+    \b
+    Two-model deployment, past the large model's capacity, with and without
+    fallbacks, one plot of both runs:
+    jaxserve loadtest --model big --rate 2,4,8 -o no-fallback
+    jaxserve loadtest --model big --fallback-models small --rate 2,4,8 -o fallback \\
+        --compare-with no-fallback --ttft-target-s 1
     """
     from jaxserve.cli.errors import broker_errors
     from jaxserve.loadtest.report import markdown_table, write_outputs
@@ -186,6 +223,13 @@ def loadtest(
 
     if plot and importlib.util.find_spec("matplotlib") is None:  # checked before the run, not after it
         raise click.ClickException("the plot needs matplotlib: pip install 'jaxserve[loadtest]' (or pass --no-plot)")
+    fallbacks = [m.strip() for m in fallback_models.split(",") if m.strip()] if fallback_models else None
+    if fallback_models is not None and not fallbacks:
+        raise click.BadParameter("name at least one model", param_hint="--fallback-models")
+    compared = _read_run(compare_with) if compare_with is not None else None
+    if compared is not None and not plot:
+        raise click.UsageError("--compare-with draws a plot: drop --no-plot")
+    label = label or ("fallback to " + ", ".join(fallbacks) if fallbacks else "no fallback")
     if concurrency is not None and rate is not None:
         raise click.UsageError("give --concurrency or --rate, not both")
     closed = rate is None
@@ -208,7 +252,7 @@ def loadtest(
             weights,
             seed=seed,
             cancel_share=cancel_share,
-            extra_params={"temperature": temperature, "model": model, "tenant": tenant},
+            extra_params={"temperature": temperature, "model": model, "tenant": tenant, "fallback_models": fallbacks},
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--mix") from None
@@ -257,9 +301,19 @@ def loadtest(
         "settle_s": settle,
         "job_timeout_s": job_timeout,
         "seed": seed,
+        "label": label,
         "workload": workload.describe(),
     }
     (out / "loadtest-config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if compared is not None:
+        from jaxserve.loadtest.report import plot_runs
+
+        paths["compare"] = plot_runs(
+            [(label, results), compared],
+            out / "loadtest-compare.png",
+            title=f"jaxserve load test: {label} vs {compared[0]}",
+            ttft_target_s=ttft_target_s,
+        )
     if as_json:
         click.echo(json.dumps(results, indent=2))
     else:
@@ -276,3 +330,23 @@ def loadtest(
             err=True,
         )
         sys.exit(3)
+
+
+def _read_run(path: str) -> tuple[str, list[dict]]:
+    """A finished run to compare with: its label (from its
+    loadtest-config.json, else its folder's name) and its levels."""
+    p = Path(path)
+    folder, levels_file = (p, p / "loadtest.json") if p.is_dir() else (p.parent, p)
+    try:
+        levels = json.loads(levels_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(f"cannot read {levels_file}: {exc}", param_hint="--compare-with") from None
+    if not isinstance(levels, list) or not all(isinstance(e, dict) for e in levels):
+        raise click.BadParameter(
+            f"{levels_file} is not a loadtest.json (a list of levels)", param_hint="--compare-with"
+        )
+    try:
+        name = json.loads((folder / "loadtest-config.json").read_text()).get("label")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    return str(name or folder.name), levels

@@ -8,6 +8,10 @@ Percentiles are numpy's (``numpy.percentile``, linear interpolation) over:
 - end-to-end latency and output tokens: completed jobs.
 
 Cancelled, rejected, failed and timed-out jobs are counted, not timed.
+Completed jobs are also counted by the model that served them
+(``served_by_model``, ``served_share``) and, when the worker asked a
+fallback model, as ``served_by_fallback`` / ``fallback_share`` (the result's
+``degraded`` holds ``model``); their ``usage.cost`` adds up to ``cost_total``.
 Throughput figures divide by the level's window: its duration, or longer
 when its last jobs ended after it (``elapsed_s``).
 """
@@ -144,10 +148,79 @@ def summarize_level(
             "output_tokens_per_s": round(sum(kt) / window, 3),
         }
     entry["by_kind"] = by_kind
+    entry.update(served_summary(ok))
     if capacity is not None:
         entry["capacity"] = capacity
         entry["capacity_back"] = capacity["capacity_back"]
     return entry
+
+
+def served_summary(ok: list[JobRecord]) -> dict[str, Any]:
+    """Who served the completed jobs, and what they cost."""
+    by_model = collections.Counter(r.served_model or "unknown" for r in ok)
+    fallback = sum(1 for r in ok if r.degraded and "model" in r.degraded)
+    costs = [r.cost for r in ok if r.cost is not None]
+    currencies = sorted({r.cost_currency for r in ok if r.cost_currency})
+    n = max(len(ok), 1)
+    return {
+        "served_by_model": dict(sorted(by_model.items())),
+        "served_share": {m: round(c / n, 6) for m, c in sorted(by_model.items())},
+        "served_by_fallback": fallback,
+        "fallback_share": round(fallback / n, 6) if ok else None,
+        "degraded_jobs": sum(1 for r in ok if r.degraded),
+        "cost_total": round(float(sum(costs)), 12) if costs else None,
+        "cost_currency": currencies[0] if len(currencies) == 1 else (currencies or None),
+    }
+
+
+def level_value(entry: dict[str, Any]) -> float:
+    return float(entry["concurrency"] if "concurrency" in entry else entry["rate"])
+
+
+def plot_runs(
+    runs: Sequence[tuple[str, list[dict[str, Any]]]],
+    path: str | Path,
+    *,
+    title: str = "jaxserve load test",
+    ttft_target_s: float | None = None,
+) -> Path:
+    """Runs side by side (a deployment with fallbacks allowed and one
+    without, say), against the offered level: p95 TTFT of streaming jobs
+    (with the target, if given), ``overloaded`` answers, and the share of
+    completed jobs a fallback model served."""
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(13.5, 4.4), layout="constrained")
+    ax_ttft, ax_over, ax_share = fig.subplots(1, 3)
+    xlabel = "level (concurrency)" if runs and runs[0][1] and "concurrency" in runs[0][1][0] else "level (jobs/s)"
+    for (label, levels), style in zip(runs, ("o-", "s--", "^-.", "d:")):
+        x = [level_value(e) for e in levels]
+        ttft = [(xi, e["ttft_p95_s"]) for xi, e in zip(x, levels) if e.get("ttft_p95_s") is not None]
+        if ttft:
+            ax_ttft.plot([p[0] for p in ttft], [p[1] for p in ttft], style, label=label)
+        over = [e.get("rejections_by_code", {}).get("overloaded", 0) for e in levels]
+        ax_over.plot(x, over, style, label=label)
+        share = [(xi, e["fallback_share"]) for xi, e in zip(x, levels) if e.get("fallback_share") is not None]
+        ax_share.plot([p[0] for p in share], [100 * p[1] for p in share], style, label=label)
+    if ttft_target_s is not None:
+        ax_ttft.axhline(
+            ttft_target_s, color="tab:red", linestyle="--", linewidth=1, label=f"target {ttft_target_s:g} s"
+        )
+    for ax, ylabel, name in (
+        (ax_ttft, "p95 TTFT (s)", "time to first token"),
+        (ax_over, "jobs answered overloaded", "overloaded"),
+        (ax_share, "% of completed jobs", "served by a fallback model"),
+    ):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(name, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def level_label(entry: dict[str, Any]) -> str:

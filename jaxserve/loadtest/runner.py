@@ -18,7 +18,11 @@ Per job (one :class:`JobRecord`), on the load generator's monotonic clock:
   chunk is taken to carry ``usage.completion_tokens / number of text
   deltas`` tokens (the final result's fill-in, if any, counts as a delta);
 - ``e2e_s``: from just before the publish to the final result;
-- ``completion_tokens`` / ``prompt_tokens``: the final's ``usage``.
+- ``completion_tokens`` / ``prompt_tokens``: the final's ``usage``;
+- ``served_model``: the model that answered (the final's ``served_model``,
+  else its ``model``), ``degraded``: what the answer gave up (``model``: a
+  fallback answered, ``max_tokens``), ``cost``: the final's
+  ``usage.cost`` amount and ``cost_currency`` (when the worker has prices).
 
 A rejection is a publish the broker refused (``QueueFull``: the queue is at
 its length limit), or a final with error code ``overloaded`` or
@@ -86,6 +90,10 @@ class JobRecord:
     retry_after_s: float | None = None  # a rejection's hint, when the worker gives one
     worker_timings: dict[str, float] | None = None
     probe: bool = False
+    served_model: str | None = None
+    degraded: list[str] | None = None
+    cost: float | None = None
+    cost_currency: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -469,9 +477,17 @@ def classify(rec: JobRecord, result: Any) -> None:
     rec.worker_timings = result.timings or None
     if result.ok:
         rec.status = "ok"
+        served = getattr(result, "served_model", None) or getattr(result, "model", None)
+        rec.served_model = served if isinstance(served, str) else None
+        degraded = getattr(result, "degraded", None)
+        rec.degraded = [str(d) for d in degraded] if isinstance(degraded, (list, tuple)) else None
         if result.usage is not None:
             rec.prompt_tokens = result.usage.prompt_tokens
             rec.completion_tokens = result.usage.completion_tokens
+            cost = getattr(result.usage, "cost", None)  # {amount, currency}: an extra field of usage
+            if isinstance(cost, dict) and isinstance(cost.get("amount"), (int, float)):
+                rec.cost = float(cost["amount"])
+                rec.cost_currency = str(cost.get("currency") or "") or None
         return
     code = result.error.code if result.error is not None else "unknown"
     rec.code = code
