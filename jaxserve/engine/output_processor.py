@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxserve.engine.types import FinishReason, SamplingParams
+from jaxserve.engine.types import FinishReason, RequestError, RequestOutput, SamplingParams
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 
@@ -88,6 +88,52 @@ class OutputState:
         self.finish_reason = reason
         self.text += self.detok.flush()
         return self._release(final=True)
+
+    def output(
+        self,
+        request_id: str,
+        delta: str,
+        new_ids: list[int],
+        finish: FinishReason | None,
+        metrics: dict[str, float],
+        now: float,
+    ) -> RequestOutput:
+        """One step's output for this request; a final one (``finish`` set)
+        carries the whole completion and stamps ``metrics["finished"]``."""
+        out = RequestOutput(
+            request_id=request_id,
+            new_token_ids=new_ids,
+            new_text=delta,
+            finished=finish is not None,
+            finish_reason=finish,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            metrics=metrics,
+        )
+        if finish is not None:
+            metrics["finished"] = now
+            out.text = self.text
+            out.token_ids = list(self.token_ids)
+            out.logprobs = list(self.logprobs) if self.params.logprobs else None
+            out.top_logprobs = list(self.top_logprobs) if self.params.logprobs and self.params.top_logprobs else None
+        return out
+
+    def error_output(
+        self, request_id: str, error: RequestError, metrics: dict[str, float], now: float
+    ) -> RequestOutput:
+        """The final output of a request that ``error`` ended."""
+        metrics["finished"] = now
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            error=error,
+            metrics=metrics,
+        )
 
     def _cut_at_stop(self, before: int) -> bool:
         start = max(0, before - self.holdback)
