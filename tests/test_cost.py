@@ -127,3 +127,53 @@ def test_malformed_files(tmp_path):
     bad.write_text("currency: USD\nprices: {}\n")
     with pytest.raises(PriceError, match="unknown keys"):
         PriceTable.from_file(bad)
+
+
+def _priced_command():
+    import click
+
+    from jaxserve.cli.price_options import price_options, prices_from_options
+
+    @click.command()
+    @price_options
+    def cmd(**kw):
+        table = prices_from_options(None, **kw)
+        cost = None if table is None else table.cost_of("served", 1_000_000, 1_000_000)
+        click.echo(json.dumps(None if cost is None else cost.to_dict()))
+
+    return cmd
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], None),
+        (["--price-prompt-per-million", "0.5", "--price-completion-per-million", "1.5"], 2.0),
+        # 3.6 / hour = 0.001 / s: 1e6 tokens at 1000/s and at 100/s take 1000 s and 10000 s
+        (["--price-hardware-per-hour", "3.6", "--price-tokens-per-s", "1000,100", "--price-currency", "EUR"], 11.0),
+    ],
+)
+def test_worker_price_flags(args, expected):
+    from click.testing import CliRunner
+
+    res = CliRunner().invoke(_priced_command(), args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    if expected is None:
+        assert out is None
+    else:
+        assert out["amount"] == pytest.approx(expected)
+        assert out["currency"] == ("EUR" if "EUR" in args else "USD")
+
+
+def test_worker_price_flags_refuse_two_sources_and_half_a_price(tmp_path):
+    from click.testing import CliRunner
+
+    prices = tmp_path / "p.yaml"
+    prices.write_text(PRICES_YAML)
+    res = CliRunner().invoke(_priced_command(), ["--prices", str(prices), "--price-prompt-per-million", "1"])
+    assert res.exit_code == 2 and "not both" in res.output
+    res = CliRunner().invoke(_priced_command(), ["--price-prompt-per-million", "1"])
+    assert res.exit_code == 1 and "completion_per_million is missing" in res.output
+    res = CliRunner().invoke(_priced_command(), ["--price-hardware-per-hour", "1", "--price-tokens-per-s", "5"])
+    assert res.exit_code == 2 and "PROMPT,COMPLETION" in res.output
