@@ -8,6 +8,9 @@
 * **Deduplicated.** Within one run, deterministic requests (label scoring,
   temperature 0, or a seed given) with identical bodies are published once;
   each line still gets its own output line.
+* **Routed.** A body's ``model`` routes it to that model's workers
+  (``AsyncClient.publish``); a model no worker serves gets its
+  ``unknown_model`` line at once, and the other lines run.
 * **Bounded.** At most ``max_in_flight`` jobs are published and unanswered;
   when no result arrives for ``idle_timeout`` seconds the run gives up,
   whether or not its window is full.
@@ -123,7 +126,7 @@ class _Writer:
     def result(self, item: BatchItem, result: dict[str, Any]) -> None:
         if self._format(item) == "openai":
             endpoint = item.endpoint or ("chat" if item.body and "messages" in item.body else "completions")
-            model = self.settings.served_model_name or result.get("model") or "jaxserve"
+            model = self.settings.served_model_name or result.get("served_model") or result.get("model") or "jaxserve"
             line = openai_format.output_line(item.custom_id, result, endpoint, model)
         else:
             line = {**result, "id": item.key, "custom_id": item.custom_id}
@@ -198,7 +201,7 @@ async def _run(
 ) -> int:
     from tqdm import tqdm
 
-    from jaxserve.client import AsyncClient, QueueFull, retry_with_backoff
+    from jaxserve.client import AsyncClient, QueueFull, UnknownModel, retry_with_backoff
 
     pending = {item.key: item for item in publish}
     total = len(publish) + sum(len(v) for v in followers.values())
@@ -256,18 +259,21 @@ async def _run(
             if item.key not in pending:  # answered by a leftover reply already
                 window.release()
                 continue
-            await retry_with_backoff(
-                functools.partial(
-                    client.publish,
-                    cast(dict[str, Any], item.body),
-                    key=item.key,
-                    queue=settings.queue,
-                    expect_reply=False,
-                ),
-                attempts=30,
-                max_delay=5.0,
-                retry_on=(QueueFull,),
-            )
+            try:
+                await retry_with_backoff(
+                    functools.partial(
+                        client.publish,
+                        cast(dict[str, Any], item.body),
+                        key=item.key,
+                        queue=settings.queue,
+                        expect_reply=False,
+                    ),
+                    attempts=30,
+                    max_delay=5.0,
+                    retry_on=(QueueFull,),
+                )
+            except UnknownModel as exc:  # body.model names no served model: its line now, nothing queued
+                await on_final(exc.result)
         while not all_done.is_set():
             try:
                 await asyncio.wait_for(all_done.wait(), 1.0)

@@ -197,7 +197,15 @@ def _output_constraint(json_schema_path: str | None, choices: str | None, labels
 @click.option(
     "--served-model-name",
     default=None,
-    help="The model name requests use in body.model, written in OpenAI output bodies.",
+    help="The model name requests use in body.model, written in OpenAI output bodies; lines naming another "
+    "model are unknown_model, and the rest run on the default model's queues. Without it, body.model routes "
+    "each line to that model's workers.",
+)
+@click.option(
+    "--model",
+    default=None,
+    help="Route every line or row that names no model to this model's workers (default: the deployment's "
+    "default model).",
 )
 @click.option(
     "--max-tokens", type=click.IntRange(min=1), default=None, help="Default max_tokens for rows that set none."
@@ -253,19 +261,22 @@ def batch(
     few_shot_path: str | None = None,
     json_schema_path: str | None = None,
     choices: str | None = None,
+    model: str | None = None,
 ) -> None:
     """Run every line or row of INPUT (.jsonl, .csv, .parquet) as a job and
     write one output line per request to OUT.
 
     OpenAI Batch lines (custom_id, method, url, body) get OpenAI Batch output
     lines; keys are scoped to the file; a rerun skips requests answered in
-    OUT and retries those that ended in a retryable error. Exit status: 0
+    OUT and retries those that ended in a retryable error. A line's
+    body.model routes it to that model's workers; a model no worker serves
+    gets its unknown_model line at once. Exit status: 0
     done, 1 some lines were bad (reported), 2 results still missing after
     --idle-timeout."""
     from jaxserve.batch.inputs import InputError, InputOptions, read_items
     from jaxserve.batch.run import BatchSettings, run_batch
 
-    defaults: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    defaults: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "model": model}
     if not cache:
         defaults["cache"] = False
     label_list = _labels(labels)

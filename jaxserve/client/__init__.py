@@ -10,6 +10,7 @@ from jaxserve.client.client import (
     Result,
     Stream,
     StreamDiverged,
+    UnknownModel,
     build_job,
     retry_with_backoff,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "Result",
     "Stream",
     "StreamDiverged",
+    "UnknownModel",
     "build_job",
     "retry_with_backoff",
 ]

@@ -6,6 +6,14 @@
   :class:`QueueFull`; :func:`retry_with_backoff` retries such calls.
 * Replies arrive on the client's own reply queue (``<prefix>.reply.<id>``, a
   classic queue with ``x-expires``, so it survives a dropped connection).
+* A job naming a ``model`` is routed by it (docs/protocol.md, "Routing by
+  model"): published to ``<prefix>.models`` with routing key
+  ``<class>.<model>`` and ``mandatory``; a model no worker binds comes back
+  unroutable and is answered ``unknown_model`` at once
+  (:class:`UnknownModel`), without waiting in any queue. A job without
+  ``model``, or any job when no worker has declared the models exchange
+  (workers that predate routing), goes to the default model's queue as
+  before, and that worker checks the name.
 * ``stream`` is an async iterator of text deltas that puts chunks in order,
   drops duplicates, notices gaps (``Stream.gaps``) and fills them from the
   final result.
@@ -18,7 +26,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 import aio_pika
@@ -38,6 +46,7 @@ from jaxserve.wire import (
     decode_reply,
     tracecontext,
 )
+from jaxserve.wire.topology import route_key
 
 T = TypeVar("T")
 
@@ -72,6 +81,40 @@ class JobError(QueueError):
         self.result = result
         self.code = err.code if err is not None else None
         self.retryable = bool(err is not None and err.retryable)
+
+
+class UnknownModel(JobError):
+    """No worker serves the job's ``model``: the broker returned it from the
+    models exchange, so it was never queued. ``result`` is the
+    ``unknown_model`` error result a worker would have answered."""
+
+    def __init__(self, key: str, model: str, prefix: str) -> None:
+        super().__init__(
+            Result.failure(
+                key,
+                "unknown_model",
+                f"model {model!r} is not served under prefix {prefix!r}: no worker routes it "
+                "(`jaxserve status` lists the served models' queues)",
+            )
+        )
+        self.model = model
+
+
+def _model_of(body: dict[str, Any] | bytes) -> Any:
+    """The ``model`` a job body names (None: the default model). A body that
+    is not a JSON object goes to the default queue, whose worker refuses it."""
+    if isinstance(body, dict):
+        return body.get("model")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get("model") if isinstance(data, dict) else None
+
+
+#: seconds a client trusts "no models exchange" before asking the broker again
+#: (a client may start before the first routing-aware worker)
+MODELS_EXCHANGE_RECHECK_S = 10.0
 
 
 class StreamDiverged(QueueError):
@@ -226,6 +269,8 @@ class AsyncClient:
         self._reply_tag: str | None = None
         self._futures: dict[str, asyncio.Future] = {}
         self._streams: dict[str, Stream] = {}
+        self._models_exchange: aio_pika.abc.AbstractExchange | None = None
+        self._models_missing_at: float | None = None  # monotonic time of the last "no such exchange"
 
     async def connect(self) -> AsyncClient:
         self._pub_conn = await aio_pika.connect_robust(
@@ -291,6 +336,29 @@ class AsyncClient:
         await message.ack()
 
     # ---------------------------------------------------------- publishing
+    async def _models_route(self) -> aio_pika.abc.AbstractExchange | None:
+        """The models exchange when the deployment routes by model, else
+        None. Asked with a passive declare on a channel of its own (a 404
+        closes the channel it happens on); a missing exchange is asked again
+        after :data:`MODELS_EXCHANGE_RECHECK_S`."""
+        if self._models_exchange is not None:
+            return self._models_exchange
+        now = time.monotonic()
+        if self._models_missing_at is not None and now - self._models_missing_at < MODELS_EXCHANGE_RECHECK_S:
+            return None
+        assert self._pub_conn is not None and self._pub_ch is not None
+        probe = await self._pub_conn.channel()
+        try:
+            await probe.declare_exchange(self.topo.models, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            self._models_missing_at = now
+            return None
+        finally:
+            if not probe.is_closed:
+                await probe.close()
+        self._models_exchange = await self._pub_ch.get_exchange(self.topo.models, ensure=False)
+        return self._models_exchange
+
     async def publish(
         self,
         body: dict[str, Any] | bytes,
@@ -303,11 +371,24 @@ class AsyncClient:
         priority: int | None = None,
         expect_reply: bool = True,
     ) -> str:
-        """Publish one job; returns its key. Raises :class:`QueueFull`."""
+        """Publish one job; returns its key. ``queue`` is a class
+        (``interactive``, ``batch``: routed by the body's ``model``) or a
+        queue name (published to as it is). Raises :class:`QueueFull`,
+        :class:`NoRoute`, :class:`UnknownModel`."""
         if self._pub_ch is None:
             raise RuntimeError("call connect() first")
         key = key or uuid.uuid4().hex
+        exchange: aio_pika.abc.AbstractExchange = self._pub_ch.default_exchange
         routing_key = self.topo.queue_for(queue) if queue in QUEUE_CLASSES else queue
+        model = _model_of(body) if queue in QUEUE_CLASSES else None
+        if isinstance(model, str):
+            models = await self._models_route()
+            if models is not None:
+                try:
+                    routing_key = route_key(queue, model)
+                except ValueError:
+                    raise UnknownModel(key, model, self.topo.prefix) from None
+                exchange = models
         raw = body if isinstance(body, (bytes, bytearray)) else orjson.dumps(body)
         reply_to = reply_to or self.reply_queue
         if expect_reply and reply_to == self.reply_queue and key not in self._futures:
@@ -330,9 +411,11 @@ class AsyncClient:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
         try:
-            await self._pub_ch.default_exchange.publish(msg, routing_key=routing_key, mandatory=True)
+            await exchange.publish(msg, routing_key=routing_key, mandatory=True)
         except aiormq.exceptions.PublishError:
             self._futures.pop(key, None)
+            if exchange is not self._pub_ch.default_exchange:
+                raise UnknownModel(key, cast(str, model), self.topo.prefix) from None
             raise NoRoute(f"no queue {routing_key!r}: is a worker running with prefix {self.topo.prefix!r}?") from None
         except aiormq.exceptions.DeliveryError:
             self._futures.pop(key, None)
@@ -370,7 +453,12 @@ class AsyncClient:
     ) -> Result:
         """Publish a job and wait for its final result."""
         body = build_job(prompt, messages=messages, **params)
-        key = await self.publish(body, key=key, queue=queue, expiration=expiration, priority=priority)
+        try:
+            key = await self.publish(body, key=key, queue=queue, expiration=expiration, priority=priority)
+        except UnknownModel as exc:
+            if raise_on_error:
+                raise
+            return exc.result
         result = await self.wait(key, timeout)
         if raise_on_error and not result.ok:
             raise JobError(result)
@@ -411,11 +499,14 @@ class AsyncClient:
             mandatory=False,
         )
 
-    async def queue_depths(self) -> dict[str, dict[str, int]]:
-        """Ready messages and consumers of every queue (passive declares)."""
+    async def queue_depths(self, queues: Iterable[str] = ()) -> dict[str, dict[str, int]]:
+        """Ready messages and consumers of every queue (passive declares),
+        then of ``queues`` (other models' job queues,
+        ``Topology.model_queue``); a queue that does not exist has -1."""
         assert self._sub_conn is not None
         out: dict[str, dict[str, int]] = {}
-        for name in (self.topo.interactive, self.topo.batch, self.topo.dead, self.topo.results):
+        names = [self.topo.interactive, self.topo.batch, self.topo.dead, self.topo.results, *queues]
+        for name in dict.fromkeys(names):
             ch = await self._sub_conn.channel()
             try:
                 q = await ch.declare_queue(name, passive=True)
@@ -465,8 +556,8 @@ class Client:
             except StopAsyncIteration:
                 return
 
-    def queue_depths(self) -> dict[str, dict[str, int]]:
-        return self._run(self._ac.queue_depths())
+    def queue_depths(self, queues: Iterable[str] = ()) -> dict[str, dict[str, int]]:
+        return self._run(self._ac.queue_depths(queues))
 
     def close(self) -> None:
         try:

@@ -38,7 +38,7 @@ MAX_LABEL_CHARS = 256
 MAX_FEW_SHOT = 32  # as jaxserve.tokenizer.labels.MAX_FEW_SHOT
 MAX_FEW_SHOT_CHARS = 8192
 MAX_FALLBACK_MODELS = 4  # a job is re-routed once, to the first that has room: a long list buys nothing
-MAX_MODEL_NAME_CHARS = 250  # "<class>.<model>" must fit AMQP's 255-byte routing key
+MAX_MODEL_NAME_CHARS = 243  # "interactive.<model>" must fit AMQP's 255-byte routing key
 DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
 
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)

@@ -59,7 +59,7 @@ def queue_safe(model: str) -> str:
     A name made only of ``A-Z a-z 0-9 _ . -`` and at most 64 characters is
     kept as it is (``smollm2-135m``); any other (``org/Model:v2``, a path, a
     long name) has its other characters replaced by ``_``, is cut to 64
-    characters and gets ``~`` and 8 hex digits of its SHA-256, so two names
+    characters and gets ``@`` and 8 hex digits of its SHA-256, so two names
     that differ only in replaced characters never share a queue
     (tests/test_routing_wire.py)."""
     if not model:
@@ -67,7 +67,9 @@ def queue_safe(model: str) -> str:
     if len(model) <= QUEUE_SAFE_MAX and not _UNSAFE.search(model):
         return model
     digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return f"{_UNSAFE.sub('_', model)[:QUEUE_SAFE_MAX]}~{digest}"
+    # "@": outside the kept characters (so never part of a plain name) and
+    # inside what AMQP client libraries accept in a queue name
+    return f"{_UNSAFE.sub('_', model)[:QUEUE_SAFE_MAX]}@{digest}"
 
 
 def route_key(queue_class: str, model: str) -> str:

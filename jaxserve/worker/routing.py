@@ -1,0 +1,273 @@
+"""Routing by model on the worker's side (issue 28): which queues a worker
+serving a model consumes, how it makes its names routable, and the re-route
+of a job to one of its ``fallback_models``.
+
+Nothing here is wired into :mod:`jaxserve.worker.worker` yet; the worker is
+expected to call it as follows.
+
+At start, after ``declare_topology``::
+
+    routes = ModelRoutes(topo, served="smollm2-135m", aliases=("chat",), default=True)
+    await declare_model_routes(connection, routes)
+    for queue_class, queue in routes.queues().items():   # consume these
+        ...
+
+* ``default=True``: the worker serves the deployment's default model and
+  consumes ``<prefix>.interactive`` / ``<prefix>.batch`` (the single-model
+  names, unchanged); jobs without ``model`` reach it there.
+* ``default=False``: it consumes ``<prefix>.interactive.<q(served)>`` /
+  ``<prefix>.batch.<q(served)>`` (:func:`jaxserve.wire.topology.queue_safe`).
+* Either way its job queues are bound to the direct exchange
+  ``<prefix>.models`` under ``<class>.<name>`` for the served name and each
+  alias, so a job naming any of them reaches it and a job naming a model
+  nobody binds is returned to its producer (``mandatory``), which answers
+  ``unknown_model`` at once (:class:`jaxserve.client.UnknownModel`).
+  A worker must accept every name in ``routes.names`` as its own model.
+
+When admission would answer a job ``overloaded`` and the job has
+``fallback_models`` (``Job.fallback_models``) and was not re-routed before
+(:func:`was_rerouted` on the delivery's headers)::
+
+    target = await find_fallback(connection, topo, job.fallback_models, queue_class, default_model=...)
+    if target is not None:
+        await reroute(connection, message, target, from_model=routes.served)
+        # then ack the original delivery; the fallback's worker answers the job
+    else:
+        ...  # degrade (Job.degrade_max_tokens) or answer overloaded as today
+
+The re-routed copy keeps the producer's body byte for byte (so its
+idempotency fingerprint is the producer's) and carries the headers
+``x-jaxserve-rerouted-from`` (the model that passed it on) and
+``x-jaxserve-model`` (the model it is now to be served as): the fallback's
+worker serves it as that model, reports ``served_model`` = that name and
+``degraded: ["model"]``, and never re-routes it again.
+
+Tests: tests/test_routing.py (against the real broker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from jaxserve.wire.republish import copy_message
+from jaxserve.wire.topology import QUEUE_CLASSES, Topology, route_key
+
+#: header naming the model a re-routed job was first sent to ("" for the default model)
+REROUTED_FROM = "x-jaxserve-rerouted-from"
+#: header naming the model a re-routed job is to be served as
+SERVE_AS = "x-jaxserve-model"
+
+
+class RerouteError(RuntimeError):
+    """The job could not be re-routed (already re-routed once, or the broker
+    did not confirm the copy); the caller answers it as it would have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRoutes:
+    """What a worker serving one model binds and consumes.
+
+    ``served``: the served model name (``--served-model-name``, else the
+    model folder's name). ``aliases``: further names jobs may use for it
+    (the worker's settings map them to the same model). ``default``: this
+    worker serves the deployment's default model, on the single-model
+    queues."""
+
+    topology: Topology
+    served: str
+    aliases: tuple[str, ...] = ()
+    default: bool = False
+
+    def __post_init__(self) -> None:
+        for name in self.names:
+            for queue_class in QUEUE_CLASSES:
+                route_key(queue_class, name)  # ValueError for a name no routing key can hold
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name a job may give in ``model`` to reach this worker."""
+        return tuple(dict.fromkeys((self.served, *self.aliases)))
+
+    def queue(self, queue_class: str) -> str:
+        return self.topology.model_queue(queue_class, None if self.default else self.served)
+
+    def queues(self) -> dict[str, str]:
+        """Queue class -> the queue this worker consumes."""
+        return {queue_class: self.queue(queue_class) for queue_class in QUEUE_CLASSES}
+
+    def bindings(self) -> list[tuple[str, str]]:
+        """(queue, routing key) pairs on the models exchange."""
+        return [(self.queue(qc), route_key(qc, name)) for qc in QUEUE_CLASSES for name in self.names]
+
+
+async def declare_model_routes(connection: Any, routes: ModelRoutes) -> None:
+    """Declare the models exchange, this model's job queues (the same
+    arguments as the default ones; a 406 raises ``TopologyMismatch``) and
+    its bindings. Idempotent. The default model's queues come from
+    ``declare_topology``, which must run first."""
+    import aio_pika
+    import aiormq.exceptions
+
+    from jaxserve.wire.topology import explain_mismatch
+
+    topo = routes.topology
+    channel = await connection.channel()
+    try:
+        exchange = await channel.declare_exchange(topo.models, aio_pika.ExchangeType.DIRECT, durable=True)
+        for queue_class, name in routes.queues().items():
+            try:
+                queue = await channel.declare_queue(name, durable=True, arguments=topo.job_queue_arguments(queue_class))
+            except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                raise explain_mismatch(name, exc, topo) from None
+            for queue_name, key in routes.bindings():
+                if queue_name == name:
+                    await queue.bind(exchange, routing_key=key)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def remove_model_routes(connection: Any, routes: ModelRoutes) -> None:
+    """Unbind this model's names (its queues stay, with whatever waits in
+    them): after this, jobs naming it are answered ``unknown_model`` by
+    their producers. For an operator retiring a model, not for a worker's
+    ordinary stop (another worker may serve the same model)."""
+    channel = await connection.channel()
+    try:
+        for queue_name, key in routes.bindings():
+            queue = await channel.get_queue(queue_name, ensure=False)
+            await queue.unbind(routes.topology.models, routing_key=key)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A fallback model that can take the job now, and its queue."""
+
+    model: str
+    queue: str
+    ready: int
+    consumers: int
+
+
+def fallback_queue(topo: Topology, model: str, queue_class: str, default_model: str | None = None) -> str:
+    """The queue that serves ``model``: the single-model queue when it is the
+    deployment's ``default_model``, else its own (``Topology.model_queue``)."""
+    return topo.model_queue(queue_class, None if model == default_model else model)
+
+
+async def find_fallback(
+    connection: Any,
+    topo: Topology,
+    fallback_models: Iterable[str],
+    queue_class: str,
+    *,
+    default_model: str | None = None,
+    max_ready: int = 0,
+) -> Fallback | None:
+    """The first of ``fallback_models`` whose queue exists, has a consumer
+    and has room, from one passive declare each; None when none does.
+
+    Room: at most ``max_ready`` jobs ready in its queue. With the default 0
+    a job waits there only when every consumer's prefetch window is full,
+    so an empty queue with a consumer is a worker that will be handed the
+    job at once (its own admission still decides; the copy is never
+    re-routed again). Each probe uses a channel of its own, because the
+    broker closes a channel whose passive declare names a missing queue
+    (404). ``default_model``: the name the deployment's default model
+    answers to, whose queue is ``<prefix>.<class>``; aliases are not
+    resolved (a fallback names a served model)."""
+    import aiormq.exceptions
+
+    for model in fallback_models:
+        name = fallback_queue(topo, model, queue_class, default_model)
+        channel = await connection.channel()
+        try:
+            declared = await channel.declare_queue(name, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            continue
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        res = declared.declaration_result
+        ready, consumers = int(res.message_count or 0), int(res.consumer_count or 0)
+        if consumers > 0 and ready <= max_ready:
+            return Fallback(model=model, queue=name, ready=ready, consumers=consumers)
+    return None
+
+
+def was_rerouted(headers: Mapping[str, Any] | None) -> bool:
+    """Whether a delivery is already a re-routed copy (never re-route it twice)."""
+    return bool(headers) and REROUTED_FROM in headers  # type: ignore[operator]
+
+
+def serve_as(headers: Mapping[str, Any] | None) -> str | None:
+    """The model a re-routed copy is to be served as, else None."""
+    if not headers or REROUTED_FROM not in headers:
+        return None
+    value = headers.get(SERVE_AS)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value if isinstance(value, str) and value else None
+
+
+async def reroute(
+    connection: Any,
+    message: Any,
+    target: Fallback,
+    *,
+    from_model: str | None,
+    login_user: str | None = None,
+) -> None:
+    """Publish a copy of ``message`` (an incoming aio-pika message) to the
+    fallback's queue, once, and wait for the broker's confirm.
+
+    The copy keeps the body and every producer property (the key, reply_to,
+    correlation_id, expiration ...; ``wire.republish.copy_message``) and
+    adds :data:`REROUTED_FROM` (``from_model``, "" for the default model)
+    and :data:`SERVE_AS` (the fallback). Raises :class:`RerouteError` when
+    the message was re-routed before, when the queue is gone (returned) or
+    the broker nacks it (full): the caller then answers the job as it would
+    have. The caller acks the original only after this returns."""
+    import aio_pika
+    import aiormq.exceptions
+
+    headers = dict(message.headers or {})
+    if was_rerouted(headers):
+        raise RerouteError(f"job {message.message_id!r} was re-routed once already (from {headers[REROUTED_FROM]!r})")
+    headers[REROUTED_FROM] = from_model or ""
+    headers[SERVE_AS] = target.model
+    copy = copy_message(message, headers, login_user=login_user, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+    # The broker's TTL starts again in the new queue; the worker's deadline
+    # still counts from the producer's x-published-at-ms header, kept above.
+    copy.expiration = message.expiration
+    channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    try:
+        await channel.default_exchange.publish(copy, routing_key=target.queue, mandatory=True)
+    except aiormq.exceptions.PublishError:
+        raise RerouteError(f"queue {target.queue!r} of fallback {target.model!r} is gone") from None
+    except aiormq.exceptions.DeliveryError:
+        raise RerouteError(f"queue {target.queue!r} of fallback {target.model!r} refused the job (full)") from None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+__all__ = [
+    "REROUTED_FROM",
+    "SERVE_AS",
+    "Fallback",
+    "ModelRoutes",
+    "RerouteError",
+    "declare_model_routes",
+    "fallback_queue",
+    "find_fallback",
+    "remove_model_routes",
+    "reroute",
+    "serve_as",
+    "was_rerouted",
+]
