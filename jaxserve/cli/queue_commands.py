@@ -43,7 +43,12 @@ def _sampling_options(fn: Any) -> Any:
             click.option("--top-k", type=int, default=None),
             click.option("--seed", type=int, default=None),
             click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-            click.option("--model", default=None, help="Model name the worker must serve."),
+            click.option(
+                "--model",
+                default=None,
+                help="Model to run the job: routes it to the workers serving that name (default: the deployment's "
+                "default model); a model nobody serves is unknown_model at once.",
+            ),
         ]
     ):
         fn = opt(fn)
@@ -386,6 +391,19 @@ def worker(
 @click.option("--timeout", type=float, default=300.0, show_default=True)
 @click.option("--expiration", type=float, default=None, help="Seconds the job may wait in the queue.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole final result as JSON.")
+@click.option(
+    "--fallback-model",
+    "fallback_models",
+    multiple=True,
+    metavar="NAME",
+    help="Re-route the job once to the first of these models with room when its model is overloaded (repeatable).",
+)
+@click.option(
+    "--degrade-max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Accept this smaller max_tokens instead of overloaded.",
+)
 @_sampling_options
 def submit(
     prompt: str,
@@ -398,6 +416,8 @@ def submit(
     timeout: float,
     expiration: float | None,
     as_json: bool,
+    fallback_models: tuple[str, ...],
+    degrade_max_tokens: int | None,
     **sp: Any,
 ) -> None:
     """Submit one job and print its result (PROMPT '-' reads stdin)."""
@@ -406,16 +426,18 @@ def submit(
     if prompt == "-":
         prompt = sys.stdin.read()
     params = _params(**sp)
+    params["fallback_models"] = list(fallback_models) or None
+    params["degrade"] = None if degrade_max_tokens is None else {"max_tokens": degrade_max_tokens}
     text_kw: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
 
     async def main() -> int:
         client = await AsyncClient(amqp_url, prefix=prefix, name="jaxserve-submit").connect()
         try:
             if stream:
-                s = await client.stream(
-                    **text_kw, queue=queue, key=key, timeout=timeout, expiration=expiration, **params
-                )
-                try:
+                try:  # an unknown model is refused at the publish, before any chunk
+                    s = await client.stream(
+                        **text_kw, queue=queue, key=key, timeout=timeout, expiration=expiration, **params
+                    )
                     async for delta in s:
                         if not as_json:
                             click.echo(delta, nl=False)
@@ -505,6 +527,28 @@ from jaxserve.cli.batch_command import batch  # noqa: E402 - the command lives i
 
 
 # --------------------------------------------------------------------- status
+def _job_queues(prefix: str, models: tuple[str, ...], listed: dict[str, int]) -> list[tuple[str | None, str, str]]:
+    """(model, class, queue) of every job queue to show: the default
+    model's (model None), each ``--model``'s, and every other model's queue
+    rabbitmqctl lists (named by its queue-safe part, ``Topology.model_queue``)."""
+    from jaxserve.wire.topology import QUEUE_CLASSES, Topology
+
+    topo = Topology(prefix=prefix)
+    rows: dict[str, tuple[str | None, str, str]] = {}
+    for qc in QUEUE_CLASSES:
+        rows[topo.queue_for(qc)] = (None, qc, topo.queue_for(qc))
+    for model in models:
+        for qc in QUEUE_CLASSES:
+            name = topo.model_queue(qc, model)
+            rows[name] = (model, qc, name)
+    for name in sorted(listed):
+        for qc in QUEUE_CLASSES:
+            base = topo.queue_for(qc) + "."
+            if name.startswith(base) and name not in rows:
+                rows[name] = (name[len(base) :], qc, name)
+    return sorted(rows.values(), key=lambda r: (r[0] is not None, r[0] or "", r[1]))
+
+
 @click.command("status")
 @_amqp_option
 @_prefix_option
@@ -512,32 +556,25 @@ from jaxserve.cli.batch_command import batch  # noqa: E402 - the command lives i
 @click.option(
     "--broker-details/--no-broker-details",
     default=None,
-    help="Add unacked counts from rabbitmqctl (default: when on PATH).",
+    help="Add unacked counts from rabbitmqctl and find every model's queues (default: when on PATH).",
 )
-def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | None) -> None:
-    """Queue depths, consumers and dead letters."""
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="NAME",
+    help="Also show this model's queues (repeatable; with --broker-details every model's are found).",
+)
+def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | None, models: tuple[str, ...]) -> None:
+    """Queue depths, consumers and dead letters, per served model."""
     import shutil
     import subprocess
 
     from jaxserve.client import AsyncClient
 
-    async def main() -> dict[str, dict[str, int]]:
-        client = AsyncClient(amqp_url, prefix=prefix, name="jaxserve-status")
-        import aio_pika
-
-        conn = await aio_pika.connect(amqp_url)
-        client._sub_conn = conn  # only passive declares are needed
-        try:
-            return await client.queue_depths()
-        finally:
-            await conn.close()
-
-    from jaxserve.cli.errors import broker_errors
-
-    with broker_errors(amqp_url):
-        depths = asyncio.run(main())
     if broker_details is None:
         broker_details = shutil.which("rabbitmqctl") is not None
+    listed: dict[str, int] = {}  # queue -> unacked, from rabbitmqctl
     if broker_details:
         try:
             out = subprocess.run(
@@ -549,19 +586,51 @@ def status(amqp_url: str, prefix: str, as_json: bool, broker_details: bool | Non
             ).stdout
             for line in out.splitlines():
                 parts = line.split()
-                if len(parts) == 2 and parts[0] in depths and parts[1].isdigit():
-                    depths[parts[0]]["unacked"] = int(parts[1])
+                if len(parts) == 2 and parts[0].startswith(prefix + ".") and parts[1].isdigit():
+                    listed[parts[0]] = int(parts[1])
         except (subprocess.SubprocessError, OSError):
             pass
+    job_queues = _job_queues(prefix, models, listed)
+
+    async def main() -> dict[str, dict[str, Any]]:
+        client = AsyncClient(amqp_url, prefix=prefix, name="jaxserve-status")
+        import aio_pika
+
+        conn = await aio_pika.connect(amqp_url)
+        client._sub_conn = conn  # only passive declares are needed
+        try:
+            return dict(await client.queue_depths([name for _, _, name in job_queues]))
+        finally:
+            await conn.close()
+
+    from jaxserve.cli.errors import broker_errors
+
+    with broker_errors(amqp_url):
+        depths = asyncio.run(main())
+    for name, d in depths.items():
+        if name in listed:
+            d["unacked"] = listed[name]
+    for model, qc, name in job_queues:
+        depths[name].update({"model": model, "class": qc})
     if as_json:
         click.echo(json.dumps(depths))
         return
-    click.echo(f"{'queue':40s} {'ready':>9s} {'unacked':>9s} {'consumers':>9s}")
-    for name, d in depths.items():
+    click.echo(f"{'model':24s} {'class':11s} {'queue':48s} {'ready':>9s} {'unacked':>9s} {'consumers':>9s}")
+    rows = [(model or "(default)", qc, name) for model, qc, name in job_queues]
+    rows += [("-", "dead", f"{prefix}.dead"), ("-", "results", f"{prefix}.results")]
+    idle: list[str] = []
+    for label, qc, name in rows:
+        d = depths[name]
         if d["messages"] < 0:
-            click.echo(f"{name:40s} {'(missing)':>9s}")
+            click.echo(f"{label:24s} {qc:11s} {name:48s} {'(missing)':>9s}")
             continue
-        click.echo(f"{name:40s} {d['messages']:>9d} {str(d.get('unacked', '-')):>9s} {d['consumers']:>9d}")
+        click.echo(
+            f"{label:24s} {qc:11s} {name:48s} {d['messages']:>9d} {str(d.get('unacked', '-')):>9s} {d['consumers']:>9d}"
+        )
+        if qc in ("interactive", "batch") and d["consumers"] == 0:
+            idle.append(name)
+    if idle:
+        click.echo(f"\nno consumer on {', '.join(idle)}: jobs routed there wait for a worker")
     dead = depths.get(f"{prefix}.dead", {}).get("messages", 0)
     if dead > 0:
         click.echo(f"\n{dead} dead letter(s) in {prefix}.dead (x-first-death-reason says why)")
