@@ -14,21 +14,24 @@ loop, the broker connections and the tokenizer (prompts are encoded there);
 the engine process builds the engine, compiles it and steps it, and nothing
 in the worker's process imports JAX.
 
-The engine process runs the very same :class:`EngineThread` (admissions
-join the next plan, interactive tokens leave before it, a failing step is
-contained, N failures in a row are fatal); only the two ends of it change:
+The engine process runs the very same engine thread as
+:class:`~jaxserve.worker.engine_thread.EngineThread`,
+:class:`~jaxserve.worker.engine_core.EngineCore` (admissions join the next
+plan, interactive tokens leave before it, a failing step is contained, N
+failures in a row are fatal); only the two ends of it change:
 
 - commands (``add_request``, ``add_score_request``, ``abort``, ``warmup``,
   ``stop``) travel as pickled tuples, each framed by its length, over a
   socket pair; a reader thread in the engine process hands them to the
-  engine thread, and each one's outcome comes back as a ``reply`` (a
-  :class:`RequestError` keeps its code). The worker's end is an asyncio
+  core under their id, and each one's outcome comes back as a ``reply``
+  (a :class:`RequestError` keeps its code). The worker's end is an asyncio
   protocol: one read per wake-up takes every message waiting, and writes
   never block the loop;
-- what the engine thread would hand the event loop (a step's outputs, a
-  failed step, a fatal failure) is sent at once, from the engine thread,
-  as one message; a step's outputs carry the scheduler's statistics for
-  the metrics;
+- the core's events (outputs, a failed step, a fatal failure) are sent at
+  once, from the engine thread, as one message each; the outputs at a
+  step's end carry the scheduler's snapshot, and the worker's end makes
+  the :class:`~jaxserve.worker.engine_host.StepReport` of
+  ``on_step_report`` from them and the interactive outputs sent before;
 - the engine process logs as the worker does (same format and level, the
   same ``worker_id``, plus ``"process": "engine"``) on the same stderr;
 - the watchdog's clocks (``busy_since_mono``, ``last_progress_mono``) and
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import math
 import mmap
@@ -73,9 +77,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
-from jaxserve.worker.engine_host import EngineHost, EngineInfo, engine_info
+from jaxserve.worker.engine_core import EngineCore, EngineThreadDead, check_max_consecutive_step_failures
+from jaxserve.worker.engine_host import (
+    EngineHost,
+    EngineInfo,
+    FailureCallback,
+    OutputsCallback,
+    StepReport,
+    StepReportCallback,
+    engine_info,
+)
 from jaxserve.worker.engine_host import kv_cache_bytes as kv_cache_bytes  # the worker imports it from here
-from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.logs import apply_logging_setup, logging_setup
 
 # Slots of the shared status array (float64; NaN: no value).
@@ -189,8 +201,8 @@ _CHILD_COMMAND = "import sys; from jaxserve.worker.engine_process import engine_
 
 
 # ---------------------------------------------------------------- the engine process
-class _SharedStatusThread(EngineThread):
-    """An EngineThread whose watchdog clocks and counters live in the shared
+class _SharedStatusCore(EngineCore):
+    """An EngineCore whose watchdog clocks and counters live in the shared
     status array (the worker's process reads them there)."""
 
     busy_since_mono = _shared(_BUSY_SINCE, optional=True)
@@ -206,8 +218,8 @@ class _SharedStatusThread(EngineThread):
 class _Pipe:
     """The engine process's end of the socket (blocking): sends from any
     thread, one message at a time, and receives on the reader thread. A
-    send to a worker that is gone raises RuntimeError, which EngineThread
-    reads as "the loop is closed" and ends on."""
+    send to a worker that is gone raises RuntimeError, which the core reads
+    as "the receiver is gone" and ends on."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -234,47 +246,47 @@ class _Pipe:
         return self._ready.pop(0)
 
 
-class _Reply:
-    """The future EngineThread resolves for a command: its outcome goes back
-    to the worker's process under the command's id."""
+class _PipeSink:
+    """The core's events, each sent to the worker's process as one message
+    at once (from the engine thread). A command's token is its id."""
 
-    def __init__(self, pipe: _Pipe, command_id: int) -> None:
+    def __init__(self, pipe: _Pipe, status: Any) -> None:
         self.pipe = pipe
-        self.command_id = command_id
-        self._done = False
+        self.status = status
+        self.engine: Any = None
 
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, value: Any) -> None:
-        self._done = True
+    def reply(self, token: Any, result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            self.pipe.send(("reply", token, False, _portable(error)))
+            return
         try:
-            self.pipe.send(("reply", self.command_id, True, value))
+            self.pipe.send(("reply", token, True, result))
         except RuntimeError:
             raise
         except Exception as exc:  # noqa: BLE001 - a result that does not pickle fails its command only
-            self.pipe.send(("reply", self.command_id, False, RuntimeError(f"the result could not be sent: {exc!r}")))
+            self.pipe.send(("reply", token, False, RuntimeError(f"the result could not be sent: {exc!r}")))
 
-    def set_exception(self, exc: BaseException) -> None:
-        self._done = True
-        self.pipe.send(("reply", self.command_id, False, _portable(exc)))
+    def urgent_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.pipe.send(("outputs", outputs, None, False))
+
+    def step_done(self, outputs: list[RequestOutput], urgent: list[RequestOutput], stats: Any) -> None:
+        computed = getattr(self.engine, "num_computed_tokens", None)
+        if isinstance(computed, int):
+            self.status[_COMPUTED] = float(computed)
+        if outputs or urgent:  # a step without any waits for the next one's snapshot
+            self.pipe.send(("outputs", outputs, stats, True))
+
+    def step_error(self, exc: BaseException) -> None:
+        self.pipe.send(("step_error", _portable(exc)))
+
+    def fatal(self, exc: BaseException) -> None:
+        self.pipe.send(("fatal", _portable(exc)))
 
 
-class _DirectLoop:
-    """Stands in for the event loop EngineThread hands its results to: in
-    the engine process every callback only sends a message, so it runs at
-    once on the calling thread. ``command_id`` is the id of the command the
-    reader thread is submitting (the only thread that creates futures)."""
-
-    def __init__(self, pipe: _Pipe) -> None:
-        self.pipe = pipe
-        self.command_id = 0
-
-    def create_future(self) -> _Reply:
-        return _Reply(self.pipe, self.command_id)
-
-    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> None:
-        callback(*args)
+# The engine's method each command runs, and whether it is an admission
+# (joins the next plan: jaxserve.worker.engine_core).
+_COMMANDS = {"add": ("add_request", True), "score": ("add_score_request", True), "abort": ("abort", False)}
+_COMMANDS["warmup"] = ("warmup", False)
 
 
 def engine_process_main(conn_fd: int, status_fd: int) -> None:
@@ -299,52 +311,27 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
         return
     pipe.send(("built", engine_info(engine)))
 
-    stats_of = getattr(getattr(engine, "scheduler", None), "stats", None)
-    step_stats: list[Any] = []
-
-    def on_step(eng: Any, _outputs: Any) -> None:
-        computed = getattr(eng, "num_computed_tokens", None)
-        if isinstance(computed, int):
-            status[_COMPUTED] = float(computed)
-        if stats_of is not None:
-            step_stats[:] = [stats_of()]
-
-    def on_outputs(outputs: list[RequestOutput]) -> None:
-        stats = step_stats.pop() if step_stats else None
-        pipe.send(("outputs", outputs, stats))
-
-    loop = _DirectLoop(pipe)
-    thread = _SharedStatusThread(
-        status,
-        engine,
-        loop,
-        on_outputs,
-        lambda exc: pipe.send(("step_error", _portable(exc))),
-        on_step=on_step,
-        on_fatal=lambda exc: pipe.send(("fatal", _portable(exc))),
-        max_consecutive_step_failures=max_failures,
-        name=name,
+    sink = _PipeSink(pipe, status)
+    sink.engine = engine
+    core = _SharedStatusCore(
+        status, engine, sink, with_stats=True, max_consecutive_step_failures=max_failures, name=name
     )
-    thread.start()
-    commands: dict[str, Callable[..., Any]] = {
-        "add": thread.add_request,
-        "score": thread.add_score_request,
-        "abort": thread.abort,
-        "warmup": thread.warmup,
-    }
+    core.start()
     while True:
         try:
             message = pipe.recv()
         except (EOFError, OSError):  # the worker's process is gone
-            thread.stop()
+            core.stop()
             return
         kind = message[0]
         if kind == "stop":
-            thread.stop(message[1])
+            core.stop(message[1])
             return
-        loop.command_id = message[1]
-        args, kwargs = message[2], message[3]
-        commands[kind](*args, **kwargs)
+        command_id, args, kwargs = message[1], message[2], message[3]
+        method, admission = _COMMANDS[kind]
+        dead = core.submit(functools.partial(getattr(engine, method), *args, **kwargs), command_id, admission)
+        if dead is not None:
+            sink.reply(command_id, None, dead)
 
 
 # ---------------------------------------------------------------- the worker's side
@@ -365,20 +352,23 @@ class _EngineConnection(asyncio.Protocol):
 
 
 class EngineProcess:
-    """:class:`EngineThread`'s interface, for an engine that runs in a
-    process of its own (see the module docstring). Construct it on the event
-    loop, then ``await start()``: the engine's description
-    (:class:`RemoteEngine`) once the engine process has built it."""
+    """The :class:`~jaxserve.worker.engine_host.EngineHost` for an engine
+    that runs in a process of its own (see the module docstring). Construct
+    it on the event loop, then ``await open()`` (:class:`EngineInfo`), or
+    ``await start()`` (the engine's attributes, :class:`RemoteEngine`), once
+    the engine process has built it. The callbacks are those of
+    :class:`~jaxserve.worker.engine_thread.EngineThread`, all on the loop."""
 
     def __init__(
         self,
         factory: Callable[[], Any],
         loop: asyncio.AbstractEventLoop,
-        on_outputs: Callable[[list[RequestOutput]], None],
-        on_step_error: Callable[[BaseException], None] | None = None,
+        on_outputs: OutputsCallback,
+        on_step_error: FailureCallback | None = None,
         *,
         on_step: StepCallback | None = None,
-        on_fatal: Callable[[BaseException], None] | None = None,
+        on_step_report: StepReportCallback | None = None,
+        on_fatal: FailureCallback | None = None,
         max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
     ) -> None:
@@ -388,10 +378,13 @@ class EngineProcess:
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
-        # on_step(stats, outputs) on the loop after each outputs message;
-        # stats is the scheduler's snapshot after the step (None for early
-        # interactive outputs and for engines without a scheduler).
+        # on_step(stats, outputs), the older metrics hook: on the loop after
+        # each outputs message; stats is the scheduler's snapshot after the
+        # step (None for early interactive outputs and for engines without
+        # a scheduler).
         self.on_step = on_step
+        self.on_step_report = on_step_report
+        self._urgent: list[RequestOutput] = []  # this step's, for its report
         self.on_fatal = on_fatal
         self._status_file, self._status = _new_status_file()
         self._proc: subprocess.Popen | None = None
@@ -547,12 +540,18 @@ class EngineProcess:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "outputs":
-            _, outputs, stats = message
+            _, outputs, stats, step_end = message
             # Tokens first; the metrics after.
             if outputs:
                 self._callback(self.on_outputs, outputs)
             if self.on_step is not None:
                 self._callback(self.on_step, stats, outputs)
+            if not step_end:
+                self._urgent.extend(outputs)
+            else:
+                urgent, self._urgent = self._urgent, []
+                if self.on_step_report is not None:
+                    self._callback(self.on_step_report, StepReport(urgent + outputs if urgent else outputs, stats))
         elif kind == "reply":
             _, command_id, ok, value = message
             fut = self._pending.pop(command_id, None)
@@ -562,6 +561,7 @@ class EngineProcess:
                 else:
                     fut.set_exception(value)
         elif kind == "step_error":
+            self._urgent = []  # the failed step's: no report carries them
             if self.on_step_error is not None:
                 self._callback(self.on_step_error, message[1])
         elif kind == "fatal":
