@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -44,11 +43,13 @@ from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
 from jaxserve.wire import INTERACTIVE, Chunk, Job, Result
 from jaxserve.wire.republish import copy_message
 from jaxserve.worker import steps
+from jaxserve.worker.holdings import Ending, Holdings
 from jaxserve.worker.job_log import log_job_done, log_job_start
-from jaxserve.worker.lifecycle import Delivery, JobState, KeyJob, Settlement
+from jaxserve.worker.lifecycle import Abandoned, Delivery, JobState, KeyJob, Settlement
 from jaxserve.worker.replies import PublishOutcome
 from jaxserve.worker.results import build_result
-from jaxserve.worker.store import Record, StoreUnavailable
+from jaxserve.worker.store import Record
+from jaxserve.worker.store_health import call_held
 from jaxserve.worker.tracing import JobTimes
 
 if TYPE_CHECKING:
@@ -58,63 +59,6 @@ log = structlog.get_logger("jaxserve.worker")
 
 ADMISSION = frozenset({JobState.ADMITTING, JobState.HELD})
 UNFINISHED = frozenset({*ADMISSION, JobState.RUNNING})
-
-
-class Abandoned(Exception):
-    """The run left the phase a coroutine was serving (requeued, cancelled,
-    finished by someone else): that coroutine stops quietly."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Ending:
-    """How a run ends, as its resources see it: ``ok`` (an ok result is
-    stored: the store's put ends the claim), the tokens it used, and whether
-    it goes back to the broker (a sender is cancelled, not flushed)."""
-
-    ok: bool = False
-    used_tokens: int = 0
-    requeued: bool = False
-
-
-Release = Callable[[Ending], Awaitable[None] | None]
-
-
-class Holdings:
-    """What one run holds, each with how to give it back. Released in
-    :data:`ORDER` (the engine slot before the sender, so no output arrives
-    for a flushed sender; the claim last, after the result is stored)."""
-
-    ORDER = ("deadline", "engine", "sender", "admission", "tenant", "claim")
-
-    def __init__(self) -> None:
-        self._held: dict[str, Release] = {}
-
-    def take(self, name: str, release: Release) -> None:
-        assert name in self.ORDER, name
-        self._held[name] = release
-
-    def holds(self, name: str) -> bool:
-        return name in self._held
-
-    def forget(self, name: str) -> None:
-        """The resource ended on its own (the engine finished the request,
-        another worker owns the claim now): nothing to give back."""
-        self._held.pop(name, None)
-
-    def release_now(self, name: str) -> None:
-        """Give back a resource whose release is synchronous, early (the
-        first token ends the deadline and the admission hold)."""
-        release = self._held.pop(name, None)
-        if release is not None:
-            assert release(Ending()) is None
-
-    async def release(self, ending: Ending, *names: str) -> None:
-        for name in names or self.ORDER:
-            release = self._held.pop(name, None)
-            if release is not None:
-                pending = release(ending)
-                if pending is not None:
-                    await pending
 
 
 async def _settle(d: Delivery, how: Settlement) -> None:
@@ -181,46 +125,8 @@ class JobRun(KeyJob):
             await self.requeue(f"worker error: {exc!r}")
 
     async def store_call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """Call the store. While it is unreachable the job is HELD (in
-        admission) and waits for the outage probe to find the store back
-        (the job itself does not call it meanwhile), at most ``store_hold_s``:
-        then it goes back to the broker, once (the consumers are paused, so
-        it is not redelivered here in a loop). Raises :class:`Abandoned`
-        when the run leaves the phase it was in meanwhile, or went back."""
-        w = self.w
-        phase = ADMISSION if self.state in ADMISSION else frozenset({self.state})
-        health = w.store_health
-        give_up_at: float | None = None
-        while True:
-            if health.up:
-                try:
-                    value = await fn(*args)
-                except StoreUnavailable as exc:
-                    w.stats["store_unavailable"] += 1
-                    health.failed(exc)
-                    if give_up_at is None:
-                        log.warning(
-                            "store_unavailable_waiting", key=self.key, error=str(exc), hold_s=w.cfg.store_hold_s
-                        )
-                else:
-                    if self.state not in phase:
-                        raise Abandoned
-                    if self.state is JobState.HELD:
-                        self.to(JobState.ADMITTING)
-                    return value
-            if self.state is JobState.ADMITTING:
-                self.to(JobState.HELD)
-            if w._closing or self.state not in phase:
-                raise Abandoned from None
-            now = time.monotonic()
-            give_up_at = now + w.cfg.store_hold_s if give_up_at is None else give_up_at
-            back = await health.wait_up(max(0.0, give_up_at - now))
-            if self.state not in phase:
-                raise Abandoned from None
-            if not back:
-                w.stats["store_hold_expired"] += 1
-                await self.requeue(f"store unavailable for {w.cfg.store_hold_s:g}s")
-                raise Abandoned from None
+        """Call the store, holding the job through an outage (``store_health.call_held``)."""
+        return await call_held(self, fn, *args)
 
     async def _start(self, p: steps.Prepared) -> None:
         w, job = self.w, self.job

@@ -90,6 +90,11 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 TERMINAL = frozenset({_S.SETTLED, _S.REQUEUED, _S.DEFERRED})
 
 
+class Abandoned(Exception):
+    """The job left the phase a coroutine was serving (requeued, cancelled,
+    finished by someone else): that coroutine stops quietly."""
+
+
 class IllegalTransition(RuntimeError):
     """A bug: the worker tried a transition the state machine forbids."""
 
