@@ -138,30 +138,42 @@ def test_loadtest_closed_loop_against_echo_worker(prefix, tmp_path):
 
 
 def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
-    """A worker that refuses in all three ways: a 2-message interactive queue
-    (QueueFull in the client), a queued-token admission budget (overloaded)
-    and a tenant limit (rate_limited). Only jobs that run keep their request
-    (a refused one gives it back), so the limit is set below what the worker
-    serves at 16 clients and above what one client sends in 2 s (jobs of
-    16-32 tokens at 0.05 s a step: at most 4)."""
+    """A worker that refuses in all three ways, each made certain rather
+    than a race, and the load test counting each under its code.
+
+    One running sequence, a prefetch of 3 and an admission budget of 1
+    token: at 16 clients one job runs, the next waits in the engine holding
+    its prompt in the budget, so every other delivery is ``overloaded`` while
+    the two held jobs and the third slot's refusals leave the 2-message
+    interactive queue full (QueueFull in the client). A tenant limit is
+    judged before admission and a refused job gives its request back, so
+    it is proved with a second load test as the tenant ``strict`` (one
+    request, no refill), whose every job after the first is
+    ``rate_limited``. At one client the worker refuses nothing."""
     limits = tmp_path / "limits.yaml"
-    limits.write_text("default: {requests_per_s: 1, burst: 5}\n")
-    log, out = tmp_path / "worker.log", tmp_path / "out"
+    limits.write_text("tenants:\n  strict: {requests_per_s: 0.001, burst: 1}\n")
+    log, out, strict_out = tmp_path / "worker.log", tmp_path / "out", tmp_path / "strict"
     proc = _worker(
         prefix,
         log,
         "--engine-arg",
         "step_s=0.05",
+        "--engine-arg",
+        "max_num_seqs=1",
+        "--interactive-prefetch",
+        "3",
         "--interactive-max-length",
         "2",
         "--max-queued-tokens",
-        "30",
+        "1",
         "--limits",
         str(limits),
     )
     try:
-        res = _loadtest(
-            prefix, out, "--concurrency", "1,16", "--duration", "2", "--mix", "chat=1", "--no-broker-details"
+        common = ("--duration", "2", "--mix", "chat=1", "--no-broker-details")
+        res = _loadtest(prefix, out, "--concurrency", "1,16", *common)
+        strict = _loadtest(
+            prefix, strict_out, "--concurrency", "2", "--tenant", "strict", "--no-capacity-check", *common
         )
     finally:
         stop_process(proc)
@@ -170,12 +182,17 @@ def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
     assert first["rejected"] == 0 and first["rejections_begin"] is False
     assert second["rejections_begin"] is True
     by_code = second["rejections_by_code"]
-    assert by_code["queue_full"] > 0 and by_code["overloaded"] > 0 and by_code["rate_limited"] > 0, by_code
+    assert by_code["queue_full"] > 0 and by_code["overloaded"] > 0 and by_code["rate_limited"] == 0, by_code
     assert second["rejected"] == sum(by_code.values())
     assert second["retry_after_p50_s"] is not None  # the worker's hint was read
     assert second["completed"] > 0 and second["capacity_back"] is True
     assert "(rejections begin)" in res.stdout
     assert (out / "loadtest.png").stat().st_size > 1000
+
+    assert strict.returncode == 0, strict.stdout + strict.stderr
+    (level,) = json.loads((strict_out / "loadtest.json").read_text())
+    assert level["completed"] == 1, level
+    assert level["rejections_by_code"]["rate_limited"] == level["rejected"] > 0, level["rejections_by_code"]
 
 
 def test_loadtest_without_a_worker_is_one_line_error(prefix, tmp_path):
