@@ -188,6 +188,10 @@ class EngineCore:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
     def dead_error(self) -> EngineThreadDead:
         message, cause = cast("tuple[str, BaseException | None]", self._dead)  # set before it is called
         err = EngineThreadDead(message)

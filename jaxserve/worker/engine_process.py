@@ -403,6 +403,8 @@ class EngineProcess:
     async def start(self) -> RemoteEngine:
         """Start the engine process and wait until it has built the engine
         (:class:`EngineBuildError` if it could not)."""
+        if self._stop_requested:
+            raise EngineThreadDead("the engine process was stopped before it started")
         self._built = self.loop.create_future()
         mine, theirs = socket.socketpair()
         status_fd = self._status_file.fileno()
@@ -453,7 +455,9 @@ class EngineProcess:
                 self.loop.call_soon_threadsafe(self._send, ("stop", timeout))
         except Exception:  # noqa: BLE001 - already gone, or the loop is closed
             pass
-        if self._proc is None:
+        if self._proc is None:  # never started: later commands fail at once
+            if self._dead is None:
+                self._dead = ("the engine process was stopped", None)
             return
         try:
             self._proc.wait(None if timeout is None else timeout + 5.0)

@@ -168,6 +168,8 @@ class EngineThread:
         """:class:`~jaxserve.worker.engine_host.EngineHost`'s start: build
         the engine (hosts made by :meth:`from_factory`), start the thread
         unless :meth:`start` did, and return :attr:`info`."""
+        if self._core.stop_requested:  # before the build: it would only be thrown away
+            raise EngineThreadDead("the engine thread was stopped before it started")
         if self._core.engine is None:
             factory = cast("Callable[[], Any]", self._factory)  # from_factory set it: engine is None
             self._attach(await asyncio.to_thread(factory))
