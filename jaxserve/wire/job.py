@@ -136,7 +136,8 @@ class JobBody(BaseModel):
         title="jaxserve job (message body)",
         json_schema_extra={
             "description": "Body of a job published to <prefix>.interactive or <prefix>.batch through the default "
-            "exchange. AMQP properties: message_id (required, the idempotency key), correlation_id (echoed on "
+            "exchange, or, when it names a model, to the direct exchange <prefix>.models with routing key "
+            "<class>.<model> and mandatory (an unroutable job is unknown_model). AMQP properties: message_id (required, the idempotency key), correlation_id (echoed on "
             "every reply), reply_to (default <prefix>.results; never one of the worker's own queues or exchanges), "
             "expiration (ms string), priority (0-255, higher first), content_type application/json. Field names "
             "and meanings follow OpenAI's completions/chat completions API. Unknown fields are ignored; fields of "
