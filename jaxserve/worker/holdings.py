@@ -5,9 +5,8 @@ admission hold, the tenant's count and tokens, the claim on the key.
 
 A resource is never released by hand at the places a run can end: the
 ending (finish, requeue, defer) releases whatever is still held, so a new
-resource or a new way to end cannot leak one
-(``tests/test_worker_lifecycle.py`` ends runs every way and checks the
-admission budget and the claims are empty after).
+resource or a new way to end cannot leak one (``tests/test_job_run.py``
+ends running jobs each way and checks the worker holds nothing after).
 """
 
 from __future__ import annotations

@@ -372,7 +372,11 @@ class JobRun(KeyJob):
         headers = dict(message.headers or {})
         headers["x-jaxserve-deferred"] = int(headers.get("x-jaxserve-deferred") or 0) + 1
         copy = copy_message(message, headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
-        outcome = await w.replies.republish(self.queue_class, copy)
+        try:
+            outcome = await w.replies.republish(self.queue_class, copy)
+        except Exception as exc:  # noqa: BLE001 - not republished: it waits in the broker as it is
+            log.warning("job_defer_republish_failed", key=self.key, error=repr(exc))
+            outcome = PublishOutcome.FAILED
         how = Settlement.ACK if outcome is PublishOutcome.CONFIRMED else Settlement.REQUEUE
         for d in self.unsettled():
             await _settle(d, how)
