@@ -280,6 +280,7 @@ def compare_fallback(
     with_fallback = Deployment(f"{primary.model} + {fallback.model} fallback", parts, workload)
     for d in (alone, with_fallback):
         for part in d.parts:
-            if part.cost is not None:
-                lines.extend(f"{d.name} / {part.plan.profile.model}: {line.strip()}" for line in part.cost.lines[1:])
+            if part.cost is not None:  # its per-day line; the table has the rest
+                per_day = part.cost.lines[1].removeprefix("cost:").strip()
+                say(f"cost:     {d.name}, {part.plan.profile.model}: {per_day}")
     return Comparison(alone, with_fallback, currency, lines)
