@@ -52,11 +52,7 @@ class FakeEngine:
         return [RequestOutput(request_id=f"s{self.step_calls}", new_token_ids=[1], new_text="x")]
 
     def add_request(self, request_id, prompt, params, **_kw) -> None:
-        params.validate()  # refuses as the engine does (tests/test_engine_host_contract.py)
         self.log.append(f"add {request_id}")
-
-    def add_score_request(self, request_id, prompt, labels, **_kw) -> None:
-        self.log.append(f"score {request_id}")
 
     def abort(self, request_id: str) -> bool:
         self.log.append(f"abort {request_id}")
@@ -228,18 +224,16 @@ async def test_admissions_queued_during_a_step_join_its_plan_other_commands_wait
 def test_the_worker_engine_defaults_favour_interactive_jobs(monkeypatch):
     """A queue worker's engine plans each step after the arrivals of the
     previous one (no async scheduling), unless the operator asks for it."""
+    from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.engine import Engine
     from jaxserve.worker.factory import build_engine, parse_engine_args
 
-    seen = []
-    monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, **kw: seen.append(kw) or kw))
+    seen: list[EngineArgs] = []
+    monkeypatch.setattr(Engine, "from_args", classmethod(lambda cls, args: seen.append(args) or args))
     build_engine("tiny", max_num_seqs=8)
-    build_engine("tiny", **parse_engine_args(["async_scheduling=true", "policy=fcfs"]))
-    assert seen[0] == {
-        "model": "tiny",
-        "max_num_seqs": 8,
-        "policy": "priority",
-        "async_scheduling": False,
-        "interactive_reserved_seqs": 2,
-    }
-    assert seen[1]["async_scheduling"] is True and seen[1]["policy"] == "fcfs"
+    build_engine("tiny", **parse_engine_args(["async_scheduling=true", "policy=fcfs", "interactive_reserved_seqs=0"]))
+    assert seen[0] == EngineArgs(
+        model="tiny", max_num_seqs=8, policy="priority", async_scheduling=False, interactive_reserved_seqs=2
+    )
+    assert seen[1].async_scheduling is True and seen[1].policy == "fcfs"
+    assert seen[1].interactive_reserved_seqs == 0

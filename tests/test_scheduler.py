@@ -745,6 +745,7 @@ def make_capped(clock: FakeClock, **overrides) -> Scheduler:
         interactive_prefill_alone=True,
         interactive_batch_prefill_tokens=6,
         interactive_recent_s=2.0,
+        interactive_step_tokens=0,  # the prompt cap alone; the step cap's tests set their own
     )
     cfg.update(overrides)
     return Scheduler(SchedulerConfig(**cfg), clock=clock)

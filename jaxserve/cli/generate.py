@@ -8,11 +8,11 @@ import click
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import quantization_option
+from jaxserve.cli.options import engine_option, quantization_option
 
 
 @click.command()
-@click.option("--model", default="tiny", show_default=True, help="Preset name or checkpoint folder.")
+@engine_option("--model", field="model", profile="offline", help="Preset name or checkpoint folder.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
@@ -23,11 +23,11 @@ from jaxserve.cli.options import quantization_option
 @quantization_option
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
-@click.option(
+@engine_option(
     "--tensor-parallel-size",
+    field="tensor_parallel_size",
+    profile="offline",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
     help="Devices to shard the model over (must divide its kv heads).",
 )
 @click.argument("prompt")

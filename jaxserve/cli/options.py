@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+
+from jaxserve.engine.args import ProfileName, profile_values
 
 #: ``--quantization`` of ``generate``, ``bench offline`` and ``worker``; the
 #: choices are :data:`jaxserve.models.quant.QUANTIZATIONS` (spelled out here:
@@ -14,3 +18,19 @@ quantization_option = click.option(
     help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load "
     "(a GGUF file's Q8_0 or Q4_0/Q4_1 blocks of that width are taken as they are).",
 )
+
+
+def engine_option(*decls: str, field: str, profile: ProfileName, forward_unset: bool = False, **attrs: Any) -> Any:
+    """A ``click.option`` for the ``EngineArgs`` field ``field`` whose
+    default is that profile's (``jaxserve.engine.args.PROFILES``), read, not
+    written again (``tests/test_settings_sources.py``).
+
+    ``forward_unset``: the option's value is ``None`` unless given, and
+    ``--help`` shows the profile's value. ``jaxserve worker`` declares its
+    engine options so: it hands the factory only what the operator set, so
+    another ``--engine`` factory keeps its own defaults and the ``serve``
+    profile derives the rest (a quarter of the given ``--max-num-seqs``)."""
+    value = profile_values(profile)[field]
+    if forward_unset:
+        return click.option(*decls, default=None, show_default=str(value), **attrs)
+    return click.option(*decls, default=value, show_default=True, **attrs)

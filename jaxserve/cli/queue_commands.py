@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-from jaxserve.cli.options import quantization_option
+from jaxserve.cli.options import engine_option, quantization_option
+from jaxserve.engine.args import profile_values
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
 _amqp_option = click.option(
@@ -70,6 +71,14 @@ def _params(
 
 
 # --------------------------------------------------------------------- worker
+#: the engine settings of ``jaxserve worker``'s default factory (``build_engine``)
+_SERVE = profile_values("serve")
+
+
+def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
+    return engine_option(*decls, field=field, profile="serve", forward_unset=True, **attrs)
+
+
 @click.command("worker")
 @_amqp_option
 @_prefix_option
@@ -80,15 +89,12 @@ def _params(
     show_default=True,
     help="Engine factory MODULE:CALLABLE.",
 )
-@click.option("--model", default=None, help="Model path for the engine factory.")
+@_serve_option("--model", field="model", help="Model path or preset name for the engine factory.")
 @click.option(
     "--engine-arg", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the engine factory (repeatable)."
 )
-@click.option(
-    "--max-num-seqs",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Sequences in the running batch (engine default 32).",
+@_serve_option(
+    "--max-num-seqs", field="max_num_seqs", type=click.IntRange(min=1), help="Sequences in the running batch."
 )
 @click.option(
     "--max-num-batched-tokens", type=click.IntRange(min=1), default=None, help="Token budget of one engine step."
@@ -103,22 +109,20 @@ def _params(
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
 @quantization_option
-@click.option(
+@_serve_option(
     "--interactive-reserved-seqs",
+    field="interactive_reserved_seqs",
     type=click.IntRange(min=0),
-    default=None,
-    help="Sequence slots batch jobs may not take (default: a quarter of max-num-seqs).",
+    help="Sequence slots batch jobs may not take (a quarter of --max-num-seqs unless given).",
 )
-@click.option(
-    "--policy", type=click.Choice(["fcfs", "priority"]), default=None, help="Order within a class (default priority)."
-)
-@click.option(
+@_serve_option("--policy", field="policy", type=click.Choice(["fcfs", "priority"]), help="Order within a class.")
+@_serve_option(
     "--interactive-batch-prefill-tokens",
+    field="interactive_batch_prefill_tokens",
     type=click.IntRange(min=0),
-    default=None,
-    help="While interactive jobs are about (waiting, running, or seen in the last 2 s), the batch prompt "
-    "tokens one engine step may carry, so an arriving interactive prompt waits for a short step "
-    "(engine default 32; 0: no cap).",
+    help=f"While interactive jobs are about (waiting, running, or seen in the last "
+    f"{_SERVE['interactive_recent_s']:g} s), the batch prompt tokens one engine step may carry, so an "
+    "arriving interactive prompt waits for a short step (0: no cap).",
 )
 @click.option(
     "--metrics-port", type=click.IntRange(1, 65535), default=None, help="Serve Prometheus /metrics on this port."
@@ -217,15 +221,6 @@ def _params(
     help="An engine step busy longer than this is a hung engine: requeue everything and exit 1.",
 )
 @click.option(
-    "--compute-nice",
-    type=click.IntRange(0, 19),
-    default=0,
-    show_default=True,
-    help="Once compiled, run every thread but the event loop's (the engine's, XLA's) at this nice value, so "
-    "broker I/O and streamed tokens get a core first on busy cores, at some batch throughput (Linux only; "
-    "0 leaves priorities alone).",
-)
-@click.option(
     "--engine-process/--engine-thread",
     "engine_process",
     default=True,
@@ -280,7 +275,6 @@ def worker(
     store_hold: float,
     reply_timeout: float,
     engine_hang_timeout: float,
-    compute_nice: int,
     engine_process: bool,
     declare: bool,
     log_format: str,
@@ -351,7 +345,6 @@ def worker(
         store_hold_s=store_hold,
         reply_timeout_s=reply_timeout,
         engine_hang_timeout_s=engine_hang_timeout,
-        compute_nice=compute_nice,
         engine_process=engine_process,
         log_text=log_text,
         declare=declare,

@@ -1,18 +1,28 @@
 """Everything needed to build an :class:`~jaxserve.engine.engine.Engine`.
 
 ``EngineArgs`` is what users and the CLI set; the engine derives the
-scheduler's configuration and the KV cache size from it.
+scheduler's configuration (:meth:`EngineArgs.scheduler_config`) and the KV
+cache size from it. Every engine setting's default is written once, as an
+``EngineArgs`` field default; a use that wants other values names a profile
+(:data:`PROFILES`: ``offline`` for ``LLM`` and ``jaxserve generate``,
+``serve`` for the queue worker), and ``SchedulerConfig`` and the CLI read
+their defaults from here (``tests/test_settings_sources.py``).
+
+This module imports no JAX at import time: ``jaxserve worker``'s process
+reads the serving profile for its options' help and never imports JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jax
+if TYPE_CHECKING:
+    from jaxserve.engine.config import SchedulerConfig
 
-from jaxserve.kernels.kv_cache import bytes_per_block
+#: the profiles :data:`PROFILES` names
+ProfileName = Literal["engine", "offline", "serve"]
 
 
 @dataclasses.dataclass
@@ -39,9 +49,9 @@ class EngineArgs:
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async
       scheduling). A request ending on a stop id then computes one extra,
-      discarded token. On by default here (offline throughput); a queue
-      worker turns it off unless asked (``jaxserve.worker.factory``), since
-      a step launched ahead cannot take a job that arrives meanwhile.
+      discarded token. On by default here (offline throughput); the
+      ``serve`` profile turns it off (see :data:`PROFILES`), since a step
+      launched ahead cannot take a job that arrives meanwhile.
     - ``block_size``: tokens per KV block, also the prefix cache's unit of
       sharing. 64 by default: paged attention reads a sequence's context one
       block per loop iteration, and bigger blocks mean fewer, larger gathers
@@ -134,6 +144,26 @@ class EngineArgs:
                 f"quantization={self.quantization!r} serves one device; tensor_parallel_size={size} is not supported with it"
             )
 
+    @classmethod
+    def for_profile(cls, profile: ProfileName, **overrides: Any) -> EngineArgs:
+        """``EngineArgs`` of a named profile (:data:`PROFILES`), ``overrides``
+        on top: ``EngineArgs.for_profile("serve", model="tiny", max_num_seqs=64)``
+        reserves 16 sequences for interactive jobs."""
+        values = profile_values(profile, max_num_seqs=overrides.get("max_num_seqs"))
+        values.update(overrides)
+        return cls(**values)
+
+    def scheduler_config(self, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
+        """The scheduler's configuration: every ``SchedulerConfig`` field
+        ``EngineArgs`` has, as set here, and the sizes the engine resolved
+        (``max_model_len`` from the model, ``num_blocks`` from the memory
+        budget). The one place the engine's settings reach the scheduler."""
+        from jaxserve.engine.config import SchedulerConfig
+
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig) if f.name in _FIELDS}
+        shared["max_num_batched_tokens"] = self.resolve_max_num_batched_tokens()
+        return SchedulerConfig(**{**shared, "max_model_len": max_model_len, "num_blocks": num_blocks})
+
     def resolve_max_model_len(self, max_position_embeddings: int) -> int:
         limit = self.max_model_len or min(max_position_embeddings, 4096)
         if limit > max_position_embeddings:
@@ -156,6 +186,8 @@ class EngineArgs:
         max_model_len: int,
         weight_bytes: int,
     ) -> int:
+        from jaxserve.kernels.kv_cache import bytes_per_block
+
         per_block = bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, cache_dtype)
         blocks_per_seq = -(-max_model_len // self.block_size)
         if self.kv_cache_memory is not None:
@@ -179,6 +211,8 @@ class EngineArgs:
 
 def device_memory_bytes() -> int:
     """Memory of the first device: HBM on accelerators, physical RAM on CPU."""
+    import jax
+
     device = jax.devices()[0]
     stats = None
     try:
@@ -188,3 +222,61 @@ def device_memory_bytes() -> int:
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def engine_default(name: str) -> Any:
+    """``EngineArgs``' default for the field ``name`` (``SchedulerConfig``
+    reads its defaults through this, so each is written once)."""
+    return _FIELDS[name].default
+
+
+def serving_reserved_seqs(max_num_seqs: int) -> int:
+    """The ``serve`` profile's ``interactive_reserved_seqs``: a quarter of
+    the sequence slots (at least one, none when there is only one), so an
+    interactive job finds a slot however deep the batch queue is."""
+    return max(1, max_num_seqs // 4) if max_num_seqs > 1 else 0
+
+
+#: What each use changes from the ``EngineArgs`` field defaults (``engine``:
+#: nothing).
+#:
+#: - ``offline`` (``LLM``, ``jaxserve generate``): a 2048-token step budget.
+#:   Offline runs want throughput, not inter-token latency: a bigger budget
+#:   finishes the prefill of a large batch in a few steps, so every sequence
+#:   then decodes in one full batch instead of trickling in (llama-56m, 64 x
+#:   128 prompts: prefill 3.36 s at 512 vs 3.14 s at 2048; decode steps
+#:   unchanged), as vLLM picks a larger budget for its offline ``LLM`` class
+#:   than for its server.
+#: - ``serve`` (``jaxserve worker``'s ``jaxserve.worker.factory.build_engine``):
+#:   ``priority`` ordering, a quarter of the sequences reserved for
+#:   interactive jobs (:func:`serving_reserved_seqs`, derived from
+#:   ``max_num_seqs``), and no async scheduling: a step launched ahead of the
+#:   wait was planned before a job that arrives during that wait, so an
+#:   interactive prompt would start one whole step later (llama-56m behind a
+#:   deep batch queue: time to first token 2.11x idle with it, 1.35x without,
+#:   BENCHMARKS.md) for a throughput gain within a 2-core CPU's noise. A
+#:   worker serving batch jobs only can turn it back on
+#:   (``--engine-arg async_scheduling=true``).
+PROFILES: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "offline": {"max_num_batched_tokens": 2048},
+    "serve": {"policy": "priority", "async_scheduling": False},
+}
+
+
+def profile_values(profile: ProfileName, *, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """Every ``EngineArgs`` field's value under ``profile``, without building
+    an ``EngineArgs`` (no JAX): the field defaults, the profile's changes,
+    and what the profile derives from ``max_num_seqs`` (the given one, else
+    the default)."""
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    values: dict[str, Any] = {name: f.default for name, f in _FIELDS.items()}
+    values.update(PROFILES[profile])
+    if profile == "serve":
+        seqs = values["max_num_seqs"] if max_num_seqs is None else max_num_seqs
+        values["interactive_reserved_seqs"] = serving_reserved_seqs(seqs)
+    return values

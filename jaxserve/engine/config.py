@@ -1,6 +1,12 @@
 """Scheduler settings (a plain dataclass, validated on creation; the engine-level
 settings users pass are ``jaxserve.engine.args.EngineArgs``).
 
+The engine builds it with ``EngineArgs.scheduler_config``. A field that
+``EngineArgs`` also has takes its default from there (written once, the
+measurements behind it documented there); the sizes the engine resolves
+(``max_num_batched_tokens``, ``max_model_len``, ``num_blocks``) have
+defaults here for a scheduler built on its own (tests).
+
 It validates in ``__post_init__``, so ``dataclasses.replace(cfg, ...)``
 re-checks the new values. Errors are ``ValueError`` naming the field, the bad
 value and what was expected.
@@ -9,10 +15,22 @@ value and what was expected.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 _POLICIES = ("fcfs", "priority")
+
+
+def _engine(name: str) -> Any:
+    """A field whose default is ``EngineArgs``' (looked up when a config is
+    built: ``jaxserve.engine.args`` imports this module)."""
+
+    def default() -> Any:
+        from jaxserve.engine.args import engine_default
+
+        return engine_default(name)
+
+    return dataclasses.field(default_factory=default)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,21 +93,21 @@ class SchedulerConfig:
       each advances in turn.
     """
 
-    max_num_seqs: int = 128
+    max_num_seqs: int = _engine("max_num_seqs")
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    block_size: int = 16
+    block_size: int = _engine("block_size")
     num_blocks: int = 1024
-    policy: SchedulingPolicy = "fcfs"
-    interactive_reserved_seqs: int = 0
-    interactive_reserved_blocks: int = 0
-    enable_prefix_caching: bool = True
-    long_prefill_token_threshold: int = 0
-    max_num_waiting: int = 0
-    interactive_prefill_alone: bool = True
-    interactive_batch_prefill_tokens: int = 0
-    interactive_recent_s: float = 2.0
-    interactive_step_tokens: int = 0
+    policy: SchedulingPolicy = _engine("policy")
+    interactive_reserved_seqs: int = _engine("interactive_reserved_seqs")
+    interactive_reserved_blocks: int = _engine("interactive_reserved_blocks")
+    enable_prefix_caching: bool = _engine("enable_prefix_caching")
+    long_prefill_token_threshold: int = _engine("long_prefill_token_threshold")
+    max_num_waiting: int = _engine("max_num_waiting")
+    interactive_prefill_alone: bool = _engine("interactive_prefill_alone")
+    interactive_batch_prefill_tokens: int = _engine("interactive_batch_prefill_tokens")
+    interactive_recent_s: float = _engine("interactive_recent_s")
+    interactive_step_tokens: int = _engine("interactive_step_tokens")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -51,28 +51,16 @@ def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 
 def build_engine(model: str | None = None, **kwargs: Any) -> Any:
-    """The real engine: ``Engine.from_args(model=..., **kwargs)`` where the
-    keywords are ``jaxserve.engine.args.EngineArgs`` fields (``--engine-arg
-    max_num_seqs=64 --engine-arg interactive_reserved_seqs=8``).
-
-    Defaults for serving from a queue, unless given: ``policy=priority``, a
-    quarter of the sequences reserved for interactive jobs, and
-    ``async_scheduling=False``. A step launched ahead of the wait (async
-    scheduling) was planned before a job that arrives during that wait, so
-    an interactive prompt would start one whole step later: on llama-56m
-    behind a deep batch queue, time to first token was 2.11x idle with it
-    and 1.35x without (BENCHMARKS.md), for a throughput gain within this
-    2-core CPU's noise. A worker that serves batch jobs only can turn it on
-    (``--engine-arg async_scheduling=true``)."""
+    """The real engine: ``Engine(EngineArgs.for_profile("serve", model=...,
+    **kwargs))`` where the keywords are ``jaxserve.engine.args.EngineArgs``
+    fields (``--engine-arg max_num_seqs=64 --engine-arg
+    interactive_reserved_seqs=8``). What the ``serve`` profile sets, and
+    why, is ``jaxserve.engine.args.PROFILES``: priority ordering, a quarter
+    of the sequences reserved for interactive jobs, no async scheduling;
+    any keyword given here wins."""
+    from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.engine import Engine
 
     if model is not None:
         kwargs["model"] = model
-    kwargs.setdefault("policy", "priority")
-    kwargs.setdefault("async_scheduling", False)
-    if "interactive_reserved_seqs" not in kwargs:
-        seqs = int(kwargs.get("max_num_seqs", 32))
-        kwargs["interactive_reserved_seqs"] = max(1, seqs // 4) if seqs > 1 else 0
-    if hasattr(Engine, "from_args"):
-        return Engine.from_args(**kwargs)
-    return Engine(**kwargs)  # pragma: no cover - older engine signature
+    return Engine.from_args(EngineArgs.for_profile("serve", **kwargs))
