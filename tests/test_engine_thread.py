@@ -52,7 +52,11 @@ class FakeEngine:
         return [RequestOutput(request_id=f"s{self.step_calls}", new_token_ids=[1], new_text="x")]
 
     def add_request(self, request_id, prompt, params, **_kw) -> None:
+        params.validate()  # refuses as the engine does (tests/test_engine_host_contract.py)
         self.log.append(f"add {request_id}")
+
+    def add_score_request(self, request_id, prompt, labels, **_kw) -> None:
+        self.log.append(f"score {request_id}")
 
     def abort(self, request_id: str) -> bool:
         self.log.append(f"abort {request_id}")
