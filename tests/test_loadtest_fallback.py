@@ -14,7 +14,7 @@ import sys
 import orjson
 import pytest
 
-from jaxserve.loadtest.report import plot_runs, summarize_level
+from jaxserve.loadtest.report import plot_runs, served_table, summarize_level
 from jaxserve.loadtest.runner import JobRecord, classify
 from jaxserve.loadtest.workload import Workload, default_kinds
 from jaxserve.wire.messages import decode_reply
@@ -135,3 +135,15 @@ def test_loadtest_with_fallback_models_and_a_comparison_plot(prefix, tmp_path):
     assert ok and all(j["served_model"] for j in ok)  # the one model served them all, with room to spare
     assert sum(levels[0]["served_by_model"].values()) == levels[0]["completed"] == len(ok)
     assert levels[0]["served_by_fallback"] == 0
+
+
+def test_served_table_only_when_there_is_something_to_say():
+    one = {"concurrency": 1, "served_by_model": {"big": 4}, "fallback_share": 0.0, "cost_total": None}
+    assert served_table([one]) is None
+    two = {"concurrency": 8, "served_by_model": {"big": 6, "small": 4}, "fallback_share": 0.4, "cost_total": 0.0123}
+    two["cost_currency"] = "EUR"
+    table = served_table([one, two])
+    assert table is not None
+    assert "| level | served by big | served by small | fallback share | cost |" in table
+    assert "| c=1 | 4 | 0 | 0.0 % | - |" in table
+    assert "| c=8 | 6 | 4 | 40.0 % | 0.0123 EUR |" in table

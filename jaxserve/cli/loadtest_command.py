@@ -217,7 +217,7 @@ def loadtest(
         --compare-with no-fallback --ttft-target-s 1
     """
     from jaxserve.cli.errors import broker_errors
-    from jaxserve.loadtest.report import markdown_table, write_outputs
+    from jaxserve.loadtest.report import markdown_table, served_table, write_outputs
     from jaxserve.loadtest.runner import LoadTest, LoadTestError, RunConfig
     from jaxserve.loadtest.workload import Workload, default_kinds, parse_mix
 
@@ -318,6 +318,9 @@ def loadtest(
         click.echo(json.dumps(results, indent=2))
     else:
         click.echo(markdown_table(results))
+        served = served_table(results)
+        if served is not None:
+            click.echo("\n" + served)
         click.echo("\nwrote " + ", ".join(str(p) for p in paths.values()))
     lost = [e for e in results if e.get("capacity_back") is False]
     if lost:

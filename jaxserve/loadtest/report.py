@@ -252,6 +252,26 @@ def markdown_table(levels: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def served_table(levels: list[dict[str, Any]]) -> str | None:
+    """Who served each level and what it cost, as a markdown table; None
+    when there is nothing to say (one model, no cost)."""
+    models = sorted({m for e in levels for m in e.get("served_by_model", {})})
+    if len(models) < 2 and not any(e.get("cost_total") is not None for e in levels):
+        return None
+    rows = ["| level | " + " | ".join(f"served by {m}" for m in models) + " | fallback share | cost |"]
+    rows.append("|" + "---|" * (len(models) + 3))
+    for e in levels:
+        served = " | ".join(str(e.get("served_by_model", {}).get(m, 0)) for m in models)
+        share = e.get("fallback_share")
+        cost = e.get("cost_total")
+        currency = e.get("cost_currency") if isinstance(e.get("cost_currency"), str) else ""
+        rows.append(
+            f"| {level_label(e)} | {served} | {'-' if share is None else f'{share * 100:.1f} %'} | "
+            f"{'-' if cost is None else f'{cost:.6g} {currency}'.strip()} |"
+        )
+    return "\n".join(rows)
+
+
 def plot(levels: list[dict[str, Any]], path: str | Path, title: str = "jaxserve load test") -> Path:
     """p95 TTFT and p95 end-to-end latency against output tokens/s, one
     point per level, the level where rejections begin marked."""
