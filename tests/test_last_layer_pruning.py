@@ -5,9 +5,9 @@ The model-level check runs every test family (biases, tied embeddings, a
 sliding window) on both CPU kernels over a mixed step: a prompt chunk that
 continues a cached prefix, a fresh prompt and a decode token, on shuffled
 blocks, padded, with the rows picked out of order and repeated (padding
-rows of ``logits_indices`` point at token 0). The engine-level check runs
-the same requests (greedy, sampled, label scoring) with the pruning on and
-off and wants the same tokens.
+rows of ``logits_indices`` point at token 0). The runner always passes
+the step's rows (``ModelRunner._forward_fn``), so these checks are what
+keep the engine's tokens those of the full forward pass.
 """
 
 from __future__ import annotations
@@ -18,10 +18,6 @@ import numpy as np
 import pytest
 
 import model_fixtures as mf
-from engine_fixtures import build_engine_checkpoint
-from jaxserve.engine.args import EngineArgs
-from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import SamplingParams
 from jaxserve.kernels import cpu as cpu_kernel
 from jaxserve.kernels.backends import REFERENCE, AttentionImpl
 from jaxserve.kernels.kv_cache import KVCache
@@ -97,44 +93,3 @@ def test_as_many_rows_as_the_step_are_picked_from_the_full_pass(folders, count):
     full, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta)
     picked, _ = forward_fn(graphdef, state, ids, pos, _filled_cache(model), meta, jnp.asarray(wanted))
     np.testing.assert_array_equal(np.asarray(picked), np.asarray(full)[wanted])
-
-
-@pytest.fixture(scope="module")
-def engine_checkpoint(tmp_path_factory):
-    return build_engine_checkpoint(tmp_path_factory.mktemp("prune_engine_ck"))
-
-
-def _serve(checkpoint, prune: bool) -> dict:
-    eng = Engine(
-        EngineArgs(
-            model=str(checkpoint),
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            max_model_len=128,
-            block_size=16,
-            enable_prefix_caching=False,
-            seed=0,
-        )
-    )
-    eng.runner.prune_last_layer = prune
-    eng.warmup()
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(10, 400, size=n).tolist() for n in (45, 9, 30)]
-    eng.add_request("greedy", prompts[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True))
-    eng.add_request("sampled", prompts[1], SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True))
-    eng.add_score_request("score", prompts[2], [[11, 12, 13], [40], [7, 8]])
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out
-    return done
-
-
-def test_engine_outputs_are_the_same_with_and_without_pruning(engine_checkpoint):
-    on, off = _serve(engine_checkpoint, True), _serve(engine_checkpoint, False)
-    for rid in ("greedy", "sampled"):
-        assert on[rid].token_ids == off[rid].token_ids, rid
-    np.testing.assert_allclose(on["greedy"].logprobs, off["greedy"].logprobs, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(on["score"].label_logprobs, off["score"].label_logprobs, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,7 @@ Two compiled programs per step (forward, then sampling):
   hidden state of each sampling sequence's last token, ``[max_num_seqs,
   hidden]`` (rows picked by ``meta.logits_indices``). In buckets of more
   tokens than that, the last layer computes only those rows past its
-  key/value projection (``prune_last_layer``).
+  key/value projection (``tests/test_last_layer_pruning.py``).
 - ``sample`` for each sequence bucket ``S``: takes the first ``S`` of those
   rows, computes their logits and samples on the device. Logits never travel
   to the host, and the vocabulary projection runs on ``S`` rows, not ``T``.
@@ -153,7 +153,6 @@ class ModelRunner:
         max_model_len: int,
         cache_dtype: Any = jnp.float32,
         buckets: Buckets | None = None,
-        prune_last_layer: bool = True,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -200,10 +199,6 @@ class ModelRunner:
         self._copy: Any = None  # block copies, max_num_seqs pairs
         self._no_history: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.compile_seconds = 0.0
-        #: in programs of more tokens than ``max_num_seqs``, the last layer computes
-        #: only the rows the step samples or scores (``LlamaForCausalLM.__call__``);
-        #: off: every row, then the pick (the same results; for A/B measurements)
-        self.prune_last_layer = prune_last_layer
         #: share of the usable blocks a decode step must hold for block-major attention
         self.block_major_min_use = BLOCK_MAJOR_MIN_USE
         self.num_block_major_steps = 0
@@ -223,15 +218,9 @@ class ModelRunner:
         ``prev_tokens[feed]`` (the previous step's greedy tokens, still on
         the device) instead of ``input_ids``."""
         input_ids = jnp.where(feed >= 0, prev_tokens[jnp.maximum(feed, 0)], input_ids)
-        if self.prune_last_layer:
-            # only the sampled and scored rows go on (in programs of more tokens
-            # than that, the last layer computes just them)
-            hidden, kv_cache = forward_fn(
-                self.graphdef, state, input_ids, positions, kv_cache, meta, meta.logits_indices
-            )
-        else:
-            hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta)
-            hidden = hidden[meta.logits_indices]
+        # only the sampled and scored rows go on (in programs of more tokens
+        # than that, the last layer computes just them: LlamaForCausalLM.__call__)
+        hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta, meta.logits_indices)
         rows = min(input_ids.shape[0], self.max_num_seqs)
         if not self._greedy_in_forward(input_ids.shape[0]):
             return hidden, kv_cache, jnp.zeros(self.max_num_seqs, jnp.int32)
