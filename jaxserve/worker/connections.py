@@ -9,8 +9,7 @@ confirms), so no consumer shares another's fate.
 
 A consumer pauses while the store is unreachable (a job taken then would
 only be held; ``tests/test_queue_store_outage.py``), for drain, and batch
-alone while interactive pressure is high (``pace_batch``;
-``tests/test_queue_admission.py``). One lock orders every consume and cancel,
+alone while interactive pressure is high (``pace_batch``). One lock orders every consume and cancel,
 so whatever changed last wins.
 """
 

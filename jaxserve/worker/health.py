@@ -1,7 +1,7 @@
 """The worker's health: ``/readyz`` and ``/healthz`` for the metrics server,
 and the watchdog that turns a dead or hung engine into a fatal stop
 (``tests/test_queue_worker.py`` hangs an engine; ``tests/test_queue_faults.py``
-kills one).
+kills an engine process).
 
 The watchdog's one-second tick also feeds the admission's prefill rate and
 paces the batch consumer, so those run at the same cadence the liveness
@@ -65,9 +65,9 @@ class Health:
         while True:
             await asyncio.sleep(1.0)
             self.loop_tick = time.monotonic()
-            computed = getattr(w.engine, "num_computed_tokens", None)
-            if isinstance(computed, int):
-                w.admission.observe(computed, et.busy_s)
+            computed, busy_s = et.num_computed_tokens, et.busy_s
+            if computed is not None and busy_s is not None:
+                w.admission.observe(computed, busy_s)
             await w.connections.pace_batch()
             if not et.alive:
                 w.on_engine_fatal(RuntimeError("the engine died (its thread or process is gone)"))

@@ -17,27 +17,30 @@ import orjson
 
 from jaxserve.engine.types import RequestError
 from jaxserve.tokenizer import labels as label_prompts
+from jaxserve.worker.engine_host import EngineInfo
+
+NO_LIMIT = 1 << 30  # an engine that states no maximum length
 
 
-def served_name(configured: str | None, engine: Any) -> str | None:
+def served_name(configured: str | None, engine: EngineInfo | None) -> str | None:
     """The name jobs write in ``model``: the configured one, else the
     engine's model name without its folder."""
     if configured:
         return configured
-    name = getattr(engine, "model_name", None)
+    name = None if engine is None else engine.model_name
     return None if name is None else os.path.basename(str(name).rstrip("/"))
 
 
-def prepare_prompt(engine: Any, served: str | None, job: Any) -> list[int]:
+def prepare_prompt(engine: EngineInfo, served: str | None, job: Any) -> list[int]:
     """The job's prompt (or chat messages through the template) as token ids."""
-    name = getattr(engine, "model_name", None)
+    name = engine.model_name
     if (
         job.model is not None
         and name is not None
         and job.model not in (served, name, os.path.basename(str(name).rstrip("/")))
     ):
         raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {served!r}")
-    max_len = int(getattr(engine, "max_model_len", 1 << 30))
+    max_len = engine.max_model_len or NO_LIMIT
     tok = engine.tokenizer
     if job.messages is not None:
         try:
@@ -65,7 +68,7 @@ def prepare_prompt(engine: Any, served: str | None, job: Any) -> list[int]:
     return ids
 
 
-def prepare_labels(engine: Any, job: Any) -> tuple[list[int], list[list[int]], Any]:
+def prepare_labels(engine: EngineInfo, job: Any) -> tuple[list[int], list[list[int]], Any]:
     """The prompt and each label's tokens in the job's label form, and the
     content-free request to calibrate against when the job asks for one
     (``jaxserve.tokenizer.labels``: labels tokenized with the text they
@@ -89,7 +92,7 @@ def prepare_labels(engine: Any, job: Any) -> tuple[list[int], list[list[int]], A
             "invalid_request", f"the labels' prompt could not be rendered ({job.label_prompt}): {exc}"
         ) from None
     prompt_ids, out = tokens.prompt_ids, tokens.label_ids
-    max_len = int(getattr(engine, "max_model_len", 1 << 30))
+    max_len = engine.max_model_len or NO_LIMIT
     longest = max(len(ids) for ids in out)
     if len(prompt_ids) + longest > max_len:
         raise RequestError(

@@ -2,21 +2,22 @@
 its host, compile every shape bucket, then size the job limits and the
 prefetch from what the engine can hold. No AMQP yet, so nothing can miss a
 heartbeat while compilation holds the GIL; a ``stop`` set meanwhile ends it
-early (``tests/test_queue_worker.py`` stops a worker during warm-up).
+early (``tests/test_queue_faults.py`` stops a worker before it consumes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from jaxserve.metrics import EngineMetrics
 from jaxserve.metrics import serve as serve_metrics
 from jaxserve.wire import BATCH, INTERACTIVE, JobLimits
-from jaxserve.worker.engine_process import EngineProcess, kv_cache_bytes
+from jaxserve.worker.engine_host import EngineHost
+from jaxserve.worker.engine_process import EngineProcess
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.logs import bind_worker_context
 from jaxserve.worker.priority import deprioritize_other_threads, deprioritize_process
@@ -53,80 +54,53 @@ async def start_engine(w: Worker, stop: asyncio.Event | None) -> bool:
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     bind_worker_context(worker_id=cfg.worker_id)
+    callbacks: dict[str, Any] = dict(
+        on_step_report=w.on_step_report,
+        on_fatal=w.on_engine_fatal,
+        max_consecutive_step_failures=cfg.max_consecutive_step_failures,
+    )
+    # Made before the build, so a shutdown meanwhile stops it.
+    host: EngineHost
     if cfg.engine_process:
-        # Set before the build, so a shutdown meanwhile stops the process.
-        w.engine_thread = EngineProcess(
-            w.engine_factory,
-            loop,
-            w.on_outputs,
-            w.on_step_error,
-            on_step=w.record_remote_step,
-            on_fatal=w.on_engine_fatal,
-            max_consecutive_step_failures=cfg.max_consecutive_step_failures,
-        )
-        built, w.engine = await unless_stopped(w.engine_thread.start(), stop)
+        host = EngineProcess(w.engine_factory, loop, w.on_outputs, w.on_step_error, **callbacks)
     else:
-        built, w.engine = await unless_stopped(asyncio.to_thread(w.engine_factory), stop)
+        host = EngineThread.from_factory(w.engine_factory, loop, w.on_outputs, w.on_step_error, **callbacks)
+    w.engine_thread = host
+    built, info = await unless_stopped(host.open(), stop)
     if not built:
         log.info("worker_stopped_before_consuming", phase="engine_build")
         return False
+    w.info = info
+    w.engine = getattr(host, "engine", None)  # not in EngineHost: both hosts keep one, for tests and tools
     load_s = time.monotonic() - t0
     bind_worker_context(model=w.served_model_name)
     # the served name, as vLLM labels its metrics (--served-model-name)
     metrics = w.metrics = EngineMetrics(w.served_model_name or "")
     metrics.set_health_checks(ready=w.health.readiness, live=w.health.liveness)
     metrics.model_load_seconds.labels(metrics.model_name).set(load_s)
-    kv = kv_cache_bytes(w.engine)
-    if kv is not None:
-        metrics.kv_cache_bytes.labels(metrics.model_name).set(kv)
+    if info.kv_cache_bytes is not None:
+        metrics.kv_cache_bytes.labels(metrics.model_name).set(info.kv_cache_bytes)
     if cfg.metrics_port is not None:
         serve_metrics(metrics, cfg.metrics_port)
-    if not cfg.engine_process:
-        w.engine_thread = EngineThread(
-            w.engine,
-            loop,
-            w.on_outputs,
-            w.on_step_error,
-            on_step=metrics.record_step if hasattr(w.engine, "scheduler") else None,
-            on_fatal=w.on_engine_fatal,
-            max_consecutive_step_failures=cfg.max_consecutive_step_failures,
-        )
-        w.engine_thread.start()
-    log.info(
-        "engine_warmup_started",
-        model=getattr(w.engine, "model_name", None),
-        load_s=round(load_s, 3),
-        engine_process=getattr(w.engine_thread, "pid", None),
-    )
-    host = cast("EngineThread | EngineProcess", w.engine_thread)  # set above on both paths
+    log.info("engine_warmup_started", model=info.model_name, load_s=round(load_s, 3), engine_process=host.pid)
     if not (await unless_stopped(host.warmup(), stop))[0]:
         log.info("worker_stopped_before_consuming", phase="warmup")
         return False
     metrics.warmup_seconds.labels(metrics.model_name).set(time.monotonic() - t0 - load_s)
     if cfg.compute_nice:
-        if cfg.engine_process:
-            # the engine process is running (it built the engine)
-            niced = deprioritize_process(cast(int, cast(EngineProcess, host).pid), cfg.compute_nice)
+        if host.pid is not None:  # the engine process is running (it built the engine)
+            niced = deprioritize_process(host.pid, cfg.compute_nice)
         else:
             niced = deprioritize_other_threads(cfg.compute_nice)
         log.info("compute_threads_deprioritized", nice=cfg.compute_nice, threads=niced)
-    log.info("engine_ready", model=getattr(w.engine, "model_name", None), warmup_s=round(time.monotonic() - t0, 3))
+    log.info("engine_ready", model=info.model_name, warmup_s=round(time.monotonic() - t0, 3))
     w.limits = JobLimits(
-        max_body_bytes=cfg.max_body_bytes,
-        vocab_size=_vocab_size(w.engine),
-        max_model_len=getattr(w.engine, "max_model_len", None),
+        max_body_bytes=cfg.max_body_bytes, vocab_size=info.vocab_size, max_model_len=info.max_model_len
     )
-    max_seqs = int(getattr(w.engine, "max_num_seqs", 8))
-    reserved = int(getattr(w.engine, "interactive_reserved_seqs", 0))
-    reserved = min(max(reserved, 0), max(max_seqs - 1, 0))
+    max_seqs = info.max_num_seqs if info.max_num_seqs is not None else 8
+    reserved = min(max(info.interactive_reserved_seqs or 0, 0), max(max_seqs - 1, 0))
     w.prefetch = {
         INTERACTIVE: min(QUORUM_MAX_PREFETCH, cfg.interactive_prefetch or max_seqs),
         BATCH: min(QUORUM_MAX_PREFETCH, cfg.batch_prefetch or max(1, max_seqs - reserved)),
     }
     return True
-
-
-def _vocab_size(engine: Any) -> int | None:
-    cfg = getattr(engine, "model_config", None)
-    size = getattr(cfg, "vocab_size", None) or getattr(engine, "vocab_size", None)
-    return int(size) if isinstance(size, int) else None

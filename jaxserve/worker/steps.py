@@ -200,9 +200,9 @@ async def prompt(run: JobRun, p: Prepared) -> bool:
     """The prompt (and labels) as token ids; a prompt the model cannot take is answered."""
     w, job = run.w, run.job
     try:
-        p.prompt_ids = prompts.prepare_prompt(w.engine, w.served_model_name, job)
+        p.prompt_ids = prompts.prepare_prompt(w.engine_info, w.served_model_name, job)
         if job.labels is not None:
-            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine, job)
+            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine_info, job)
     except RequestError as err:
         w.stats["invalid"] += 1
         log.info("job_invalid", key=run.key, code=err.code, reason=err.message)

@@ -52,8 +52,7 @@ from jaxserve.worker.admission import InteractiveAdmission
 from jaxserve.worker.calibration import LabelCalibrations
 from jaxserve.worker.config import WorkerConfig, published_at
 from jaxserve.worker.connections import Connections
-from jaxserve.worker.engine_process import EngineProcess
-from jaxserve.worker.engine_thread import EngineThread
+from jaxserve.worker.engine_host import EngineHost, EngineInfo, StepReport
 from jaxserve.worker.health import Health
 from jaxserve.worker.job_run import JobRun
 from jaxserve.worker.lifecycle import JobState, KeyJob
@@ -84,8 +83,9 @@ class Worker:
         self.cfg = config or WorkerConfig()
         self.topo = self.cfg.topology
         self.store = store if store is not None else MemoryStore()
-        self.engine: Any = None
-        self.engine_thread: EngineThread | EngineProcess | None = None
+        self.engine_thread: EngineHost | None = None  # the engine's host (startup makes it)
+        self.info: EngineInfo | None = None  # what the host says of its engine, once built
+        self.engine: Any = None  # the engine, or its process's proxy: for tests and tools only
         self.active: dict[str, JobRun] = {}  # job key -> the run serving it
         self.by_rid: dict[str, JobRun] = {}  # engine request id -> its run
         self.traces: dict[str, JobTrace] = {}  # engine request id -> its job's trace
@@ -150,12 +150,17 @@ class Worker:
 
     @property
     def served_model_name(self) -> str | None:
-        return served_name(self.cfg.served_model_name, self.engine)
+        return served_name(self.cfg.served_model_name, self.info)
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        assert self.info is not None, "the engine is not built yet"
+        return self.info
 
     @property
     def result_context(self) -> ResultContext:
         if self._result_context is None:
-            self._result_context = ResultContext(self.served_model_name, self.engine.tokenizer)
+            self._result_context = ResultContext(self.served_model_name, self.engine_info.tokenizer)
         return self._result_context
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -247,14 +252,14 @@ class Worker:
         await control.renew_loop(self)
 
     # ---------------------------------------------------------- engine side
-    def record_remote_step(self, stats: Any, outputs: list[RequestOutput]) -> None:
-        """Metrics of a step that ran in the engine process (its scheduler's
-        snapshot, when it has one, and its outputs)."""
+    def on_step_report(self, report: StepReport) -> None:
+        """Metrics of a step (its scheduler's snapshot, when the engine has
+        one, and its outputs), from either host."""
         if self.metrics is None:
             return
-        if stats is not None:
-            self.metrics.record_stats(stats)
-        self.metrics.record_outputs(outputs)
+        if report.stats is not None:
+            self.metrics.record_stats(report.stats)
+        self.metrics.record_outputs(report.outputs)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs (or the interactive ones the engine handed over
