@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from jaxserve.engine import EngineBroken
-from jaxserve.engine.types import RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
 from jaxserve.worker.engine_core import EngineThreadDead
 from jaxserve.worker.engine_host import EngineHost, EngineInfo, HostedEngine, StepReport, engine_info
 from jaxserve.worker.engine_process import EngineProcess
@@ -52,11 +52,18 @@ class Double:
     broken: Callable[[], Any]  # an engine whose first step raises EngineBroken
     #: whether its outputs answer the requests added (FakeEngine plays a script instead)
     answers_requests: bool = True
+    #: whether it hands interactive outputs over before the step ends (on_urgent_outputs)
+    urgent: bool = False
 
 
 DOUBLES = [
     Double("echo", functools.partial(ready_echo), functools.partial(ready_echo, break_after_steps=1)),
-    Double("scripted", functools.partial(ScriptedEngine), functools.partial(ScriptedEngine, script=("broken",))),
+    Double(
+        "scripted",
+        functools.partial(ScriptedEngine),
+        functools.partial(ScriptedEngine, script=("broken",)),
+        urgent=True,
+    ),
     Double(
         "fake",
         functools.partial(fake_engine, ("ok", "ok")),
@@ -71,6 +78,7 @@ class Events:
 
     def __init__(self) -> None:
         self.outputs: list[RequestOutput] = []
+        self.batches: list[list[RequestOutput]] = []  # one per on_outputs call
         self.reports: list[StepReport] = []
         self.step_errors: list[BaseException] = []
         self.fatal: list[BaseException] = []
@@ -81,6 +89,7 @@ class Events:
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         self._seen()
+        self.batches.append(list(outputs))
         self.outputs.extend(outputs)
 
     def on_step_report(self, report: StepReport) -> None:
@@ -164,8 +173,10 @@ async def test_a_host_describes_serves_and_reports_on_the_loop(kind, double):
         assert refused.value.code == "invalid_request"
         await host.add_request("r1", [104, 105], SamplingParams(max_tokens=2))
         await host.add_score_request("s1", [104, 105], [[104], [120]])
+        interactive = RequestClass.INTERACTIVE
+        await host.add_request("i1", [104, 105, 106], SamplingParams(max_tokens=3), request_class=interactive)
         if double.answers_requests:
-            await until(lambda: {o.request_id for o in events.outputs if o.finished} >= {"r1", "s1"})
+            await until(lambda: {o.request_id for o in events.outputs if o.finished} >= {"r1", "s1", "i1"})
         else:
             await until(lambda: len(events.outputs) == 2)  # its script's two steps
         assert isinstance(await host.abort("never-added"), bool)
@@ -174,6 +185,15 @@ async def test_a_host_describes_serves_and_reports_on_the_loop(kind, double):
         await until(lambda: sum(len(r.outputs) for r in events.reports) == len(events.outputs))
         assert [o for r in events.reports for o in r.outputs] == events.outputs
         assert all((r.stats is not None) == info.has_scheduler for r in events.reports)
+        if double.urgent:
+            # Interactive tokens leave alone, ahead of their step's others,
+            # and each step's report lists them first. (i1 was added last
+            # and runs longest, so its last step has no other output: a
+            # report of urgent outputs alone, which the sum above counts.)
+            assert all([o.request_id for o in b] == ["i1"] for b in events.batches if "i1" in {o.request_id for o in b})
+            for report in events.reports:
+                ids = [o.request_id for o in report.outputs]
+                assert ids == sorted(ids, key=lambda rid: rid != "i1")
         assert events.threads == {threading.current_thread()}  # all on the loop's thread
         assert events.step_errors == [] and events.fatal == []
 

@@ -40,7 +40,9 @@ class ScriptedEngine:
     it is empty): ``"ok"`` gives every held request one token (its last at
     ``max_tokens``), ``"fail"`` raises RuntimeError, ``"broken"`` raises
     EngineBroken, ``"sleep:S"`` sleeps S seconds first, ``"exit"`` ends the
-    process at once (exit code 3); ``"sleep:S,broken"`` does both in turn."""
+    process at once (exit code 3); ``"sleep:S,broken"`` does both in turn.
+    As the real engine, it hands interactive outputs to ``on_urgent_outputs``
+    (set by the host) ahead of the step's others."""
 
     def __init__(self, script: tuple[str, ...] = (), fail_build: bool = False) -> None:
         if fail_build:
@@ -54,6 +56,7 @@ class ScriptedEngine:
         self.num_computed_tokens = 0
         self.scheduler = self
         self.before_plan = None
+        self.on_urgent_outputs = None
         self.held: dict[str, list] = {}  # id -> [tokens left, tokens so far, request class]
         self.steps = 0
 
@@ -91,24 +94,26 @@ class ScriptedEngine:
         if self.before_plan is not None:
             self.before_plan()
         self.steps += 1
-        outputs = []
+        outputs, urgent = [], []
         for rid, state in list(self.held.items()):
             state[0] -= 1
             state[1] += 1
             self.num_computed_tokens += 1
             done = state[0] == 0
-            outputs.append(
-                RequestOutput(
-                    rid,
-                    [65 + state[1]],
-                    chr(65 + state[1]),
-                    finished=done,
-                    finish_reason="length" if done else None,
-                    completion_tokens=state[1],
-                )
+            output = RequestOutput(
+                rid,
+                [65 + state[1]],
+                chr(65 + state[1]),
+                finished=done,
+                finish_reason="length" if done else None,
+                completion_tokens=state[1],
             )
+            interactive = self.on_urgent_outputs is not None and state[2] == RequestClass.INTERACTIVE
+            (urgent if interactive else outputs).append(output)
             if done:
                 del self.held[rid]
+        if urgent:
+            self.on_urgent_outputs(urgent)
         return outputs
 
 
