@@ -1,6 +1,8 @@
 """jaxserve.worker: the RabbitMQ queue worker (see docs/protocol.md).
 
-Heavy imports live in submodules: ``jaxserve.worker.worker.Worker``,
+Heavy imports live in submodules: ``jaxserve.worker.worker.Worker``
+(its module docstring lists the others, in the order a job meets them),
+``jaxserve.worker.job_run`` (one job, delivery to ack),
 ``jaxserve.worker.lifecycle`` (a job key's states and deliveries),
 ``jaxserve.worker.replies`` (publishing with deadlines),
 ``jaxserve.worker.engine_thread.EngineThread`` (the engine on a thread) and

@@ -138,7 +138,7 @@ class JobRun(KeyJob):
         assert w.engine_thread is not None
         host = w.engine_thread
         self.to(JobState.RUNNING)
-        self.res.take("engine", lambda _end: self._abort_in_engine())
+        self.res.take("engine", self._abort_in_engine)
         w.by_rid[self.request_id] = self
         try:
             if p.label_ids is not None:
@@ -170,14 +170,15 @@ class JobRun(KeyJob):
             return
         self.admitted_mono = time.monotonic()
 
-    async def _abort_in_engine(self) -> None:
+    async def _abort_in_engine(self, end: Ending) -> None:
         host = self.w.engine_thread
         if host is None:
             return
         try:
             await host.abort(self.request_id)
         except Exception as exc:  # noqa: BLE001 - a dead engine holds nothing
-            log.warning("engine_abort_failed", key=self.key, error=repr(exc))
+            if not end.requeued:  # going back (a drain after the engine died, say) needs no word
+                log.warning("engine_abort_failed", key=self.key, error=repr(exc))
 
     # --------------------------------------------------------------- events
     def on_output(self, out: RequestOutput) -> None:
