@@ -20,6 +20,7 @@ import textwrap
 import click
 import pytest
 
+from jaxserve.cli.bench import offline as bench_offline
 from jaxserve.cli.generate import generate
 from jaxserve.cli.queue_commands import worker
 from jaxserve.engine import config as config_module
@@ -149,11 +150,17 @@ def test_the_worker_shows_the_serving_profile_and_forwards_only_what_is_given():
     assert "compute_nice" not in options  # measured and dropped (issue 26)
 
 
-def test_generate_defaults_are_the_offline_profiles():
+@pytest.mark.parametrize("command", [generate, bench_offline], ids=["generate", "bench offline"])
+def test_offline_commands_take_their_defaults_from_the_offline_profile(command):
     offline = profile_values("offline")
-    options = _options(generate)
+    options = _options(command)
     for name in ("model", "tensor_parallel_size"):
         assert options[name].default == offline[name], name
+
+
+def test_bench_offline_shows_the_offline_step_budget_and_leaves_it_to_the_profile():
+    option = _options(bench_offline)["max_num_batched_tokens"]
+    assert option.default is None and option.show_default == str(profile_values("offline")["max_num_batched_tokens"])
 
 
 def test_the_worker_command_imports_no_jax():

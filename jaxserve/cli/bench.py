@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import quantization_option
+from jaxserve.cli.options import engine_option, quantization_option
 
 
 @click.group()
@@ -18,23 +18,29 @@ def bench() -> None:
 
 
 @bench.command("offline")
-@click.option("--model", default="tiny", show_default=True, help="Preset name or checkpoint folder.")
+@engine_option("--model", field="model", profile="offline", help="Preset name or checkpoint folder.")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option(
     "--max-num-seqs", type=click.IntRange(min=1), default=None, help="Default: the number of prompts (at most 256)."
 )
-@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None)
+@engine_option(
+    "--max-num-batched-tokens",
+    field="max_num_batched_tokens",
+    profile="offline",
+    forward_unset=True,
+    type=click.IntRange(min=1),
+)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @quantization_option
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option(
+@engine_option(
     "--tensor-parallel-size",
+    field="tensor_parallel_size",
+    profile="offline",
     type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
     help="Devices to shard the model over (must divide its kv heads).",
 )
 def offline(
