@@ -356,7 +356,7 @@ class Engine:
     def _dispatch(self, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
         """Plan and launch the next step. ``prev``: the in-flight step's device
         tokens and each sampling request's row in them, for tokens still
-        pending (see ``_collect_overlapped``)."""
+        pending (see ``step_modes.OverlappedStep``)."""
         if self.before_plan is not None:
             self.before_plan()
         self._planning = True

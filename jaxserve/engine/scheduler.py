@@ -43,9 +43,19 @@ One step, in order:
    leaving at least its last token to compute.
 
 Two calls serve the engine's recovery from a failed step (see
-``Engine.step``): :meth:`Scheduler.reset_for_recompute` sends a request of
-the failed step back to waiting with only its delivered tokens, and
-:meth:`Scheduler.schedule_isolated` plans a step for one request alone.
+:mod:`jaxserve.engine.containment`): :meth:`Scheduler.reset_for_recompute`
+sends a request of the failed step back to waiting with only its delivered
+tokens, and :meth:`Scheduler.schedule_isolated` plans a step for one request
+alone.
+
+Why this module is longer than the others (about 650 lines): every method
+left here moves requests between the same waiting lines, running list and
+block tables, and they keep one invariant together (a request is in exactly
+one place, and its blocks are freed exactly once). What does not touch that
+state lives apart: the plan's types (:mod:`jaxserve.engine.plan`), the
+waiting line (:mod:`jaxserve.engine.waiting_queue`), the latency rules
+(:mod:`jaxserve.engine.latency_policy`) and label scoring's forks
+(:mod:`jaxserve.engine.forks`).
 """
 
 from __future__ import annotations
