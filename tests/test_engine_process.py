@@ -129,7 +129,7 @@ class Harness:
             self.loop,
             self.outputs.extend,
             self.step_errors.append,
-            on_step=lambda stats, _o: self.stats.append(stats),
+            on_step_report=lambda report: self.stats.append(report.stats),
             on_fatal=self.fatal.append,
         )
 

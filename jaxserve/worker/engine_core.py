@@ -97,8 +97,6 @@ class EngineCore:
     """Runs an engine on a thread of its own (see the module docstring).
 
     ``engine`` may be attached later (:meth:`attach`), before :meth:`start`.
-    ``on_step(engine, outputs)`` runs on the engine thread after every step
-    (all its outputs); it must be cheap, and what it raises is ignored.
     With ``with_stats``, :meth:`CoreSink.step_done` gets the scheduler's
     snapshot of every step.
     """
@@ -108,14 +106,12 @@ class EngineCore:
         engine: Any,
         sink: CoreSink,
         *,
-        on_step: Callable[[Any, list[RequestOutput]], None] | None = None,
         with_stats: bool = False,
         max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
     ) -> None:
         check_max_consecutive_step_failures(max_consecutive_step_failures)
         self.sink = sink
-        self.on_step = on_step
         self.with_stats = with_stats
         self.max_consecutive_step_failures = max_consecutive_step_failures
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()  # (fn, token, is_admission) or _STOP
@@ -296,16 +292,11 @@ class EngineCore:
             self.last_progress_mono = time.monotonic()
             self.busy_since_mono = None
             urgent, self._urgent = self._urgent, []
-            if self.on_step is not None:
-                try:
-                    self.on_step(engine, urgent + outputs if urgent else outputs)
-                except Exception:  # noqa: BLE001 - metrics must never stop serving
-                    pass
             stats = None
             if self.with_stats:
                 try:
                     stats = scheduler_stats(engine)
-                except Exception:  # noqa: BLE001 - as on_step: a missing snapshot, not a failed step
+                except Exception:  # noqa: BLE001 - metrics must never stop serving: a missing snapshot
                     stats = None
             try:
                 self.sink.step_done(list(outputs), urgent, stats)

@@ -97,8 +97,6 @@ _SLOTS = 5
 # command off the pipe within this even while the engine thread runs Python.
 _CHILD_SWITCH_INTERVAL_S = 0.001
 
-StepCallback = Callable[[Any, list[RequestOutput]], None]
-
 
 class EngineBuildError(RuntimeError):
     """The engine process exited before it built the engine, or failed with
@@ -366,7 +364,6 @@ class EngineProcess:
         on_outputs: OutputsCallback,
         on_step_error: FailureCallback | None = None,
         *,
-        on_step: StepCallback | None = None,
         on_step_report: StepReportCallback | None = None,
         on_fatal: FailureCallback | None = None,
         max_consecutive_step_failures: int = 5,
@@ -378,11 +375,6 @@ class EngineProcess:
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
-        # on_step(stats, outputs), the older metrics hook: on the loop after
-        # each outputs message; stats is the scheduler's snapshot after the
-        # step (None for early interactive outputs and for engines without
-        # a scheduler).
-        self.on_step = on_step
         self.on_step_report = on_step_report
         self._urgent: list[RequestOutput] = []  # this step's, for its report
         self.on_fatal = on_fatal
@@ -548,8 +540,6 @@ class EngineProcess:
             # Tokens first; the metrics after.
             if outputs:
                 self._callback(self.on_outputs, outputs)
-            if self.on_step is not None:
-                self._callback(self.on_step, stats, outputs)
             if not step_end:
                 self._urgent.extend(outputs)
             else:

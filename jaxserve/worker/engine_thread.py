@@ -22,9 +22,10 @@ through ``loop.call_soon_threadsafe``:
   exception that escaped the thread's loop. The engine must then be
   considered lost (restart the process).
 
-``on_step(engine, outputs)``, the older metrics hook, still runs on the
-engine thread after every step; ``on_step_report`` is the form both hosts
-share.
+The metrics run on the loop too (``on_step_report``), as in the engine
+process: the scheduler's snapshot is taken on the engine thread, and the
+report rides with the step's outputs in one callback (a step whose outputs
+all left early adds one wake-up of the loop; a step without outputs, none).
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ class EngineThread:
         on_outputs: OutputsCallback,
         on_step_error: FailureCallback | None = None,
         *,
-        on_step: Callable[[Any, list[RequestOutput]], None] | None = None,
         on_step_report: StepReportCallback | None = None,
         on_fatal: FailureCallback | None = None,
         max_consecutive_step_failures: int = 5,
@@ -118,7 +118,6 @@ class EngineThread:
         self._core = EngineCore(
             None,
             _LoopSink(self),
-            on_step=on_step,
             with_stats=on_step_report is not None,
             max_consecutive_step_failures=max_consecutive_step_failures,
             name=name,
@@ -200,10 +199,6 @@ class EngineThread:
     @property
     def engine(self) -> Any:
         return self._core.engine
-
-    @property
-    def on_step(self) -> Callable[[Any, list[RequestOutput]], None] | None:
-        return self._core.on_step
 
     # ---- the core's state, read where it lives ------------------------------
     @property
