@@ -14,17 +14,18 @@ loop, the broker connections and the tokenizer (prompts are encoded there);
 the engine process builds the engine, compiles it and steps it, and nothing
 in the worker's process imports JAX.
 
-The engine process runs the very same engine thread as
-:class:`~jaxserve.worker.engine_thread.EngineThread`,
+The engine process (:mod:`jaxserve.worker.engine_child`; what crosses
+between the two: :mod:`jaxserve.worker.engine_wire`) runs the very same
+engine thread as :class:`~jaxserve.worker.engine_thread.EngineThread`,
 :class:`~jaxserve.worker.engine_core.EngineCore` (admissions join the next
 plan, interactive tokens leave before it, a failing step is contained, N
 failures in a row are fatal); only the two ends of it change:
 
 - commands (``add_request``, ``add_score_request``, ``abort``, ``warmup``,
   ``stop``) travel as pickled tuples, each framed by its length, over a
-  socket pair; a reader thread in the engine process hands them to the
-  core under their id, and each one's outcome comes back as a ``reply``
-  (a :class:`RequestError` keeps its code). The worker's end is an asyncio
+  socket pair; the engine process's main thread reads them and hands them
+  to the core under their id, and each one's outcome comes back as a
+  ``reply`` (a :class:`RequestError` keeps its code). The worker's end is an asyncio
   protocol: one read per wake-up takes every message waiting, and writes
   never block the loop;
 - the core's events (outputs, a failed step, a fatal failure) are sent at
@@ -59,25 +60,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import math
-import mmap
-import os
 import pickle
-import signal
 import socket
-import struct
 import subprocess
 import sys
-import tempfile
-import threading
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
-from jaxserve.worker.engine_core import EngineCore, EngineThreadDead, check_max_consecutive_step_failures
+from jaxserve.worker.engine_core import EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.engine_host import (
     EngineHost,
     EngineInfo,
@@ -85,17 +78,20 @@ from jaxserve.worker.engine_host import (
     OutputsCallback,
     StepReport,
     StepReportCallback,
-    engine_info,
 )
-from jaxserve.worker.engine_host import kv_cache_bytes as kv_cache_bytes  # the worker imports it from here
-from jaxserve.worker.logs import apply_logging_setup, logging_setup
-
-# Slots of the shared status array (float64; NaN: no value).
-_BUSY_SINCE, _LAST_PROGRESS, _STEPS, _BUSY_S, _COMPUTED = range(5)
-_SLOTS = 5
-# The engine process's GIL switch interval: its reader thread takes a
-# command off the pipe within this even while the engine thread runs Python.
-_CHILD_SWITCH_INTERVAL_S = 0.001
+from jaxserve.worker.engine_wire import (
+    BUSY_S,
+    BUSY_SINCE,
+    COMPUTED,
+    LAST_PROGRESS,
+    STEPS,
+    UntransferableError,
+    frame,
+    new_status_file,
+    shared_slot,
+    unframe,
+)
+from jaxserve.worker.logs import logging_setup
 
 
 class EngineBuildError(RuntimeError):
@@ -122,214 +118,11 @@ class RemoteEngine:
 
     @property
     def num_computed_tokens(self) -> int | None:
-        value = self._status[_COMPUTED]
+        value = self._status[COMPUTED]
         return None if math.isnan(value) else int(value)
 
 
-class UntransferableError(RuntimeError):
-    """Stands for an exception of the engine process that does not pickle
-    (an XLA error, say): its ``repr``."""
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else an UntransferableError naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - anything unpicklable is described instead
-        return UntransferableError(repr(exc))
-
-
-def _shared(slot: int, *, optional: bool = False, integer: bool = False) -> property:
-    def get(self: Any) -> Any:
-        value = self._status[slot]
-        if math.isnan(value):
-            return None
-        return int(value) if integer else value
-
-    def put(self: Any, value: Any) -> None:
-        if value is None and not optional:
-            raise ValueError(f"status slot {slot} needs a number")
-        self._status[slot] = math.nan if value is None else float(value)
-
-    return property(get, put)
-
-
-_LENGTH = struct.Struct("!I")
-
-
-def _frame(message: tuple) -> bytes:
-    """One message on the wire: its pickle's length, then the pickle."""
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LENGTH.pack(len(payload)) + payload
-
-
-def _unframe(buffer: bytearray) -> Iterator[tuple]:
-    """Every whole message at the front of ``buffer``, consumed from it."""
-    start = 0
-    while len(buffer) - start >= _LENGTH.size:
-        (size,) = _LENGTH.unpack_from(buffer, start)
-        end = start + _LENGTH.size + size
-        if len(buffer) < end:
-            break
-        with memoryview(buffer) as view:  # released before the buffer is trimmed
-            message = pickle.loads(view[start + _LENGTH.size : end])
-        start = end
-        yield message
-    del buffer[:start]
-
-
-def _map_status(fd: int) -> memoryview[float]:
-    """The shared status array: float64 slots in a file both processes map."""
-    return memoryview(mmap.mmap(fd, _SLOTS * 8)).cast("d")
-
-
-def _new_status_file() -> tuple[Any, memoryview[float]]:
-    """An unlinked temporary file sized for the status array (its descriptor
-    is inherited by the engine process), mapped here, every slot NaN."""
-    handle = tempfile.TemporaryFile()
-    os.ftruncate(handle.fileno(), _SLOTS * 8)
-    status = _map_status(handle.fileno())
-    for slot in range(_SLOTS):
-        status[slot] = math.nan
-    return handle, status
-
-
-_CHILD_COMMAND = "import sys; from jaxserve.worker.engine_process import engine_process_main; engine_process_main(int(sys.argv[1]), int(sys.argv[2]))"
-
-
-# ---------------------------------------------------------------- the engine process
-class _SharedStatusCore(EngineCore):
-    """An EngineCore whose watchdog clocks and counters live in the shared
-    status array (the worker's process reads them there)."""
-
-    busy_since_mono = _shared(_BUSY_SINCE, optional=True)
-    last_progress_mono = _shared(_LAST_PROGRESS)
-    steps = _shared(_STEPS, integer=True)
-    busy_s = _shared(_BUSY_S)
-
-    def __init__(self, status: Any, *args: Any, **kwargs: Any) -> None:
-        self._status = status
-        super().__init__(*args, **kwargs)
-
-
-class _Pipe:
-    """The engine process's end of the socket (blocking): sends from any
-    thread, one message at a time, and receives on the reader thread. A
-    send to a worker that is gone raises RuntimeError, which the core reads
-    as "the receiver is gone" and ends on."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._lock = threading.Lock()
-        self._inbox = bytearray()
-        self._ready: list[tuple] = []
-
-    def send(self, message: tuple) -> None:
-        data = _frame(message)  # a message that does not pickle fails here, the stream intact
-        try:
-            with self._lock:
-                self.sock.sendall(data)
-        except OSError as exc:
-            raise RuntimeError("the worker process is gone") from exc
-
-    def recv(self) -> tuple:
-        """The next message; EOFError once the worker's end is closed."""
-        while not self._ready:
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                raise EOFError("the worker process closed its end")
-            self._inbox += chunk
-            self._ready.extend(_unframe(self._inbox))
-        return self._ready.pop(0)
-
-
-class _PipeSink:
-    """The core's events, each sent to the worker's process as one message
-    at once (from the engine thread). A command's token is its id."""
-
-    def __init__(self, pipe: _Pipe, status: Any) -> None:
-        self.pipe = pipe
-        self.status = status
-        self.engine: Any = None
-
-    def reply(self, token: Any, result: Any, error: BaseException | None) -> None:
-        if error is not None:
-            self.pipe.send(("reply", token, False, _portable(error)))
-            return
-        try:
-            self.pipe.send(("reply", token, True, result))
-        except RuntimeError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a result that does not pickle fails its command only
-            self.pipe.send(("reply", token, False, RuntimeError(f"the result could not be sent: {exc!r}")))
-
-    def urgent_outputs(self, outputs: list[RequestOutput]) -> None:
-        self.pipe.send(("outputs", outputs, None, False))
-
-    def step_done(self, outputs: list[RequestOutput], urgent: list[RequestOutput], stats: Any) -> None:
-        computed = getattr(self.engine, "num_computed_tokens", None)
-        if isinstance(computed, int):
-            self.status[_COMPUTED] = float(computed)
-        if outputs or urgent:  # a step without any waits for the next one's snapshot
-            self.pipe.send(("outputs", outputs, stats, True))
-
-    def step_error(self, exc: BaseException) -> None:
-        self.pipe.send(("step_error", _portable(exc)))
-
-    def fatal(self, exc: BaseException) -> None:
-        self.pipe.send(("fatal", _portable(exc)))
-
-
-# The engine's method each command runs, and whether it is an admission
-# (joins the next plan: jaxserve.worker.engine_core).
-_COMMANDS = {"add": ("add_request", True), "score": ("add_score_request", True), "abort": ("abort", False)}
-_COMMANDS["warmup"] = ("warmup", False)
-
-
-def engine_process_main(conn_fd: int, status_fd: int) -> None:
-    """The engine process (started by :class:`EngineProcess`): take the
-    worker's ``sys.path`` and the factory, build, report, then serve
-    commands until told to stop or until the worker's process is gone."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    sys.setswitchinterval(_CHILD_SWITCH_INTERVAL_S)
-    status = _map_status(status_fd)
-    os.close(status_fd)  # the mapping stays
-    pipe = _Pipe(socket.socket(fileno=conn_fd))
-    try:
-        path, factory_bytes, max_failures, name, log_setup = pipe.recv()
-        if log_setup is not None:  # the worker's format on the same stderr, its lines marked
-            apply_logging_setup(log_setup, process="engine")
-        sys.path[:] = path
-        factory = pickle.loads(factory_bytes)
-        engine = factory()
-    except BaseException as exc:  # noqa: BLE001 - reported to the worker, which fails its start
-        pipe.send(("build_failed", _portable(exc), traceback.format_exc()))
-        return
-    pipe.send(("built", engine_info(engine)))
-
-    sink = _PipeSink(pipe, status)
-    sink.engine = engine
-    core = _SharedStatusCore(
-        status, engine, sink, with_stats=True, max_consecutive_step_failures=max_failures, name=name
-    )
-    core.start()
-    while True:
-        try:
-            message = pipe.recv()
-        except (EOFError, OSError):  # the worker's process is gone
-            core.stop()
-            return
-        kind = message[0]
-        if kind == "stop":
-            core.stop(message[1])
-            return
-        command_id, args, kwargs = message[1], message[2], message[3]
-        method, admission = _COMMANDS[kind]
-        dead = core.submit(functools.partial(getattr(engine, method), *args, **kwargs), command_id, admission)
-        if dead is not None:
-            sink.reply(command_id, None, dead)
+_CHILD_COMMAND = "import sys; from jaxserve.worker.engine_child import engine_process_main; engine_process_main(int(sys.argv[1]), int(sys.argv[2]))"
 
 
 # ---------------------------------------------------------------- the worker's side
@@ -342,7 +135,7 @@ class _EngineConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._inbox += data
-        for message in _unframe(self._inbox):
+        for message in unframe(self._inbox):
             self.owner._dispatch(message)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -378,7 +171,7 @@ class EngineProcess:
         self.on_step_report = on_step_report
         self._urgent: list[RequestOutput] = []  # this step's, for its report
         self.on_fatal = on_fatal
-        self._status_file, self._status = _new_status_file()
+        self._status_file, self._status = new_status_file()
         self._proc: subprocess.Popen | None = None
         self._transport: asyncio.Transport | None = None
         self._ids = itertools.count(1)
@@ -426,7 +219,7 @@ class EngineProcess:
 
     @property
     def num_computed_tokens(self) -> int | None:
-        value = self._status[_COMPUTED]
+        value = self._status[COMPUTED]
         return None if math.isnan(value) else int(value)
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -465,10 +258,10 @@ class EngineProcess:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    busy_since_mono = _shared(_BUSY_SINCE, optional=True)
-    last_progress_mono = _shared(_LAST_PROGRESS)
-    steps = _shared(_STEPS, integer=True)
-    busy_s = _shared(_BUSY_S)
+    busy_since_mono = shared_slot(BUSY_SINCE, optional=True)
+    last_progress_mono = shared_slot(LAST_PROGRESS)
+    steps = shared_slot(STEPS, integer=True)
+    busy_s = shared_slot(BUSY_S)
 
     # ---- commands (on the loop) ------------------------------------------
     def warmup(self) -> asyncio.Future:
@@ -530,7 +323,7 @@ class EngineProcess:
         transport writes it when the socket takes it)."""
         if self._transport is None or self._transport.is_closing():
             raise EngineThreadDead("the engine process is not reachable")
-        self._transport.write(_frame(message))
+        self._transport.write(frame(message))
 
     # ---- messages from the engine process (on the loop) -------------------
     def _dispatch(self, message: tuple) -> None:
