@@ -133,6 +133,12 @@ def test_every_engine_double_is_a_hosted_engine(double):
     assert isinstance(double.broken(), HostedEngine)
 
 
+def test_the_real_engine_is_a_hosted_engine():
+    from jaxserve.engine.engine import Engine
+
+    assert issubclass(Engine, HostedEngine)
+
+
 def test_a_partial_engine_is_not_a_hosted_engine():
     """The protocol check can fail: an engine without ``add_score_request``
     (FakeEngine before issue 26) is not one."""
