@@ -116,7 +116,9 @@ def _instrument_worker() -> None:
     from jaxserve.worker import worker as wmod
     from jaxserve.worker.engine_process import EngineProcess
     from jaxserve.worker.engine_thread import EngineThread
+    from jaxserve.worker.job_run import JobRun
     from jaxserve.worker.lifecycle import Delivery, job_key_of
+    from jaxserve.worker.replies import Replies
 
     W = wmod.Worker
 
@@ -144,9 +146,9 @@ def _instrument_worker() -> None:
 
         return add_request
 
-    orig_finish = W._finish
+    orig_finish = JobRun.finish
 
-    async def _finish(self, kj, result, record=None):  # type: ignore[no-untyped-def]
+    async def _finish(kj, result, record=None):  # type: ignore[no-untyped-def]
         rec(kj.key, "finish_start")
         # The engine's own clock (same monotonic clock) and the loop's first token.
         stamps = _jobs.setdefault(kj.key, {})
@@ -154,11 +156,11 @@ def _instrument_worker() -> None:
             stamps[f"engine_{name}"] = t
         if getattr(kj, "first_token_mono", None) is not None:
             stamps["loop_first_token"] = kj.first_token_mono
-        r = await orig_finish(self, kj, result, record)
+        r = await orig_finish(kj, result, record)
         rec(kj.key, "finish_end")
         return r
 
-    orig_reply = W._publish_final
+    orig_reply = Replies.final
 
     async def _publish_final(self, d, result):  # type: ignore[no-untyped-def]
         rec(result.id, "reply_start")
@@ -176,8 +178,8 @@ def _instrument_worker() -> None:
     W._handle = _handle
     for cls in (EngineThread, EngineProcess):
         cls.add_request = timed_add(cls.add_request)
-    W._finish = _finish
-    W._publish_final = _publish_final
+    JobRun.finish = _finish
+    Replies.final = _publish_final
     Delivery.settle = settle
 
 
