@@ -129,6 +129,23 @@ async def test_cli_submit_unknown_model_exits_1_without_a_worker(prefix):
     assert res.exit_code == 1 and "unknown_model" in res.output
 
 
+async def test_cli_chat_unknown_model_is_one_error_line_and_the_chat_goes_on(prefix):
+    """``jaxserve chat --model nope``: the refusal at the publish is printed
+    as the turn's error, not a traceback, and the next line is read."""
+    from jaxserve.cli.queue_commands import chat
+
+    await _deploy(prefix, ("alpha", (), True))
+    res = await asyncio.to_thread(
+        CliRunner().invoke,
+        chat,
+        ["--prefix", prefix, "--amqp-url", AMQP_URL, "--model", "nope", "--timeout", "60"],
+        input="hello\nagain\n\n",
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    assert res.output.count("[error unknown_model:") == 2 and "Traceback" not in res.output
+
+
 async def test_without_the_models_exchange_the_worker_checks_the_name(harness, prefix, client):
     """A deployment whose workers declare no routes keeps today's behaviour."""
     await harness.start(EchoEngine(model_name="echo"))

@@ -498,8 +498,8 @@ def chat(amqp_url: str, prefix: str, system: str | None, timeout: float, **sp: A
                     history = history[:1] if system else []
                     continue
                 history.append({"role": "user", "content": line})
-                s = await client.stream(messages=history, queue="interactive", timeout=timeout, **params)
-                try:
+                try:  # an unknown model is refused at the publish (UnknownModel), before any chunk
+                    s = await client.stream(messages=history, queue="interactive", timeout=timeout, **params)
                     async for delta in s:
                         click.echo(delta, nl=False)
                 except JobError as exc:
