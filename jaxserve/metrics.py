@@ -2,9 +2,11 @@
 
 Names mirror vLLM's (``num_requests_running``, ``kv_cache_usage_perc``,
 ``time_to_first_token_seconds``, ...) under a ``jaxserve_`` prefix, so
-dashboards built for one read the other with a prefix change. The engine
-thread calls :meth:`EngineMetrics.record_step` after every step; the queue
-side counts jobs with :meth:`EngineMetrics.job`.
+dashboards built for one read the other with a prefix change. The worker
+feeds each step's report from its engine host (``Worker.on_step_report``,
+on the event loop) to :meth:`EngineMetrics.record_stats` and
+:meth:`EngineMetrics.record_outputs`; the queue side counts jobs with
+:meth:`EngineMetrics.job`.
 
 Each ``EngineMetrics`` owns its own registry, so tests and several engines in
 one process never collide; :func:`serve` exposes one over HTTP.

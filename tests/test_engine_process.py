@@ -381,9 +381,9 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
         WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=prefix), engine_process=True),
     )
     assert await w.start()
-    engine_pid = w.engine_thread.pid
+    engine_pid = w.host.pid
     try:
-        assert engine_pid != os.getpid() and w.engine.model_name == "echo"
+        assert engine_pid != os.getpid() and w.info is not None and w.info.model_name == "echo"
         stream = await client.stream("alpha beta gamma", max_tokens=7, timeout=20)
         text = "".join([d async for d in stream])
         assert text == expected_completion("alpha beta gamma", 7)[0] == stream.result.text

@@ -431,7 +431,7 @@ async def test_readiness_and_liveness_probes(harness, client):
     assert await asyncio.to_thread(get, "/readyz") == 200 and await asyncio.to_thread(get, "/healthz") == 200
     eng.stall()
     await client.publish({"prompt": "hang here", "max_tokens": 3})
-    await wait_until(lambda: w.engine_thread.busy_since_mono is not None)
+    await wait_until(lambda: w.host.busy_since_mono is not None)
     eng.busy_step_s = 3.0  # one step that holds the engine thread for 3 s
     eng.unstall()
     await asyncio.sleep(2.0)

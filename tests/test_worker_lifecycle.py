@@ -154,7 +154,7 @@ async def worker():
     yield make
     for w in made:
         w._closing = True
-        await asyncio.to_thread(w.engine_thread.stop)
+        await asyncio.to_thread(w.host.stop)
 
 
 async def deliver(w: Worker, msg: FakeMessage, queue_class: str = "batch") -> asyncio.Task:

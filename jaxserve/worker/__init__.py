@@ -5,9 +5,13 @@ Heavy imports live in submodules: ``jaxserve.worker.worker.Worker``
 ``jaxserve.worker.job_run`` (one job, delivery to ack),
 ``jaxserve.worker.lifecycle`` (a job key's states and deliveries),
 ``jaxserve.worker.replies`` (publishing with deadlines),
+``jaxserve.worker.engine_host`` (the contract between the worker and its
+engine's host: ``EngineHost``, ``EngineInfo``), its two hosts
 ``jaxserve.worker.engine_thread.EngineThread`` (the engine on a thread) and
 ``jaxserve.worker.engine_process.EngineProcess`` (the same, in a process of
-its own: ``jaxserve worker``'s default),
+its own: ``jaxserve worker``'s default), both driving one
+``jaxserve.worker.engine_core.EngineCore`` (commands and steps on the
+engine's one thread),
 ``jaxserve.worker.store`` (sqlite, memory and Redis idempotency stores).
 Names, messages and validation shared with producers are in ``jaxserve.wire``.
 """

@@ -42,15 +42,15 @@ class Health:
         """``/healthz``: false once the engine is dead or hung, or the event
         loop has not run the watchdog for 30 s."""
         w = self.w
-        et = w.engine_thread
+        host = w.host
         if w._fatal.is_set():
             return False, f"engine failed: {w.fatal_error}"
-        if et is None:
+        if host is None:
             return True, "starting"
-        if not et.alive:
+        if not host.alive:
             return False, "the engine died (its thread or process is gone)"
         now = time.monotonic()
-        since = et.busy_since_mono
+        since = host.busy_since_mono
         if w.ready.is_set() and since is not None and now - since > w.cfg.engine_hang_timeout_s:
             return False, f"the engine has been busy in one call for {now - since:.0f}s"
         if w.ready.is_set() and now - self.loop_tick > LOOP_STALL_S:
@@ -58,21 +58,21 @@ class Health:
         return True, "alive"
 
     async def watchdog_loop(self) -> None:
-        """An engine thread that died or is stuck in one step is fatal."""
+        """An engine host (thread or process) that died or is stuck in one step is fatal."""
         w = self.w
-        et = w.engine_thread
-        assert et is not None
+        host = w.host
+        assert host is not None
         while True:
             await asyncio.sleep(1.0)
             self.loop_tick = time.monotonic()
-            computed, busy_s = et.num_computed_tokens, et.busy_s
+            computed, busy_s = host.num_computed_tokens, host.busy_s
             if computed is not None and busy_s is not None:
                 w.admission.observe(computed, busy_s)
             await w.connections.pace_batch()
-            if not et.alive:
+            if not host.alive:
                 w.on_engine_fatal(RuntimeError("the engine died (its thread or process is gone)"))
                 return
-            since = et.busy_since_mono
+            since = host.busy_since_mono
             if since is not None and time.monotonic() - since > w.cfg.engine_hang_timeout_s:
                 w.on_engine_fatal(
                     RuntimeError(f"the engine has been busy in one call for over {w.cfg.engine_hang_timeout_s:g}s")

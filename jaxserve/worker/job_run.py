@@ -135,8 +135,8 @@ class JobRun(KeyJob):
             sender = w.spawn(self._sender())
             self.res.take("sender", lambda end: self._stop_sender(sender, end))
         deadline_mono = None if job.deadline is None else time.monotonic() + (job.deadline - time.time())
-        assert w.engine_thread is not None
-        host = w.engine_thread
+        assert w.host is not None
+        host = w.host
         self.to(JobState.RUNNING)
         self.res.take("engine", self._abort_in_engine)
         w.by_rid[self.request_id] = self
@@ -171,7 +171,7 @@ class JobRun(KeyJob):
         self.admitted_mono = time.monotonic()
 
     async def _abort_in_engine(self, end: Ending) -> None:
-        host = self.w.engine_thread
+        host = self.w.host
         if host is None:
             return
         try:

@@ -27,7 +27,8 @@ worker; :class:`RedisLimiter` shares it between every worker on one Redis
 (atomic Lua scripts), so limits hold across a fleet. What happens to a job
 over its limit is the worker's rule (interactive: ``rate_limited`` with
 ``retry_after_s``; batch: it waits, back in the broker), see
-``jaxserve.worker.worker``.
+``jaxserve.worker.steps`` (``tenant_on_arrival``, ``tenant_tokens``) and
+``JobRun.defer`` in ``jaxserve.worker.job_run``.
 
 Limits apply to arrivals. A bucket is judged at the moment the job's
 delivery was received (``at``, epoch seconds), not when the limiter happens

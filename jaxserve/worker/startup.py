@@ -65,7 +65,7 @@ async def start_engine(w: Worker, stop: asyncio.Event | None) -> bool:
         host = EngineProcess(w.engine_factory, loop, w.on_outputs, w.on_step_error, **callbacks)
     else:
         host = EngineThread.from_factory(w.engine_factory, loop, w.on_outputs, w.on_step_error, **callbacks)
-    w.engine_thread = host
+    w.host = host
     built, info = await unless_stopped(host.open(), stop)
     if not built:
         log.info("worker_stopped_before_consuming", phase="engine_build")

@@ -1,10 +1,11 @@
 """One trace per job, continued from the producer's ``traceparent``.
 
-The worker calls this module at three points (``jaxserve.worker.worker``):
-:meth:`Tracing.start_job` when a delivery becomes a job,
+The worker calls this module at three points: :meth:`Tracing.start_job`
+when a delivery becomes a job (``jaxserve.worker.intake``),
 :meth:`JobTrace.result_ready` when its result is about to be published
 (the result then carries the trace id), and :meth:`JobTrace.end` when the
-job leaves the worker (answered, requeued or deferred).
+job leaves the worker (answered, requeued or deferred); both in
+``jaxserve.worker.job_run``.
 
 Span tree of one job (names and attributes follow OpenTelemetry's messaging
 conventions where they fit; ``tests/test_tracing.py`` checks it)::

@@ -83,7 +83,7 @@ class Worker:
         self.cfg = config or WorkerConfig()
         self.topo = self.cfg.topology
         self.store = store if store is not None else MemoryStore()
-        self.engine_thread: EngineHost | None = None  # the engine's host (startup makes it)
+        self.host: EngineHost | None = None  # the engine's host (startup makes it)
         self.info: EngineInfo | None = None  # what the host says of its engine, once built
         self.engine: Any = None  # the engine, or its process's proxy: for tests and tools only
         self.active: dict[str, JobRun] = {}  # job key -> the run serving it
@@ -196,8 +196,8 @@ class Worker:
         for t in list(self._tasks):
             t.cancel()
         await self.connections.close()
-        if self.engine_thread is not None:
-            await asyncio.to_thread(self.engine_thread.stop)
+        if self.host is not None:
+            await asyncio.to_thread(self.host.stop)
         try:
             await self.store.close()
         except Exception:  # noqa: BLE001
@@ -297,7 +297,7 @@ class Worker:
         self._fatal.set()
 
     async def _submit_calibration(self, request_id: str, tokens: Any, request_class: Any, priority: int) -> None:
-        assert self.engine_thread is not None
-        await self.engine_thread.add_score_request(
+        assert self.host is not None
+        await self.host.add_score_request(
             request_id, tokens.prompt_ids, tokens.label_ids, request_class=request_class, priority=priority
         )
