@@ -22,6 +22,7 @@ import pytest
 
 from jaxserve.cli.bench import offline as bench_offline
 from jaxserve.cli.generate import generate
+from jaxserve.cli.plan_command import plan
 from jaxserve.cli.queue_commands import worker
 from jaxserve.engine import config as config_module
 from jaxserve.engine.args import PROFILES, EngineArgs, profile_values, serving_reserved_seqs
@@ -156,6 +157,12 @@ def test_offline_commands_take_their_defaults_from_the_offline_profile(command):
     options = _options(command)
     for name in ("model", "tensor_parallel_size"):
         assert options[name].default == offline[name], name
+
+
+def test_plan_measures_the_offline_profiles_model_by_default():
+    """``plan --measure`` builds an ``LLM`` (the offline profile), so its
+    ``--model`` default is that profile's, not a second copy."""
+    assert _options(plan)["model"].default == profile_values("offline")["model"]
 
 
 def test_bench_offline_shows_the_offline_step_budget_and_leaves_it_to_the_profile():

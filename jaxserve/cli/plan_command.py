@@ -8,6 +8,8 @@ import sys
 
 import click
 
+from jaxserve.cli.options import engine_option
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -50,7 +52,7 @@ def _ints(text: str, what: str) -> list[int]:
 @click.option(
     "--measure", is_flag=True, help="Measure MODEL's prefill and decode rates with the real engine and write a profile."
 )
-@click.option("--model", default="tiny", show_default=True, help="--measure: preset name or checkpoint folder.")
+@engine_option("--model", field="model", profile="offline", help="--measure: preset name or checkpoint folder.")
 @click.option(
     "--output",
     "-o",

@@ -44,10 +44,6 @@ class WorkerConfig:
     # then goes back to the broker (--store-hold).
     store_hold_s: float = 10.0
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
-    # nice value for every thread but the event loop's once the engine is
-    # compiled (jaxserve.worker.priority, --compute-nice); 0 leaves
-    # priorities alone.
-    compute_nice: int = 0
     # Run the engine in a process of its own (jaxserve.worker.engine_process)
     # instead of a thread of this one: the event loop then never waits for
     # the engine's Python work to let go of the GIL. The engine factory must

@@ -20,7 +20,6 @@ from jaxserve.worker.engine_host import EngineHost
 from jaxserve.worker.engine_process import EngineProcess
 from jaxserve.worker.engine_thread import EngineThread
 from jaxserve.worker.logs import bind_worker_context
-from jaxserve.worker.priority import deprioritize_other_threads, deprioritize_process
 
 if TYPE_CHECKING:
     from jaxserve.worker.worker import Worker
@@ -87,12 +86,6 @@ async def start_engine(w: Worker, stop: asyncio.Event | None) -> bool:
         log.info("worker_stopped_before_consuming", phase="warmup")
         return False
     metrics.warmup_seconds.labels(metrics.model_name).set(time.monotonic() - t0 - load_s)
-    if cfg.compute_nice:
-        if host.pid is not None:  # the engine process is running (it built the engine)
-            niced = deprioritize_process(host.pid, cfg.compute_nice)
-        else:
-            niced = deprioritize_other_threads(cfg.compute_nice)
-        log.info("compute_threads_deprioritized", nice=cfg.compute_nice, threads=niced)
     log.info("engine_ready", model=info.model_name, warmup_s=round(time.monotonic() - t0, 3))
     w.limits = JobLimits(
         max_body_bytes=cfg.max_body_bytes, vocab_size=info.vocab_size, max_model_len=info.max_model_len
