@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from jaxserve.cli.options import engine_option, quantization_option
+from jaxserve.cli.price_options import price_options, prices_from_options
 from jaxserve.engine.args import profile_values
 from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
 
@@ -145,8 +146,9 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     "limits_path",
     type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight); shared through Redis with --store redis.",
+    help="Per-tenant limits (YAML: default/tenants with requests_per_s, burst, tokens_per_min, max_in_flight, cost_per_day); shared through Redis with --store redis.",
 )
+@price_options
 @click.option(
     "--target-ttft",
     type=click.FloatRange(min=0.01),
@@ -280,6 +282,7 @@ def worker(
     log_format: str,
     log_level: str,
     log_text: bool,
+    **price_kwargs: Any,
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
     from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
@@ -295,6 +298,8 @@ def worker(
         limits = None if limits_path is None else load_limits(limits_path)
     except LimitsFileError as exc:
         raise click.ClickException(str(exc)) from None
+    # model None: --price-* values price whatever this worker serves; a file names its models
+    prices = prices_from_options(None, **price_kwargs)
 
     configure_logging(log_format, log_level)
     from jaxserve.worker.tracing import Tracing
@@ -353,6 +358,7 @@ def worker(
         served_model_name=served_model_name,
         admission=AdmissionConfig(target_ttft_s=target_ttft, max_queued_tokens=max_queued_tokens),
         limits=limits,
+        prices=prices,
     )
 
     async def main() -> int:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, cast
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
 
 from jaxserve.wire.errors import ERROR_CODES, is_retryable
 
@@ -39,11 +40,24 @@ class _Reply(BaseModel):
         return orjson.dumps(self.to_dict())
 
 
+class UsageCost(TypedDict):
+    """What a job's tokens cost (issue 28): a plain mapping on the wire and
+    in Python, so readers index it (``usage.cost["amount"]``)."""
+
+    amount: Annotated[float, Field(ge=0.0)]
+    currency: str
+
+
 class Usage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     prompt_tokens: Annotated[int, Field(ge=0)]
     completion_tokens: Annotated[int, Field(ge=0)]
+    cost: UsageCost | None = Field(
+        default=None,
+        description="The job's own prompt and completion tokens at the worker's price for the model that served it "
+        "(jaxserve worker --prices); absent when that worker has no price for it.",
+    )
 
 
 class LabelScore(BaseModel):

@@ -18,11 +18,14 @@ from collections.abc import Awaitable, Callable
 @dataclasses.dataclass(frozen=True)
 class Ending:
     """How a run ends, as its resources see it: ``ok`` (an ok result is
-    stored: the store's put ends the claim), the tokens it used, and whether
-    it goes back to the broker (a sender is cancelled, not flushed)."""
+    stored: the store's put ends the claim), the tokens it used and what
+    they cost (its result's ``usage.cost``: the tenant's budget gets the
+    rest of its estimate back), and whether it goes back to the broker (a
+    sender is cancelled, not flushed)."""
 
     ok: bool = False
     used_tokens: int = 0
+    used_cost: float = 0.0
     requeued: bool = False
 
 

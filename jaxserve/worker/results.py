@@ -9,20 +9,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jaxserve.cost import PriceTable
 from jaxserve.engine import scoring
 from jaxserve.engine.types import RequestOutput
 from jaxserve.wire import Result, outputs
+from jaxserve.worker import costs
 from jaxserve.worker.config import published_at
 from jaxserve.worker.lifecycle import KeyJob
 
 
 class ResultContext:
-    """What results need from the worker: the served model name and the
-    tokenizer (token bytes for logprobs, built on first use)."""
+    """What results need from the worker: the served model name, the
+    tokenizer (token bytes for logprobs, built on first use) and the prices
+    (``usage.cost``; None: results carry no cost)."""
 
-    def __init__(self, model: str | None, tokenizer: Any) -> None:
+    def __init__(self, model: str | None, tokenizer: Any, prices: PriceTable | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.prices = prices
         self._token_bytes: Any = None
 
     def token_bytes(self) -> Any:
@@ -46,7 +50,13 @@ def timings(kj: KeyJob) -> dict[str, float]:
 
 
 def build_result(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:
-    """The job's result from its final engine output."""
+    """The job's result from its final engine output, an ok one with
+    ``usage.cost`` from its own tokens at the price of the model that
+    served it (``served_model``, else the worker's; ``tests/test_queue_cost.py``)."""
+    return costs.with_cost(_build(kj, out, ctx), ctx.prices, ctx.model)
+
+
+def _build(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:
     if out.error is not None:
         return Result.failure(kj.key, out.error.code, out.error.message, out.error.retryable)
     reason = out.finish_reason

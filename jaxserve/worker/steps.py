@@ -28,7 +28,7 @@ import structlog
 
 from jaxserve.engine.types import RequestError
 from jaxserve.wire import INTERACTIVE, Result
-from jaxserve.worker import prompts
+from jaxserve.worker import costs, prompts
 from jaxserve.worker.lifecycle import JobState
 from jaxserve.worker.results import timings
 from jaxserve.worker.store import Record
@@ -92,11 +92,15 @@ async def tenant_on_arrival(run: JobRun, _p: Prepared) -> bool:
 
 async def _release_tenant(run: JobRun, end: Ending) -> None:
     """The job leaves its tenant's in-flight count and gives back the
-    tokens it was charged but did not use."""
+    tokens and the budget it was charged but did not use."""
     unserved = run.admitted_mono is None  # never reached the engine: its request is given back
     try:
         await run.w.limiter.release(
-            run.job.tenant or "", run.request_id, max(0, run.tenant_tokens - end.used_tokens), unserved=unserved
+            run.job.tenant or "",
+            run.request_id,
+            max(0, run.tenant_tokens - end.used_tokens),
+            unserved=unserved,
+            unused_cost=max(0.0, run.tenant_cost - end.used_cost),
         )
     except Exception as exc:  # noqa: BLE001
         log.warning("limiter_release_failed", key=run.key, error=repr(exc))
@@ -252,14 +256,21 @@ async def calibrate(run: JobRun, p: Prepared) -> bool:
 
 
 async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
-    """The tenant's tokens limit, charged as of the job's arrival."""
+    """The tenant's tokens limit and daily budget, charged as of the job's
+    arrival: prompt + ``max_tokens``, and what they cost at the served
+    model's price (``jaxserve.worker.costs``; ``tests/test_queue_cost.py``)."""
     w = run.w
     if w.limiter is None or not run.res.holds("tenant"):  # counted on arrival: now its tokens
         return True
     job = run.job
     tokens = len(p.prompt_ids) + (max(len(x) for x in p.label_ids) if p.label_ids else job.params.max_tokens)
+    if p.label_ids:  # scored labels are prompt tokens in usage (docs/protocol.md, label scoring)
+        priced = (len(p.prompt_ids) + sum(len(x) for x in p.label_ids), 0)
+    else:
+        priced = (len(p.prompt_ids), job.params.max_tokens)
+    cost = costs.estimate(w.cfg.prices, w.served_model_name, *priced)
     try:
-        decision = await w.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at)
+        decision = await w.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at, cost=cost)
     except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
         w.stats["limiter_unavailable"] += 1
         log.warning("limiter_unavailable", key=run.key, error=repr(exc))
@@ -268,6 +279,7 @@ async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
         await _over_limit(run, decision)
         return False
     run.tenant_tokens = tokens
+    run.tenant_cost = cost
     return True
 
 

@@ -160,7 +160,7 @@ class Worker:
     @property
     def result_context(self) -> ResultContext:
         if self._result_context is None:
-            self._result_context = ResultContext(self.served_model_name, self.engine_info.tokenizer)
+            self._result_context = ResultContext(self.served_model_name, self.engine_info.tokenizer, self.cfg.prices)
         return self._result_context
 
     async def run(self, stop: asyncio.Event) -> int:
