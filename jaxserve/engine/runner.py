@@ -21,7 +21,9 @@ Two compiled programs per step (forward, then sampling):
 
 So the program count is ``len(token buckets) + 3 * len(sequence buckets)``.
 
-Everything is compiled in :meth:`ModelRunner.warmup`; calling the compiled
+A step's host arrays are packed by :mod:`jaxserve.engine.step_arrays`
+(``SeqWork`` lives there, re-exported here). Everything is compiled in
+:meth:`ModelRunner.warmup`; calling the compiled
 executables directly (rather than a ``jax.jit`` wrapper) makes an unplanned
 shape an error instead of a silent compilation in the middle of serving.
 """
@@ -48,6 +50,7 @@ from jaxserve.engine.sampler import (
     mask_words,
     sample_with_top,
 )
+from jaxserve.engine.step_arrays import SeqWork, block_major_plan, pack_step
 from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
@@ -63,29 +66,6 @@ log = structlog.get_logger(__name__)
 # blocks but copies them first. Measured for llama-56m on a 2-core host (64
 # decode tokens, 8 layers, 257 blocks of 64 tokens): see BENCHMARKS.md.
 BLOCK_MAJOR_MIN_USE = 0.5
-
-
-@dataclasses.dataclass
-class SeqWork:
-    """One sequence's share of a step.
-
-    ``token_ids`` are the tokens computed this step, starting at absolute
-    position ``start_pos``; ``block_ids`` is the sequence's whole block table
-    (it must already cover ``start_pos + len(token_ids)`` slots). When
-    ``sampling`` is set the step samples the token after the last one, with
-    those per-request parameters (see ``host_sampling_tensors``).
-    """
-
-    token_ids: Sequence[int]
-    start_pos: int
-    block_ids: Sequence[int]
-    sampling: dict | None = None
-    #: the first token is still on the device: row ``pending_row`` of the
-    #: ``prev_tokens`` given to ``execute`` (the previous step's tokens)
-    pending_row: int | None = None
-    #: label scoring: the log-probability of ``score_targets[j]`` is wanted
-    #: at each of the chunk's last ``len(score_targets)`` tokens (teacher forcing)
-    score_targets: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -169,7 +149,7 @@ class ModelRunner:
         # created in that layout, sharded on its kv heads over the mesh.
         attention = getattr(model, "attention", REFERENCE)
         layout = attention.layout
-        #: only the pure-JAX kernel reads the block-major plan (``_block_major_plan``);
+        #: only the pure-JAX kernel reads the block-major plan (``step_arrays.block_major_plan``);
         #: for the others each step gets the same empty one, no host work
         self.plans_block_major = attention.kernel == REFERENCE.kernel
         self.mesh = getattr(model, "mesh", None)
@@ -416,86 +396,54 @@ class ModelRunner:
         ``block_copies`` are made first (``copy_blocks``)."""
         if block_copies:
             self.copy_blocks(block_copies)
-        num_tokens = sum(len(w.token_ids) for w in work)
-        if num_tokens == 0:
-            raise ValueError("a step needs at least one token")
-        if len(work) > self.max_num_seqs:
-            raise ValueError(f"a step of {len(work)} sequences exceeds max_num_seqs={self.max_num_seqs}")
-        t_bucket = self.buckets.token_bucket(num_tokens)
-        bs = self.block_size
-        rows = len(work)
-        counts = np.fromiter((len(w.token_ids) for w in work), np.int32, rows)
-        starts = np.fromiter((w.start_pos for w in work), np.int32, rows)
-        ends = np.cumsum(counts)
-        ctx = starts + counts
-        block_tables = np.zeros((self.max_num_seqs + 1, self.max_blocks_per_seq), np.int32)
-        for row, w in enumerate(work):
-            block_tables[row, : len(w.block_ids)] = w.block_ids
-        num_blocks = np.fromiter((len(w.block_ids) for w in work), np.int32, rows)
-        short = np.flatnonzero(num_blocks * bs < ctx)
-        if short.size:
-            row = int(short[0])
-            raise ValueError(f"sequence {row} has {num_blocks[row]} blocks for {ctx[row]} tokens (block size {bs})")
-        # Padding tokens (past num_tokens) write into block 0 and belong to the
-        # extra last row, whose context is empty: they attend to nothing.
-        input_ids = np.zeros(t_bucket, np.int32)
-        input_ids[:num_tokens] = [t for w in work for t in w.token_ids]
-        token_row = np.repeat(np.arange(rows, dtype=np.int32), counts)
-        positions = np.zeros(t_bucket, np.int32)
-        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(ends - counts - starts, counts)
-        slot_mapping = np.zeros(t_bucket, np.int32)
-        pos = positions[:num_tokens]
-        slot_mapping[:num_tokens] = block_tables[token_row, pos // bs] * bs + pos % bs
-        token_seq = np.full(t_bucket, self.max_num_seqs, np.int32)
-        token_seq[:num_tokens] = token_row
-        context_lens = np.zeros(self.max_num_seqs + 1, np.int32)
-        context_lens[:rows] = ctx
-        feed = np.full(t_bucket, -1, np.int32)
-        pending = [(int(e - c), w.pending_row) for w, e, c in zip(work, ends, counts) if w.pending_row is not None]
-        if pending:
-            if prev_tokens is None:
-                raise ValueError("a row has a pending token but no prev_tokens were given")
-            at, src = zip(*pending)
-            feed[list(at)] = src
-        else:
+        step = pack_step(
+            work,
+            self.buckets,
+            max_num_seqs=self.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            block_size=self.block_size,
+        )
+        if not step.has_pending:
             prev_tokens = self._no_prev
-        sampling_rows = [w.sampling for w in work if w.sampling is not None]
-        logits_rows = [int(e) - 1 for w, e in zip(work, ends) if w.sampling is not None]
-        # Score rows follow the sampling rows: each scoring chunk's last tokens.
-        score_rows = [
-            int(e) - len(w.score_targets) + j for w, e in zip(work, ends) for j in range(len(w.score_targets))
-        ]
-        score_targets = [t for w in work for t in w.score_targets]
-        if len(logits_rows) + len(score_rows) > self.max_num_seqs:
-            raise ValueError(
-                f"a step of {len(logits_rows)} sampling and {len(score_rows)} score rows exceeds max_num_seqs={self.max_num_seqs}"
-            )
-        logits_indices = np.zeros(self.max_num_seqs, np.int32)
-        logits_indices[: len(logits_rows)] = logits_rows
-        logits_indices[len(logits_rows) : len(logits_rows) + len(score_rows)] = score_rows
-        block_owner, block_index, block_major = self._block_major_plan(block_tables, rows, counts)
+        elif prev_tokens is None:
+            raise ValueError("a row has a pending token but no prev_tokens were given")
+        block_owner, block_index, block_major = block_major_plan(
+            step,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.max_num_seqs,
+            min_use=self.block_major_min_use,
+            enabled=self.plans_block_major,
+        )
         self.num_block_major_steps += int(block_major)
         meta = _host_meta(
-            slot_mapping=slot_mapping,
-            token_seq=token_seq,
-            block_tables=block_tables,
-            context_lens=context_lens,
-            logits_indices=logits_indices,
+            slot_mapping=step.slot_mapping,
+            token_seq=step.token_seq,
+            block_tables=step.block_tables,
+            context_lens=step.context_lens,
+            logits_indices=step.logits_indices,
             block_owner=block_owner,
             block_index=block_index,
             block_major=block_major,
         )
+        t_bucket, sampling_rows, num_score_rows = step.t_bucket, step.sampling_rows, step.num_score_rows
         greedy = bool(sampling_rows) and all(_is_plain_greedy(r) for r in sampling_rows)
         with_logprobs = greedy and any(r.get("logprobs", True) for r in sampling_rows)
-        in_forward = greedy and not with_logprobs and not score_rows and self._greedy_in_forward(t_bucket)
+        in_forward = greedy and not with_logprobs and not num_score_rows and self._greedy_in_forward(t_bucket)
         hidden, self.kv_cache, fwd_tokens = self._forward[t_bucket](
-            self.state, self.kv_cache, input_ids, positions, meta, np.asarray(in_forward), prev_tokens, feed
+            self.state,
+            self.kv_cache,
+            step.input_ids,
+            step.positions,
+            meta,
+            np.asarray(in_forward),
+            prev_tokens,
+            step.feed,
         )
         scores = None
-        if score_rows:
-            targets = np.zeros(self.buckets.seq_bucket(len(score_rows)), np.int32)
-            targets[: len(score_targets)] = score_targets
-            scores = self._score[len(targets)](self.state, hidden, targets, np.asarray(len(logits_rows), np.int32))
+        if num_score_rows:
+            targets = np.zeros(self.buckets.seq_bucket(num_score_rows), np.int32)
+            targets[: len(step.score_targets)] = step.score_targets
+            scores = self._score[len(targets)](self.state, hidden, targets, np.asarray(len(sampling_rows), np.int32))
             scores.copy_to_host_async()
         if not sampling_rows:
             return StepResult(
@@ -503,7 +451,7 @@ class ModelRunner:
                 logprobs=np.zeros(0, np.float32),
                 num_sampled=0,
                 scores=scores,
-                num_scores=len(score_rows),
+                num_scores=num_score_rows,
             )
         if in_forward:
             fwd_tokens.copy_to_host_async()
@@ -528,37 +476,9 @@ class ModelRunner:
             logprobs=logprobs,
             num_sampled=len(sampling_rows),
             scores=scores,
-            num_scores=len(score_rows),
+            num_scores=num_score_rows,
             **top,
         )
-
-    def _block_major_plan(
-        self, block_tables: np.ndarray, rows: int, counts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Who owns which block this step, and whether attention runs block-major.
-
-        Block-major attention (``paged_attention``) reads every block of
-        the cache once instead of gathering each sequence's blocks: it wins
-        when the step's sequences hold most of the cache, and it needs one
-        token per sequence and no block shared by two sequences (prefix
-        caching shares blocks). Kernels other than the pure-JAX one never
-        run it: their steps say so (``plans_block_major``).
-        """
-        owner = np.full(self.num_blocks, self.max_num_seqs, np.int32)  # the padding row
-        index = np.zeros(self.num_blocks, np.int32)
-        if not self.plans_block_major:
-            return owner, index, np.asarray(False)
-        table = block_tables[:rows]
-        row, col = np.nonzero(table > 0)
-        blocks = table[row, col]
-        owner[blocks] = row
-        index[blocks] = col
-        major = (
-            bool(np.all(counts == 1))
-            and blocks.size >= self.block_major_min_use * (self.num_blocks - 1)
-            and np.unique(blocks).size == blocks.size
-        )
-        return owner, index, np.asarray(major)
 
     def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
         if any(r.get("mask") is not None for r in rows):

@@ -17,8 +17,8 @@ import jax
 
 from jaxserve.engine.plan import ScheduledRequest
 from jaxserve.engine.request import PENDING_TOKEN, Request
-from jaxserve.engine.runner import SeqWork
 from jaxserve.engine.sampler import sampler_seed
+from jaxserve.engine.step_arrays import SeqWork
 from jaxserve.engine.structured import Constraint, StructuredBackend
 
 
