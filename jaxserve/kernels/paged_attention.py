@@ -42,6 +42,11 @@ same gathering kernel, the gathered blocks transposed into the operands
 above (accelerators fuse that transpose into the gather); it is what
 accelerator steps the Pallas kernels do not take run on
 (``pallas_attention.py``). Per layer only, without block-major decode.
+
+One module of about 500 lines: the gathering walk, the tiled rows and
+block-major decode are three paths of one :func:`paged_attention` call,
+sharing its metadata and shape conventions, and the dense reference beside
+them is what ``tests/test_paged_attention.py`` holds every path to.
 """
 
 from __future__ import annotations
