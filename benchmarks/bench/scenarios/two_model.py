@@ -39,14 +39,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from .. import rounds
-from ..record import Figure, Stat
+from ..record import Figure
 from . import two_model_deploy as deploy
+from .two_model_figures import LABELS, figures, level_table
 
 NAME = "two-model"
 DESCRIPTION = (
@@ -59,7 +61,6 @@ DEFAULT_WARMUP_ROUNDS = 0
 ROOT = Path(__file__).resolve().parents[3]
 PLOT = ROOT / "docs" / "img" / "two-model-compare.png"
 SYSTEMS = ("no-fallback", "fallback")
-LABELS = {"no-fallback": "no fallback", "fallback": "fallback to small"}
 #: worker log events counted per worker (jaxserve/worker/fallback.py, job_log.py)
 EVENTS = ("job_done", "job_degraded", "job_fallback_none_free", "job_reroute_failed")
 
@@ -101,10 +102,12 @@ def _specs(args: argparse.Namespace) -> tuple[deploy.ModelSpec, deploy.ModelSpec
     return large, small
 
 
-def _jaxserve(*a: str) -> list[str]:
+def _jaxserve(line: str) -> list[str]:
+    """``jaxserve`` with the arguments of one command line (values quoted
+    with ``shlex.quote`` where they may hold spaces)."""
     import queue_common as qc  # benchmarks/ is on sys.path (suite.py)
 
-    return [qc.jaxserve_exe(), *a]
+    return [qc.jaxserve_exe(), *shlex.split(line)]
 
 
 # ------------------------------------------------------------------ levels
@@ -128,31 +131,11 @@ def level_figures(entry: dict[str, Any], jobs: list[dict[str, Any]], prices: Any
     requests = entry["requests"]
     over = entry["rejections_by_code"].get("overloaded", 0)
     keep = (
-        "rate",
-        "requests",
-        "completed",
-        "rejected",
-        "rejections_by_code",
-        "errors_by_code",
-        "elapsed_s",
-        "requests_per_s",
-        "output_tokens_per_s",
-        "ttft_p50_s",
-        "ttft_p95_s",
-        "ttft_p99_s",
-        "e2e_p95_s",
-        "prompt_tokens_mean",
-        "prompt_tokens_p95",
-        "output_tokens_mean",
-        "output_tokens_p95",
-        "served_by_model",
-        "served_share",
-        "served_by_fallback",
-        "fallback_share",
-        "cost_total",
-        "cost_currency",
-        "capacity_back",
-    )
+        "rate requests completed rejected rejections_by_code errors_by_code elapsed_s requests_per_s "
+        "output_tokens_per_s ttft_p50_s ttft_p95_s ttft_p99_s e2e_p95_s prompt_tokens_mean prompt_tokens_p95 "
+        "output_tokens_mean output_tokens_p95 served_by_model served_share served_by_fallback fallback_share "
+        "cost_total cost_currency capacity_back"
+    ).split()
     return {
         **{k: entry.get(k) for k in keep},
         "overloaded_pct": round(100.0 * over / requests, 3) if requests else None,
@@ -177,29 +160,11 @@ class LoadtestRun:
         s, a = self.state, self.state["args"]
         self.turns += 1
         out = s["tmp"] / f"{self.name}-{self.turns}"
+        rates = ",".join(f"{r:g}" for r in s["rates"])
         cmd = _jaxserve(
-            "loadtest",
-            "--prefix",
-            s["prefix"],
-            "--model",
-            a.large_name,
-            "--mix",
-            "chat=1",
-            "--rate",
-            ",".join(f"{r:g}" for r in s["rates"]),
-            "--duration",
-            f"{s['duration']:g}",
-            "--cancel-share",
-            "0",
-            "--seed",
-            str(a.seed),
-            "--no-progress",
-            "--label",
-            LABELS[self.name],
-            "--ttft-target-s",
-            f"{a.ttft_target_s:g}",
-            "-o",
-            str(out),
+            f"loadtest --prefix {s['prefix']} --model {a.large_name} --mix chat=1 --rate {rates} "
+            f"--duration {s['duration']:g} --cancel-share 0 --seed {a.seed} --no-progress "
+            f"--label {shlex.quote(LABELS[self.name])} --ttft-target-s {a.ttft_target_s:g} -o {shlex.quote(str(out))}"
         )
         if self.name == "fallback":
             cmd += ["--fallback-models", a.small_name]
@@ -245,26 +210,9 @@ def probe_capacity(state: dict[str, Any]) -> dict[str, Any]:
     a = state["args"]
     out = state["tmp"] / "probe"
     cmd = _jaxserve(
-        "loadtest",
-        "--prefix",
-        state["prefix"],
-        "--model",
-        a.large_name,
-        "--mix",
-        "chat=1",
-        "--concurrency",
-        str(a.probe_concurrency),
-        "--duration",
-        f"{state['probe_duration']:g}",
-        "--cancel-share",
-        "0",
-        "--seed",
-        str(a.seed + 1),
-        "--no-progress",
-        "--no-plot",
-        "--no-capacity-check",
-        "-o",
-        str(out),
+        f"loadtest --prefix {state['prefix']} --model {a.large_name} --mix chat=1 "
+        f"--concurrency {a.probe_concurrency} --duration {state['probe_duration']:g} --cancel-share 0 "
+        f"--seed {a.seed + 1} --no-progress --no-plot --no-capacity-check -o {shlex.quote(str(out))}"
     )
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
     if proc.returncode != 0:
@@ -286,35 +234,19 @@ def plan(state: dict[str, Any], level: dict[str, Any], hardware: bool) -> dict[s
     kept, the small one taking the overflow) at the level's rate and
     measured token counts."""
     a, (large, small) = state["args"], state["specs"]
+    profiles = state["profiles"]
     cmd = _jaxserve(
-        "plan",
-        "--profile",
-        str(state["profiles"]["large"]),
-        "--compare",
-        str(state["profiles"]["small"]),
-        "--primary-workers",
-        "1",
-        "--rps",
-        f"{level['rate']:g}",
-        "--prompt-tokens",
-        f"mean:{level['prompt_tokens_mean']:g},p95:{level['prompt_tokens_p95']:g}",
-        "--output-tokens",
-        f"mean:{level['output_tokens_mean']:g},p95:{level['output_tokens_p95']:g}",
-        "--ttft-target-s",
-        f"{a.ttft_target_s:g}",
-        "--max-model-len",
-        str(a.max_model_len),
-        "--json",
+        f"plan --profile {shlex.quote(str(profiles['large']))} --compare {shlex.quote(str(profiles['small']))} "
+        f"--primary-workers 1 --rps {level['rate']:g} "
+        f"--prompt-tokens mean:{level['prompt_tokens_mean']:g},p95:{level['prompt_tokens_p95']:g} "
+        f"--output-tokens mean:{level['output_tokens_mean']:g},p95:{level['output_tokens_p95']:g} "
+        f"--ttft-target-s {a.ttft_target_s:g} --max-model-len {a.max_model_len} --json"
     )
     if hardware:
-        cmd += [
-            "--hardware-per-hour",
-            f"{large.hardware_per_hour:g}",
-            "--fallback-hardware-per-hour",
-            f"{small.hardware_per_hour:g}",
-            "--currency",
-            "USD",
-        ]
+        cmd += _jaxserve(
+            f"--hardware-per-hour {large.hardware_per_hour:g} "
+            f"--fallback-hardware-per-hour {small.hardware_per_hour:g} --currency USD"
+        )[1:]
     else:
         cmd += ["--prices", str(state["prices_file"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
@@ -335,132 +267,6 @@ def plan(state: dict[str, Any], level: dict[str, Any], hardware: bool) -> dict[s
             "cost_per_million_tokens": d["cost_per_million_tokens"],
         }
     return out
-
-
-# ----------------------------------------------------------------- figures
-def _per_round(records: list[dict[str, Any]], system: str, key: str) -> dict[int, float]:
-    out = {}
-    for r in records:
-        if r["system"] == system and not r["warmup"] and r.get("ok") and r["levels"][-1].get(key) is not None:
-            out[r["round"]] = float(r["levels"][-1][key])
-    return out
-
-
-def _pair(records: list[dict[str, Any]], what: str, key: str, unit: str, scale: float = 1.0, **kw: Any) -> Figure:
-    a = {k: v * scale for k, v in _per_round(records, "fallback", key).items()}
-    b = {k: v * scale for k, v in _per_round(records, "no-fallback", key).items()}
-    ratios = [round(a[k] / b[k], 4) for k in sorted(a) if k in b and b[k] > 0]
-    return Figure(
-        what,
-        Stat(LABELS["fallback"], unit, [a[k] for k in sorted(a)]),
-        Stat(LABELS["no-fallback"], unit, [b[k] for k in sorted(b)]),
-        ratios,
-        higher_is_better=False,
-        compare_swing=False,
-        **kw,
-    )
-
-
-def _cost_figure(measured: list[float], planned: float | None, what: str, note: str) -> Figure:
-    peer = Stat("jaxserve plan", "USD/Mtok", [] if planned is None else [planned])
-    ratios = [round(m / planned, 4) for m in measured] if planned else []
-    return Figure(
-        what,
-        Stat("measured", "USD/Mtok", measured),
-        peer,
-        ratios,
-        higher_is_better=False,
-        compare_swing=False,
-        note=note,
-    )
-
-
-def figures(records: list[dict[str, Any]], state: dict[str, Any]) -> list[Figure]:
-    a, rates = state["args"], state["rates"]
-    top = f"{rates[-1]:g} jobs/s ({rates[-1] / state['capacity']:.1f}x the large worker's probed capacity)"
-    loads = [r["load_avg_before"][0] for r in records if r.get("load_avg_before")]
-    note = f"(load avg {min(loads):.1f}-{max(loads):.1f} on {state['cores']} shared cores)" if loads else ""
-    figs = [
-        _pair(
-            records,
-            f"interactive p95 TTFT at {top}, same arrivals",
-            "ttft_p95_s",
-            "s",
-            goal=f"<= {a.ttft_target_s:g} s with fallback",
-            goal_value=a.ttft_target_s,
-            note=note,
-        ),
-        _pair(
-            records,
-            f"share of jobs answered overloaded at {top}",
-            "overloaded_pct",
-            "%",
-            goal="<= 2 % with fallback",
-            goal_value=2.0,
-        ),
-    ]
-    small = a.small_name
-    shares = [
-        round(100.0 * (r["levels"][-1].get("served_share") or {}).get(small, 0.0), 2)
-        for r in records
-        if r["system"] == "fallback" and not r["warmup"] and r.get("ok")
-    ]
-    figs.append(
-        Figure(f"share of completed jobs served by {small} ({a.small}) at {top}", Stat("fallback run", "%", shares))
-    )
-    fb = [r for r in records if r["system"] == "fallback" and not r["warmup"] and r.get("ok")]
-    measured = [r["levels"][-1]["cost_per_million_tokens"] for r in fb if r["levels"][-1]["cost_per_million_tokens"]]
-    hw = [
-        r["levels"][-1]["hardware_cost_per_million_tokens"]
-        for r in fb
-        if r["levels"][-1]["hardware_cost_per_million_tokens"]
-    ]
-    plans = state.get("plans", {})
-    source = sorted({r["levels"][-1]["cost_source"] for r in fb}) or ["no run"]
-    tok_plan = (plans.get("tokens") or {}).get("with_fallback", {}).get("cost_per_million_tokens")
-    hw_plan = (plans.get("hardware") or {}).get("with_fallback", {}).get("cost_per_million_tokens")
-    figs.append(
-        _cost_figure(
-            measured,
-            tok_plan,
-            f"cost per million tokens at {top}, fallback run: token prices (large 0.40/1.20, small 0.05/0.15 USD "
-            "per million prompt/completion)",
-            f"(measured: {', '.join(source)}; plan: 1 large worker kept, small takes the overflow)",
-        )
-    )
-    figs.append(
-        _cost_figure(
-            hw,
-            hw_plan,
-            f"cost per million tokens at {top}, fallback run: hardware prices (large {state['specs'][0].hardware_per_hour:g}, "
-            f"small {state['specs'][1].hardware_per_hour:g} USD/hour per worker)",
-            "(measured: both workers' hours over the level / tokens served; plan: whole workers at 30 % headroom)",
-        )
-    )
-    return figs
-
-
-def level_table(records: list[dict[str, Any]], small: str) -> str:
-    """Every level of every run as markdown: BENCHMARKS.md's section quotes it."""
-    rows = [
-        "| run | rate jobs/s | sent | completed | overloaded | p95 TTFT s | served by small | cost USD/Mtok (tokens; hardware) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in records:
-        if not r.get("levels"):
-            continue
-        for e in r["levels"]:
-            share = (e.get("served_share") or {}).get(small, 0.0) * 100
-
-            def f(x: Any, d: int = 3) -> str:
-                return "–" if x is None else f"{x:.{d}g}"
-
-            rows.append(
-                f"| {LABELS[r['system']]} | {e['rate']:g} | {e['requests']} | {e['completed']} | "
-                f"{e['rejections_by_code'].get('overloaded', 0)} ({f(e['overloaded_pct'], 2)} %) | {f(e['ttft_p95_s'])} | "
-                f"{share:.1f} % | {f(e['cost_per_million_tokens'])}; {f(e['hardware_cost_per_million_tokens'])} |"
-            )
-    return "\n".join(rows)
 
 
 # -------------------------------------------------------------------- run
