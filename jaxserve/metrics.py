@@ -141,6 +141,16 @@ class EngineMetrics:
             ["model_name", "tenant", "currency"],
             registry=r,
         )
+        # Jobs that accepted a degraded answer instead of overloaded (issue
+        # 28, jaxserve.worker.fallback): re-routed to a fallback model
+        # ("fallback", counted by the model that passed them on) or run with
+        # their degrade.max_tokens ("max_tokens").
+        self.degradations = Counter(
+            "jaxserve_degradations",
+            "Jobs answered degraded instead of overloaded, by reason (fallback, max_tokens)",
+            ["model_name", "queue", "reason"],
+            registry=r,
+        )
         self.requeues = Counter(
             "jaxserve_requeues",
             "Jobs given back to the broker, by reason",
@@ -188,6 +198,8 @@ class EngineMetrics:
             self.requeues.labels(model_name, q, "drain")
             for code in ("overloaded", "rate_limited"):
                 self.rejections.labels(model_name, q, code, "none", "default")
+            for reason in ("fallback", "max_tokens"):
+                self.degradations.labels(model_name, q, reason)
         for c in ("interactive", "batch", "control", "publish"):
             self.reconnects.labels(model_name, c)
         for metric in (
@@ -320,6 +332,9 @@ class EngineMetrics:
 
     def rejection(self, code: str, reason: str, queue: str, tenant: str) -> None:
         self.rejections.labels(self.model_name, queue, code, reason, tenant).inc()
+
+    def degradation(self, queue: str, reason: str) -> None:
+        self.degradations.labels(self.model_name, queue, reason).inc()
 
     def record_cost(self, tenant: str, amount: float, currency: str) -> None:
         """A served job's ``usage.cost``; ``tenant`` is already a bounded

@@ -138,8 +138,24 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
 )
 @click.option(
     "--served-model-name",
+    multiple=True,
+    metavar="NAME",
+    help="The model name jobs use in `model` and results carry (default: the model folder's name). Repeat it "
+    "for aliases, as vLLM's --served-model-name A B: every name reaches this worker, results carry the first.",
+)
+@click.option(
+    "--default-model",
     default=None,
-    help="The model name jobs use in `model` and results carry (default: the model folder's name).",
+    metavar="NAME",
+    help="The deployment's default model, which jobs without `model` reach (default: this worker's). A worker "
+    "whose names do not include it consumes its model's own queues, PREFIX.interactive.MODEL and PREFIX.batch.MODEL.",
+)
+@click.option(
+    "--model-routes/--no-model-routes",
+    default=True,
+    show_default=True,
+    help="Bind this worker's names on PREFIX.models, so producers route jobs by `model` and learn of an unknown "
+    "one at once; --no-model-routes: consume the single-model queues only, as before routing.",
 )
 @click.option(
     "--limits",
@@ -257,7 +273,9 @@ def worker(
     interactive_batch_prefill_tokens: int | None,
     metrics_port: int | None,
     otlp_endpoint: str | None,
-    served_model_name: str | None,
+    served_model_name: tuple[str, ...],
+    default_model: str | None,
+    model_routes: bool,
     limits_path: str | None,
     target_ttft: float,
     max_queued_tokens: int | None,
@@ -355,7 +373,10 @@ def worker(
         declare=declare,
         metrics_port=metrics_port,
         otlp_endpoint=otlp_endpoint,
-        served_model_name=served_model_name,
+        served_model_name=served_model_name[0] if served_model_name else None,
+        model_aliases=tuple(served_model_name[1:]),
+        default_model=default_model,
+        model_routes=model_routes,
         admission=AdmissionConfig(target_ttft_s=target_ttft, max_queued_tokens=max_queued_tokens),
         limits=limits,
         prices=prices,

@@ -56,6 +56,13 @@ class InteractiveAdmission:
         self._held[key] = prompt_tokens
         return None
 
+    def admit(self, key: str, prompt_tokens: int) -> None:
+        """Reserve the job's prompt whatever the budget says: a job that
+        accepted a degraded answer instead of ``overloaded`` runs anyway
+        (``jaxserve.worker.fallback``), and later jobs must still see its
+        prompt ahead of theirs."""
+        self._held[key] = prompt_tokens
+
     def release(self, key: str) -> None:
         """The job produced its first token, or ended."""
         self._held.pop(key, None)

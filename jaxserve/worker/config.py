@@ -56,6 +56,17 @@ class WorkerConfig:
     # The name jobs write in ``model`` (and results carry); default: the
     # engine's model name without its folder.
     served_model_name: str | None = None
+    # Routing by model (docs/protocol.md, "Routing by model";
+    # jaxserve.worker.routing): declare and bind this model's routes, and
+    # consume its queues. Further names jobs may use for this model
+    # (`jaxserve worker --served-model-name A --served-model-name B`: A is
+    # the name results carry, B an alias, as vLLM's --served-model-name A B).
+    # default_model: the deployment's default model (jobs without `model`);
+    # None: this worker's. A worker whose names do not include it consumes
+    # its model's own queues, <prefix>.<class>.<model>.
+    model_routes: bool = False
+    model_aliases: tuple[str, ...] = ()
+    default_model: str | None = None
     # Interactive admission (overloaded when a job cannot start in time) and
     # per-tenant limits (--limits FILE; None: no limits).
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)

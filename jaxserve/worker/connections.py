@@ -25,7 +25,9 @@ from yarl import URL
 
 from jaxserve.wire import BATCH, INTERACTIVE
 from jaxserve.wire.topology import declare_topology
+from jaxserve.worker.fallback import model_routes
 from jaxserve.worker.replies import ReplyPublisher
+from jaxserve.worker.routing import declare_model_routes
 
 if TYPE_CHECKING:
     from jaxserve.worker.worker import Worker
@@ -90,8 +92,11 @@ class Connections:
         w.publisher = await self._publisher(self.cfg.worker_id)
         w.interactive_publisher = await self._publisher(f"{self.cfg.worker_id} interactive")
         control = await self._open("control")
+        w.routes = model_routes(w)
         if self.cfg.declare:
             await declare_topology(control, self.topo)
+            if w.routes is not None:  # this model's queues and names on the models exchange
+                await declare_model_routes(control, w.routes)
         ctl = await control.channel()
         self.channels["control"] = ctl
         ctl_ex = await ctl.declare_exchange(self.topo.control, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -104,9 +109,7 @@ class Connections:
             ch = await conn.channel()
             await ch.set_qos(prefetch_count=w.prefetch[qc])
             self.channels[qc] = ch
-            q = await ch.declare_queue(
-                self.topo.queue_for(qc), durable=True, arguments=self.topo.job_queue_arguments(qc)
-            )
+            q = await ch.declare_queue(w.job_queue(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
             self.queues[qc] = q
             async with self.lock:
                 if w.store_health.up:
@@ -116,8 +119,9 @@ class Connections:
         log.info(
             "worker_consuming",
             worker_id=self.cfg.worker_id,
-            interactive=self.topo.interactive,
-            batch=self.topo.batch,
+            interactive=w.job_queue(INTERACTIVE),
+            batch=w.job_queue(BATCH),
+            models=None if w.routes is None else list(w.routes.names),
             prefetch=w.prefetch,
             heartbeat=self.cfg.heartbeat,
         )
@@ -232,8 +236,8 @@ class Connections:
         """The broker's view for the metrics: ready messages and consumers of
         the job queues, the dead letters and the results queue."""
         names = {
-            "interactive": self.topo.interactive,
-            "batch": self.topo.batch,
+            "interactive": self.w.job_queue(INTERACTIVE),
+            "batch": self.w.job_queue(BATCH),
             "dead": self.topo.dead,
             "results": self.topo.results,
         }

@@ -111,7 +111,7 @@ async def _read(w: Worker, message: Message, queue_class: str, made: list[Delive
     w.active[job.key] = run
     trace = w.tracing.start_job(
         message.headers,
-        queue=w.topo.queue_for(queue_class),
+        queue=w.job_queue(queue_class),
         queue_class=queue_class,
         message_id=job.key,
         correlation_id=d.correlation_id,

@@ -7,8 +7,9 @@ lives until a terminal state. Follow one job here, delivery to ack:
 1. :meth:`JobRun.serve` runs the admission steps in order
    (:data:`jaxserve.worker.steps.STEPS`: local cancel, tenant arrival, stored
    result, stored cancel, deadline, claim, prompt, response cache,
-   calibration, tenant tokens, broker wait, interactive budget); a step that
-   answers or gives the job back ends the run there.
+   calibration, tenant tokens, broker wait, interactive budget, what it
+   accepts instead of overloaded); a step that answers, gives the job back
+   or passes it to a fallback model (:meth:`rerouted`) ends the run there.
 2. :meth:`_start` hands the prompt to the engine (``RUNNING``).
 3. Engine outputs arrive as :meth:`on_output`: stream chunks go to the run's
    sender task; the final output becomes the result
@@ -386,6 +387,22 @@ class JobRun(KeyJob):
             await _settle(d, how)
         w.stats["deferred"] += 1
         log.info("job_deferred", key=self.key, reason=reason, tenant=self.job.tenant, republished=how is Settlement.ACK)
+
+    async def rerouted(self, model: str) -> None:
+        """Overloaded here, the job was passed once to the queue of its
+        fallback ``model`` (``jaxserve.worker.fallback``), whose worker
+        answers it; the broker confirmed that copy, so every delivery is
+        acked and what the run holds is given back (its tenant's request too:
+        the fallback's worker counts it)."""
+        w = self.w
+        self.to(JobState.REROUTED)
+        self._forget()
+        await self.res.release(Ending(requeued=True))
+        for d in self.unsettled():
+            await _settle(d, Settlement.ACK)
+        w.stats["rerouted"] += 1
+        w.count_job(self.queue_class, "rerouted")
+        log.info("job_rerouted", key=self.key, queue=self.queue_class, to=model, deliveries=len(self.deliveries))
 
     def _forget(self) -> None:
         """Leave the worker's tables (only where this run still serves its

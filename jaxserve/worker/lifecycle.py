@@ -18,6 +18,7 @@ States and transitions (anything else raises :class:`IllegalTransition`)::
 
     RECEIVED, ADMITTING, HELD, RUNNING, FINISHING ──> REQUEUED
     ADMITTING ──> DEFERRED  (a batch job over its tenant's limit: republished, then acked)
+    ADMITTING ──> REROUTED  (overloaded, passed to a fallback model's queue, then acked)
 
 * ADMITTING: checks against the store (replay, key reuse, cancel), the
   deadline, the claim, the prompt.
@@ -27,7 +28,7 @@ States and transitions (anything else raises :class:`IllegalTransition`)::
 * FINISHING: the final result is known; it is stored, then published to
   each delivery's reply destination, then each delivery is settled.
   Deliveries that arrive during FINISHING are answered by the same loop.
-* SETTLED / REQUEUED / DEFERRED: terminal; the job has left the active table.
+* SETTLED / REQUEUED / DEFERRED / REROUTED: terminal; the job has left the active table.
 
 Settlement rule (``docs/protocol.md``, "Worker guarantees"): a delivery is
 acked only after its final reply was confirmed by the broker, or when the
@@ -74,20 +75,22 @@ class JobState(enum.Enum):
     SETTLED = "settled"
     REQUEUED = "requeued"
     DEFERRED = "deferred"
+    REROUTED = "rerouted"
 
 
 _S = JobState
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.RECEIVED: frozenset({_S.ADMITTING, _S.REQUEUED}),
-    _S.ADMITTING: frozenset({_S.HELD, _S.RUNNING, _S.FINISHING, _S.REQUEUED, _S.DEFERRED}),
+    _S.ADMITTING: frozenset({_S.HELD, _S.RUNNING, _S.FINISHING, _S.REQUEUED, _S.DEFERRED, _S.REROUTED}),
     _S.HELD: frozenset({_S.ADMITTING, _S.REQUEUED}),
     _S.RUNNING: frozenset({_S.FINISHING, _S.REQUEUED}),
     _S.FINISHING: frozenset({_S.SETTLED, _S.REQUEUED}),
     _S.SETTLED: frozenset(),
     _S.REQUEUED: frozenset(),
     _S.DEFERRED: frozenset(),
+    _S.REROUTED: frozenset(),
 }
-TERMINAL = frozenset({_S.SETTLED, _S.REQUEUED, _S.DEFERRED})
+TERMINAL = frozenset({_S.SETTLED, _S.REQUEUED, _S.DEFERRED, _S.REROUTED})
 
 
 class Abandoned(Exception):
@@ -185,6 +188,7 @@ class KeyJob:
         self.label_ids: list[list[int]] | None = None  # label scoring: each label's tokens
         self.label_calibration: Any = None  # calibrated label scoring: the content-free scores (worker.calibration)
         self.cache_key: str | None = None  # response cache: set for deterministic jobs
+        self.degraded: list[str] = []  # what its answer gave up instead of overloaded (worker.fallback)
         # streaming
         self.seq = 0
         self.pending_text: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Collection
 from typing import Any
 
 import orjson
@@ -31,15 +32,22 @@ def served_name(configured: str | None, engine: EngineInfo | None) -> str | None
     return None if name is None else os.path.basename(str(name).rstrip("/"))
 
 
-def prepare_prompt(engine: EngineInfo, served: str | None, job: Any) -> list[int]:
-    """The job's prompt (or chat messages through the template) as token ids."""
+def prepare_prompt(
+    engine: EngineInfo, served: str | None, job: Any, aliases: Collection[str] = (), model: str | None = None
+) -> list[int]:
+    """The job's prompt (or chat messages through the template) as token ids.
+
+    The job's model (``model``, when given, instead of the job's own: the
+    fallback a re-routed copy is to be served as) must be the served name,
+    one of ``aliases`` or the engine's model name (with or without its folder)."""
     name = engine.model_name
+    requested = job.model if model is None else model
     if (
-        job.model is not None
+        requested is not None
         and name is not None
-        and job.model not in (served, name, os.path.basename(str(name).rstrip("/")))
+        and requested not in (served, *aliases, name, os.path.basename(str(name).rstrip("/")))
     ):
-        raise RequestError("unknown_model", f"model {job.model!r} is not served here; this worker serves {served!r}")
+        raise RequestError("unknown_model", f"model {requested!r} is not served here; this worker serves {served!r}")
     max_len = engine.max_model_len or NO_LIMIT
     tok = engine.tokenizer
     if job.messages is not None:

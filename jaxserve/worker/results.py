@@ -74,6 +74,8 @@ def _build(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:
             timings(kj),
             labels=labels,
             model=ctx.model,
+            served_model=ctx.model,
+            degraded=kj.degraded,
         )
     if reason in ("stop", "length"):
         text = out.text if (out.text or not kj.text_parts) else "".join(kj.text_parts)
@@ -85,6 +87,8 @@ def _build(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:
             out.completion_tokens,
             timings(kj),
             model=ctx.model,
+            served_model=ctx.model,
+            degraded=kj.degraded,
             **_extras(kj, out, text, ctx),
         )
     if reason == "abort":

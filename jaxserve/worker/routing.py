@@ -2,8 +2,8 @@
 serving a model consumes, how it makes its names routable, and the re-route
 of a job to one of its ``fallback_models``.
 
-Nothing here is wired into :mod:`jaxserve.worker.worker` yet; the worker is
-expected to call it as follows.
+The worker calls it through :mod:`jaxserve.worker.fallback` (its routes,
+and the admission step that re-routes an overloaded job), as follows.
 
 At start, after ``declare_topology``::
 

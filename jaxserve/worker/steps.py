@@ -12,8 +12,9 @@ any store look-up (``tests/test_queue_tenant_arrival.py``); a stored result
 or cancel wins over every limit; the claim comes before the prompt is
 tokenized; the tokens limit and the interactive budget come last, once the
 prompt's length is known (``tests/test_queue_admission.py``,
-``tests/test_limits.py``). A new step (re-routing an overloaded job to a
-fallback model, say) is one more function in :data:`STEPS`.
+``tests/test_limits.py``). The last, :func:`instead_of_overloaded`, gives
+a job that would be ``overloaded`` what it accepts instead (a fallback
+model, a smaller ``max_tokens``; ``jaxserve.worker.fallback``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import structlog
 from jaxserve.engine.types import RequestError
 from jaxserve.wire import INTERACTIVE, Result
 from jaxserve.worker import costs, prompts
+from jaxserve.worker.fallback import MODEL, Outcome, Overload, degrade, is_rerouted, may_degrade, requested_model
 from jaxserve.worker.lifecycle import JobState
 from jaxserve.worker.results import timings
 from jaxserve.worker.store import Record
@@ -46,6 +48,7 @@ class Prepared:
     prompt_ids: list[int] = dataclasses.field(default_factory=list)
     label_ids: list[list[int]] | None = None
     calibration: Any = None  # the content-free label request, when the job calibrates
+    overload: Overload | None = None  # an overloaded answer held back: the job accepts something else
 
 
 Step = Callable[["JobRun", Prepared], Awaitable[bool]]
@@ -204,7 +207,8 @@ async def prompt(run: JobRun, p: Prepared) -> bool:
     """The prompt (and labels) as token ids; a prompt the model cannot take is answered."""
     w, job = run.w, run.job
     try:
-        p.prompt_ids = prompts.prepare_prompt(w.engine_info, w.served_model_name, job)
+        model = requested_model(run)  # a re-routed copy is served as the fallback it names
+        p.prompt_ids = prompts.prepare_prompt(w.engine_info, w.served_model_name, job, w.cfg.model_aliases, model)
         if job.labels is not None:
             p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine_info, job)
     except RequestError as err:
@@ -213,6 +217,8 @@ async def prompt(run: JobRun, p: Prepared) -> bool:
         await run.finish(Result.failure(run.key, err.code, err.message, err.retryable))
         return False
     run.label_ids = p.label_ids
+    if is_rerouted(run) and MODEL not in run.degraded:
+        run.degraded.append(MODEL)
     return True
 
 
@@ -227,7 +233,8 @@ async def cached_result(run: JobRun, p: Prepared) -> bool:
         return True
     w.stats["cache_hits"] += 1
     log.info("job_cache_hit", key=run.key, queue=run.queue_class)
-    cached = Result.model_validate({**hit, "id": run.key, "cached": True, "timings": timings(run), "trace_id": None})
+    fresh = {"id": run.key, "cached": True, "timings": timings(run), "trace_id": None, "degraded": run.degraded or None}
+    cached = Result.model_validate({**hit, **fresh})
     await run.finish(cached)
     return False
 
@@ -283,7 +290,7 @@ async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
     return True
 
 
-async def broker_wait(run: JobRun, _p: Prepared) -> bool:
+async def broker_wait(run: JobRun, p: Prepared) -> bool:
     """An interactive job that already waited in the broker longer than the
     target time to first token could not start in time: the worker (or
     fleet) is behind, and the producer should know now, not after more
@@ -295,16 +302,17 @@ async def broker_wait(run: JobRun, _p: Prepared) -> bool:
     target = w.cfg.admission.target_ttft_s
     if waited is None or waited <= target:
         return True
-    count_rejection(run, "overloaded", "broker_wait")
-    await run.finish(
+    return await _overloaded(
+        run,
+        p,
+        "broker_wait",
         Result.failure(
             run.key,
             "overloaded",
             f"the job waited {waited:.2f}s in the broker, over the {target:g}s target time to first token; retry later",
             retry_after_s=round(min(waited, 30.0), 3),
-        )
+        ),
     )
-    return False
 
 
 async def interactive_budget(run: JobRun, p: Prepared) -> bool:
@@ -312,23 +320,52 @@ async def interactive_budget(run: JobRun, p: Prepared) -> bool:
     (``jaxserve.worker.admission``) until its first token, or is refused
     overloaded with retry_after_s."""
     w = run.w
-    if run.queue_class != INTERACTIVE:
+    if run.queue_class != INTERACTIVE or p.overload is not None:
         return True
     retry = w.admission.try_admit(run.request_id, len(p.prompt_ids))
     if retry is not None:
-        count_rejection(run, "overloaded", "interactive_token_budget")
-        await run.finish(
+        return await _overloaded(
+            run,
+            p,
+            "interactive_token_budget",
             Result.failure(
                 run.key,
                 "overloaded",
                 f"the worker holds {w.admission.held_tokens} interactive prompt tokens not yet started "
                 f"(budget {w.admission.budget}); retry later",
                 retry_after_s=retry,
-            )
+            ),
         )
-        return False
     run.res.take("admission", lambda _end: w.admission.release(run.request_id))
     return True
+
+
+async def _overloaded(run: JobRun, p: Prepared, reason: str, result: Result) -> bool:
+    """Answer ``overloaded``, unless the job accepts something else
+    (``fallback_models``, ``degrade``): then the answer waits in
+    ``p.overload`` for :func:`instead_of_overloaded` and the job goes on."""
+    if may_degrade(run):
+        p.overload = Overload(reason, result)
+        return True
+    count_rejection(run, "overloaded", reason)
+    await run.finish(result)
+    return False
+
+
+async def instead_of_overloaded(run: JobRun, p: Prepared) -> bool:
+    """A job that would be ``overloaded`` and accepts something else is
+    re-routed to a fallback with room, or runs with its degraded limits, or
+    is answered ``overloaded`` after all (``jaxserve.worker.fallback``;
+    ``tests/test_queue_models.py``)."""
+    if p.overload is None:
+        return True
+    outcome = await degrade(run, len(p.prompt_ids))
+    if outcome is Outcome.DEGRADED:
+        return True
+    if outcome is Outcome.REFUSED:
+        count_rejection(run, "overloaded", p.overload.reason)
+        await run.finish(p.overload.result)
+    return False
 
 
 STEPS: tuple[Step, ...] = (
@@ -344,4 +381,5 @@ STEPS: tuple[Step, ...] = (
     tenant_tokens,
     broker_wait,
     interactive_budget,
+    instead_of_overloaded,
 )

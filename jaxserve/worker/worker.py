@@ -60,6 +60,7 @@ from jaxserve.worker.limits import MemoryLimiter, RedisLimiter
 from jaxserve.worker.prompts import served_name
 from jaxserve.worker.replies import Replies, ReplyPublisher
 from jaxserve.worker.results import ResultContext
+from jaxserve.worker.routing import ModelRoutes
 from jaxserve.worker.store import MemoryStore, RedisStore
 from jaxserve.worker.store_health import StoreHealth
 from jaxserve.worker.tracing import JobTrace, Tracing
@@ -98,9 +99,10 @@ class Worker:
             lambda: (self.publisher, self.interactive_publisher),
             reply_timeout_s=self.cfg.reply_timeout_s,
             chunk_timeout_s=self.cfg.chunk_timeout_s,
-            queue_for=self.topo.queue_for,
+            queue_for=self.job_queue,
         )
         self._result_context: ResultContext | None = None
+        self.routes: ModelRoutes | None = None  # what it serves by model (worker.fallback), once connected
         self.limits = JobLimits(max_body_bytes=self.cfg.max_body_bytes)
         self._closing = False
         self._draining = False
@@ -151,6 +153,11 @@ class Worker:
     @property
     def served_model_name(self) -> str | None:
         return served_name(self.cfg.served_model_name, self.info)
+
+    def job_queue(self, queue_class: str) -> str:
+        """The queue this worker consumes for ``queue_class``: its model's
+        own when it routes by model and is not the default model."""
+        return self.topo.queue_for(queue_class) if self.routes is None else self.routes.queue(queue_class)
 
     @property
     def engine_info(self) -> EngineInfo:

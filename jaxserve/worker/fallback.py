@@ -1,0 +1,160 @@
+"""What a worker serves under which names, and what a job that would be
+answered ``overloaded`` gets instead when it asked for something else
+(issue 28; ``docs/protocol.md``, "Routing by model" and "Fallbacks and
+degraded answers").
+
+Routes: :func:`model_routes` turns the worker's settings into the
+:class:`~jaxserve.worker.routing.ModelRoutes` it declares and consumes (the
+served name first, then each alias; the default model's worker keeps the
+single-model queues). Only the served name and the configured aliases are
+bound, never the engine's own model name: two workers of one preset under
+two served names would otherwise both bind it, and a direct exchange would
+give a job naming it to both.
+
+Instead of ``overloaded``: the admission steps that answer ``overloaded``
+(``steps.broker_wait``, ``steps.interactive_budget``) leave the refusal in
+``Prepared.overload`` when :func:`may_degrade` says the job accepts
+something else; the step ``steps.instead_of_overloaded`` then asks
+:func:`degrade` here, which, in order,
+
+1. re-routes the job, once, to the first of its ``fallback_models`` whose
+   queue has a consumer and room (``routing.find_fallback``,
+   ``routing.reroute``); the run then ends acked (``JobRun.rerouted``) and
+   the fallback's worker answers it, ``served_model`` its name and
+   ``degraded: ["model"]``;
+2. else runs it with ``degrade.max_tokens`` (``degraded: ["max_tokens"]``);
+3. else leaves the answer ``overloaded``, as for a job that asked nothing.
+
+A job that names neither keeps today's path exactly: its step answers it
+itself. A batch job is never refused ``overloaded``, so it never degrades
+unless a rule that refuses batch jobs appears and it asked.
+Tests: ``tests/test_queue_models.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from jaxserve.wire import INTERACTIVE, Result
+from jaxserve.worker import routing
+
+if TYPE_CHECKING:
+    from jaxserve.worker.job_run import JobRun
+    from jaxserve.worker.worker import Worker
+
+log = structlog.get_logger("jaxserve.worker")
+
+#: ``degraded`` entries (``jaxserve.wire.messages.Degradation``)
+MODEL = "model"
+MAX_TOKENS = "max_tokens"
+
+
+def model_routes(w: Worker) -> routing.ModelRoutes | None:
+    """The routes this worker declares and consumes; None when routing is
+    off or the engine has no name to route by (it then consumes the
+    single-model queues, as before routing)."""
+    cfg = w.cfg
+    served = w.served_model_name
+    if not cfg.model_routes or not served:
+        return None
+    names = (served, *cfg.model_aliases)
+    default = cfg.default_model is None or cfg.default_model in names
+    return routing.ModelRoutes(w.topo, served=served, aliases=tuple(cfg.model_aliases), default=default)
+
+
+def default_model(w: Worker) -> str | None:
+    """The name the deployment's default model answers to, for
+    ``routing.find_fallback`` (a fallback that names it is found on the
+    single-model queues)."""
+    if w.cfg.default_model is not None:
+        return w.cfg.default_model
+    return w.served_model_name if w.routes is not None and w.routes.default else None
+
+
+def requested_model(run: JobRun) -> str | None:
+    """The model the job is to be served as: the fallback a re-routed copy
+    names (``routing.serve_as``), else the job's own ``model``."""
+    return routing.serve_as(run.primary.message.headers) or run.job.model
+
+
+def is_rerouted(run: JobRun) -> bool:
+    return routing.was_rerouted(run.primary.message.headers)
+
+
+def may_degrade(run: JobRun) -> bool:
+    """Whether the job accepts anything instead of ``overloaded``: a
+    fallback it was not re-routed from already, or a smaller max_tokens."""
+    job = run.job
+    return bool(job.fallback_models and not is_rerouted(run)) or job.degrade_max_tokens is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Overload:
+    """An ``overloaded`` answer held back while its alternatives are tried."""
+
+    reason: str  # the rejections metric's reason: broker_wait, interactive_token_budget
+    result: Result
+
+
+class Outcome(enum.Enum):
+    REROUTED = "rerouted"  # passed on and acked: the run is over
+    DEGRADED = "degraded"  # runs here, with smaller limits
+    REFUSED = "refused"  # nothing it accepts is possible: answer overloaded
+
+
+async def degrade(run: JobRun, prompt_tokens: int) -> Outcome:
+    """A fallback with room, else ``degrade.max_tokens``, else refused."""
+    if await _reroute(run):
+        return Outcome.REROUTED
+    limit = run.job.degrade_max_tokens
+    if limit is None:
+        return Outcome.REFUSED
+    w, job = run.w, run.job
+    run.job = dataclasses.replace(job, params=dataclasses.replace(job.params, max_tokens=limit))
+    run.cache_key = None  # the cache key was of the full max_tokens: this answer is not that one's
+    run.degraded.append(MAX_TOKENS)
+    if run.queue_class == INTERACTIVE:  # it runs over the budget, but later prompts still wait behind its
+        w.admission.admit(run.request_id, prompt_tokens)
+        run.res.take("admission", lambda _end: w.admission.release(run.request_id))
+    count(w, run.queue_class, MAX_TOKENS)
+    log.info("job_degraded", key=run.key, reason=MAX_TOKENS, max_tokens=limit, asked=job.params.max_tokens)
+    return Outcome.DEGRADED
+
+
+async def _reroute(run: JobRun) -> bool:
+    """Pass the job to its first fallback with room; False when none has
+    room, the job was re-routed before, or the broker refused the copy."""
+    w, job = run.w, run.job
+    conn: Any = w.connections.conns.get("control")
+    if not job.fallback_models or is_rerouted(run) or conn is None or conn.is_closed:
+        return False
+    try:
+        target = await routing.find_fallback(
+            conn, w.topo, job.fallback_models, run.queue_class, default_model=default_model(w)
+        )
+        if target is None:
+            log.info("job_fallback_none_free", key=run.key, fallbacks=list(job.fallback_models))
+            return False
+        served = w.served_model_name
+        from_model = "" if w.routes is None or w.routes.default else served
+        await routing.reroute(conn, run.primary.message, target, from_model=from_model)
+    except Exception as exc:  # noqa: BLE001 - RerouteError or a broker hiccup: answer as if none had room
+        w.stats["reroute_failed"] += 1
+        log.warning("job_reroute_failed", key=run.key, error=repr(exc))
+        return False
+    count(w, run.queue_class, "fallback")
+    await run.rerouted(target.model)
+    return True
+
+
+def count(w: Worker, queue_class: str, reason: str) -> None:
+    w.stats[f"degraded_{reason}"] += 1
+    if w.metrics is not None:
+        w.metrics.degradation(queue_class, reason)
+
+
+__all__ = ["MAX_TOKENS", "MODEL", "Outcome", "Overload", "degrade", "may_degrade", "model_routes", "requested_model"]

@@ -1,0 +1,218 @@
+"""Routing by model, fallbacks and degraded answers, worker side (issue 28),
+against the real broker: two workers serve two models on one prefix, jobs
+reach the worker of the model they name, an unknown model is answered at
+once, and a job that would be ``overloaded`` is answered by its fallback
+model, or with its degraded ``max_tokens``, when it asked for that, and
+refused as before when it did not (``jaxserve.worker.fallback``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aio_pika
+import orjson
+import pytest
+
+from jaxserve.wire import INTERACTIVE
+from jaxserve.worker.admission import AdmissionConfig
+from jaxserve.worker.routing import REROUTED_FROM, SERVE_AS
+from queue_support import (
+    AMQP_URL,
+    EchoEngine,
+    expected_completion,
+    read_jsonl,
+    start_worker_process,
+    stop_process,
+    wait_log,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "hello world"  # 11 ByteTokenizer tokens: a budget of 16 holds one such prompt, not two
+
+
+def _worker(prefix: str, log, model: str, *extra: str):
+    """``jaxserve worker`` serving the echo engine as ``model``."""
+    return start_worker_process(
+        prefix,
+        log,
+        "--engine-arg",
+        f"model_name={model}",
+        "--store",
+        "memory",
+        "--engine-thread",
+        "--drain-timeout",
+        "0.5",
+        *extra,
+    )
+
+
+def _events(log, event: str) -> list[dict]:
+    return [x for x in read_jsonl(log) if x.get("event") == event]
+
+
+def _start_both(prefix: str, tmp_path, *alpha_extra: str) -> tuple:
+    """alpha is the deployment's default model; beta (alias b-alias) has queues of its own."""
+    alpha_log, beta_log = tmp_path / "alpha.log", tmp_path / "beta.log"
+    alpha = _worker(prefix, alpha_log, "alpha", *alpha_extra)
+    beta = _worker(
+        prefix,
+        beta_log,
+        "beta",
+        "--served-model-name",
+        "beta",
+        "--served-model-name",
+        "b-alias",
+        "--default-model",
+        "alpha",
+    )
+    try:
+        wait_log(alpha_log, "worker_consuming", timeout=90)
+        wait_log(beta_log, "worker_consuming", timeout=90)
+    except BaseException:
+        stop_process(alpha)
+        stop_process(beta)
+        raise
+    return alpha, beta, alpha_log, beta_log
+
+
+async def test_two_workers_serve_two_models_by_name(prefix, client, tmp_path):
+    alpha, beta, alpha_log, beta_log = await asyncio.to_thread(_start_both, prefix, tmp_path)
+    try:
+        want = expected_completion(PROMPT, 3)[0]
+        results = {
+            name: await client.submit(PROMPT, max_tokens=3, timeout=60, **kw)
+            for name, kw in {
+                "none": {},
+                "alpha": {"model": "alpha"},
+                "beta": {"model": "beta"},
+                "b-alias": {"model": "b-alias"},
+                "beta-batch": {"model": "beta", "queue": "batch"},
+            }.items()
+        }
+        for name, result in results.items():
+            assert result.ok and result.text == want, (name, result)
+            assert result.degraded is None, (name, result)
+        served = {name: (r.model, r.served_model) for name, r in results.items()}
+        assert served == {
+            "none": ("alpha", "alpha"),
+            "alpha": ("alpha", "alpha"),
+            "beta": ("beta", "beta"),
+            "b-alias": ("beta", "beta"),  # an alias is answered under the served name
+            "beta-batch": ("beta", "beta"),
+        }
+        done = {name: {x["key"] for x in _events(log, "job_done")} for name, log in (("a", alpha_log), ("b", beta_log))}
+        assert done["a"] == {results["none"].id, results["alpha"].id}
+        assert done["b"] == {results["beta"].id, results["b-alias"].id, results["beta-batch"].id}
+        # each consumes its own queues: beta never the default model's
+        depths = await client.queue_depths([f"{prefix}.interactive.beta", f"{prefix}.batch.beta"])
+        assert {q: depths[q]["consumers"] for q in depths if q.startswith(f"{prefix}.interactive")} == {
+            f"{prefix}.interactive": 1,
+            f"{prefix}.interactive.beta": 1,
+        }
+
+        # a model nobody serves: answered by the broker's return, queued nowhere, seen by no worker
+        unknown = await client.submit(PROMPT, model="gamma", key="k-gamma", timeout=60)
+        assert not unknown.ok and unknown.error is not None and unknown.error.code == "unknown_model"
+        assert "no worker routes" in unknown.error.message and not unknown.error.retryable
+        after = await client.queue_depths([f"{prefix}.interactive.gamma"])
+        assert after[f"{prefix}.interactive"]["messages"] == 0
+        assert after[f"{prefix}.interactive.gamma"]["messages"] == -1  # never declared
+    finally:
+        await asyncio.to_thread(stop_process, alpha)
+        await asyncio.to_thread(stop_process, beta)
+    for log in (alpha_log, beta_log):
+        assert not any(x.get("key") == "k-gamma" for x in read_jsonl(log))
+
+
+async def test_an_overloaded_job_goes_to_its_fallback_and_one_without_is_refused(prefix, client, tmp_path):
+    """alpha's engine is stalled and its admission budget holds one prompt:
+    once the first job holds it, every further alpha job is overloaded."""
+    alpha, beta, alpha_log, beta_log = await asyncio.to_thread(
+        _start_both, prefix, tmp_path, "--engine-arg", "stalled=1", "--max-queued-tokens", "16"
+    )
+    try:
+        first = await client.publish({"prompt": PROMPT, "model": "alpha", "max_tokens": 3})
+        await asyncio.to_thread(wait_log, alpha_log, "job_start", 30)
+
+        moved = await client.submit(PROMPT, model="alpha", fallback_models=["gamma", "beta"], max_tokens=3, timeout=60)
+        assert moved.ok and moved.text == expected_completion(PROMPT, 3)[0], moved
+        assert (moved.model, moved.served_model, moved.degraded) == ("beta", "beta", ["model"])
+        (rerouted,) = _events(alpha_log, "job_rerouted")
+        assert rerouted["key"] == moved.id and rerouted["to"] == "beta"
+        assert moved.id in {x["key"] for x in _events(beta_log, "job_done")}
+
+        refused = await client.submit(PROMPT, model="alpha", max_tokens=3, timeout=60)
+        assert refused.error is not None and refused.error.code == "overloaded" and refused.error.retryable
+        assert refused.error.retry_after_s is not None and refused.error.retry_after_s > 0
+
+        # a fallback nobody consumes has no room: refused as today
+        nowhere = await client.submit(PROMPT, model="alpha", fallback_models=["gamma"], max_tokens=3, timeout=60)
+        assert nowhere.error is not None and nowhere.error.code == "overloaded"
+        assert len(_events(alpha_log, "job_rerouted")) == 1
+        assert first not in {x["key"] for x in _events(alpha_log, "job_done")}  # still stalled
+    finally:
+        await asyncio.to_thread(stop_process, alpha)
+        await asyncio.to_thread(stop_process, beta)
+
+
+async def _publish_copy(prefix: str, key: str, body: dict, headers: dict, client) -> None:
+    """A job as a re-routed copy arrives: published to alpha's queue with the routing headers."""
+    conn = await aio_pika.connect(AMQP_URL)
+    try:
+        ch = await conn.channel(publisher_confirms=True)
+        await ch.default_exchange.publish(
+            aio_pika.Message(
+                orjson.dumps(body),
+                message_id=key,
+                correlation_id=key,
+                reply_to=client.reply_queue,
+                content_type="application/json",
+                headers=headers,
+            ),
+            routing_key=f"{prefix}.interactive",
+        )
+    finally:
+        await conn.close()
+
+
+async def test_degraded_max_tokens_and_no_second_reroute(harness, prefix, client):
+    """In-process workers, so the test can stall and unstall alpha's engine."""
+    alpha_engine = EchoEngine(model_name="alpha", stalled=True)
+    alpha = await harness.start(
+        alpha_engine, model_routes=True, admission=AdmissionConfig(max_queued_tokens=16), drain_timeout=0.5
+    )
+    beta = await harness.start(EchoEngine(model_name="beta"), model_routes=True, default_model="alpha")
+    assert alpha.routes is not None and alpha.routes.default
+    assert beta.routes is not None and not beta.routes.default
+    first = await client.publish({"prompt": PROMPT, "model": "alpha", "max_tokens": 3})
+    await wait_until(lambda: alpha_engine.add_count[first] == 1, timeout=30)
+
+    # a copy that was re-routed once is never re-routed again, though beta has room
+    copy = {"prompt": PROMPT, "model": "gamma", "fallback_models": ["beta"], "max_tokens": 3}
+    waiting = asyncio.ensure_future(client.wait("copy-1", timeout=60))  # its reply may come at once
+    await asyncio.sleep(0)
+    await _publish_copy(prefix, "copy-1", copy, {REROUTED_FROM: "gamma", SERVE_AS: "alpha"}, client)
+    again = await waiting
+    assert again.error is not None and again.error.code == "overloaded"
+    assert alpha.stats["rerouted"] == alpha.stats["reroute_failed"] == 0 and beta.stats["received"] == 0
+
+    degraded_key = await client.publish(
+        {"prompt": PROMPT, "model": "alpha", "max_tokens": 8, "degrade": {"max_tokens": 2}, "temperature": 0}
+    )
+    await wait_until(lambda: alpha_engine.add_count[degraded_key] == 1, timeout=30)
+    alpha_engine.unstall()
+    degraded = await client.wait(degraded_key, timeout=60)
+    assert degraded.ok and degraded.degraded == ["max_tokens"] and degraded.served_model == "alpha"
+    assert degraded.usage is not None and degraded.usage.completion_tokens == 2
+    assert degraded.text == expected_completion(PROMPT, 2)[0]
+    assert (await client.wait(first, timeout=60)).degraded is None
+    assert alpha.metrics is not None
+    count = alpha.metrics.degradations.labels("alpha", INTERACTIVE, "max_tokens")._value.get()
+    assert count == 1 and alpha.stats["degraded_max_tokens"] == 1
+
+    # a degraded answer is not the cached answer of the full job
+    full = await client.submit(PROMPT, model="alpha", max_tokens=8, temperature=0, timeout=60)
+    assert full.ok and full.usage is not None and full.usage.completion_tokens == 8 and not full.cached
+    assert full.degraded is None
