@@ -64,7 +64,10 @@ def log_job_done(w: Worker, kj: KeyJob, result: Result, replayed: bool, replies:
     if result.ok:
         assert result.usage is not None
         kw.update(
-            result.usage.model_dump(), finish_reason=result.finish_reason, **(result.timings or {}), chunks=kj.seq
+            result.usage.model_dump(exclude_none=True),  # usage.cost only where priced
+            finish_reason=result.finish_reason,
+            **(result.timings or {}),
+            chunks=kj.seq,
         )
         if w.cfg.log_text:
             kw["text"] = result.text
