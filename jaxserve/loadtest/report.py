@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.loadtest.runner import QUEUE_FULL, REJECT_CODES, JobRecord
+from jaxserve.loadtest.records import QUEUE_FULL, REJECT_CODES, JobRecord
 
 PERCENTILES = (50, 90, 95, 99)
 
