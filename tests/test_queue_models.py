@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 PROMPT = "hello world"  # 11 ByteTokenizer tokens: a budget of 16 holds one such prompt, not two
 
 
-def _worker(prefix: str, log, model: str, *extra: str):
+def _worker(prefix: str, log, model: str, *extra: str, store: str = "memory"):
     """``jaxserve worker`` serving the echo engine as ``model``."""
     return start_worker_process(
         prefix,
@@ -40,7 +40,7 @@ def _worker(prefix: str, log, model: str, *extra: str):
         "--engine-arg",
         f"model_name={model}",
         "--store",
-        "memory",
+        store,
         "--engine-thread",
         "--drain-timeout",
         "0.5",
@@ -52,10 +52,17 @@ def _events(log, event: str) -> list[dict]:
     return [x for x in read_jsonl(log) if x.get("event") == event]
 
 
-def _start_both(prefix: str, tmp_path, *alpha_extra: str) -> tuple:
+async def _logged(log, event: str, keys: set[str]) -> set[str]:
+    """The keys of ``event`` lines once every one of ``keys`` has one (a
+    worker logs job_done just after the reply that the test already has)."""
+    await wait_until(lambda: keys <= {x.get("key") for x in _events(log, event)}, timeout=30)
+    return {x["key"] for x in _events(log, event)}
+
+
+def _start_both(prefix: str, tmp_path, *alpha_extra: str, store: str = "memory") -> tuple:
     """alpha is the deployment's default model; beta (alias b-alias) has queues of its own."""
     alpha_log, beta_log = tmp_path / "alpha.log", tmp_path / "beta.log"
-    alpha = _worker(prefix, alpha_log, "alpha", *alpha_extra)
+    alpha = _worker(prefix, alpha_log, "alpha", *alpha_extra, store=store)
     beta = _worker(
         prefix,
         beta_log,
@@ -66,6 +73,7 @@ def _start_both(prefix: str, tmp_path, *alpha_extra: str) -> tuple:
         "b-alias",
         "--default-model",
         "alpha",
+        store=store,
     )
     try:
         wait_log(alpha_log, "worker_consuming", timeout=90)
@@ -102,9 +110,10 @@ async def test_two_workers_serve_two_models_by_name(prefix, client, tmp_path):
             "b-alias": ("beta", "beta"),  # an alias is answered under the served name
             "beta-batch": ("beta", "beta"),
         }
-        done = {name: {x["key"] for x in _events(log, "job_done")} for name, log in (("a", alpha_log), ("b", beta_log))}
-        assert done["a"] == {results["none"].id, results["alpha"].id}
-        assert done["b"] == {results["beta"].id, results["b-alias"].id, results["beta-batch"].id}
+        on_alpha = {results["none"].id, results["alpha"].id}
+        on_beta = {results["beta"].id, results["b-alias"].id, results["beta-batch"].id}
+        assert await _logged(alpha_log, "job_done", on_alpha) == on_alpha
+        assert await _logged(beta_log, "job_done", on_beta) == on_beta
         # each consumes its own queues: beta never the default model's
         depths = await client.queue_depths([f"{prefix}.interactive.beta", f"{prefix}.batch.beta"])
         assert {q: depths[q]["consumers"] for q in depths if q.startswith(f"{prefix}.interactive")} == {
@@ -128,9 +137,10 @@ async def test_two_workers_serve_two_models_by_name(prefix, client, tmp_path):
 
 async def test_an_overloaded_job_goes_to_its_fallback_and_one_without_is_refused(prefix, client, tmp_path):
     """alpha's engine is stalled and its admission budget holds one prompt:
-    once the first job holds it, every further alpha job is overloaded."""
+    once the first job holds it, every further alpha job is overloaded. The
+    two share a Redis store, as a deployment's workers do."""
     alpha, beta, alpha_log, beta_log = await asyncio.to_thread(
-        _start_both, prefix, tmp_path, "--engine-arg", "stalled=1", "--max-queued-tokens", "16"
+        _start_both, prefix, tmp_path, "--engine-arg", "stalled=1", "--max-queued-tokens", "16", store="redis"
     )
     try:
         first = await client.publish({"prompt": PROMPT, "model": "alpha", "max_tokens": 3})
@@ -139,9 +149,10 @@ async def test_an_overloaded_job_goes_to_its_fallback_and_one_without_is_refused
         moved = await client.submit(PROMPT, model="alpha", fallback_models=["gamma", "beta"], max_tokens=3, timeout=60)
         assert moved.ok and moved.text == expected_completion(PROMPT, 3)[0], moved
         assert (moved.model, moved.served_model, moved.degraded) == ("beta", "beta", ["model"])
+        await _logged(alpha_log, "job_rerouted", {moved.id})
         (rerouted,) = _events(alpha_log, "job_rerouted")
         assert rerouted["key"] == moved.id and rerouted["to"] == "beta"
-        assert moved.id in {x["key"] for x in _events(beta_log, "job_done")}
+        await _logged(beta_log, "job_done", {moved.id})
 
         refused = await client.submit(PROMPT, model="alpha", max_tokens=3, timeout=60)
         assert refused.error is not None and refused.error.code == "overloaded" and refused.error.retryable
