@@ -115,6 +115,8 @@ def level_figures(entry: dict[str, Any], jobs: list[dict[str, Any]], prices: Any
     """One level of one run, as the result keeps it: the loadtest.json
     figures the table and the section use, and the cost per million tokens
     measured two ways (module docstring)."""
+    import numpy as np
+
     from jaxserve.cost import PriceTable
 
     assert isinstance(prices, PriceTable)
@@ -136,8 +138,15 @@ def level_figures(entry: dict[str, Any], jobs: list[dict[str, Any]], prices: Any
         "output_tokens_mean output_tokens_p95 served_by_model served_share served_by_fallback fallback_share "
         "cost_total cost_currency capacity_back"
     ).split()
+    by_model: dict[str, list[float]] = {}
+    for j in ok:
+        if j.get("ttft_s") is not None:
+            by_model.setdefault(j.get("served_model") or "unknown", []).append(j["ttft_s"])
     return {
         **{k: entry.get(k) for k in keep},
+        # who answered shapes the p95: a fallback's jobs and the large model's differ
+        "ttft_p95_s_by_model": {m: round(float(np.percentile(v, 95)), 3) for m, v in sorted(by_model.items())},
+        "ttft_p50_s_by_model": {m: round(float(np.percentile(v, 50)), 3) for m, v in sorted(by_model.items())},
         "overloaded_pct": round(100.0 * over / requests, 3) if requests else None,
         "tokens": tokens,
         "cost_source": source,
@@ -374,7 +383,7 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
             w.stop()
         settings["deleted"] = deploy.delete_all(prefix, [large.served, small.served])
     settings["load_avg_end"] = deploy.load_average()
-    settings["level_table"] = level_table(records, small.served)
+    settings["level_table"] = level_table(records, large.served, small.served)
     rounds.log("levels:\n" + settings["level_table"])
     for name, p in settings.get("plans", {}).items():
         rounds.log(f"plan ({name}):\n{p.get('text') or p.get('error')}")

@@ -122,10 +122,17 @@ def figures(records: list[dict[str, Any]], state: dict[str, Any]) -> list[Figure
     return figs
 
 
-def level_table(records: list[dict[str, Any]], small: str) -> str:
+def _g(x: Any, d: int = 3) -> str:
+    return "–" if x is None else f"{x:.{d}g}"
+
+
+def level_table(records: list[dict[str, Any]], large: str, small: str) -> str:
     """Every level of every run as markdown: BENCHMARKS.md's section quotes it."""
     rows = [
-        "| run | rate jobs/s | sent | completed | overloaded | p95 TTFT s | served by small | cost USD/Mtok (tokens; hardware) |",
+        (
+            "| run | rate jobs/s | sent | completed | overloaded | p95 TTFT s (large; small) | served by small "
+            "| cost USD/Mtok (tokens; hardware) |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -133,13 +140,11 @@ def level_table(records: list[dict[str, Any]], small: str) -> str:
             continue
         for e in r["levels"]:
             share = (e.get("served_share") or {}).get(small, 0.0) * 100
-
-            def f(x: Any, d: int = 3) -> str:
-                return "–" if x is None else f"{x:.{d}g}"
-
+            per = e.get("ttft_p95_s_by_model") or {}
+            by_model = "; ".join(_g(per.get(m)) for m in (large, small))
             rows.append(
                 f"| {LABELS[r['system']]} | {e['rate']:g} | {e['requests']} | {e['completed']} | "
-                f"{e['rejections_by_code'].get('overloaded', 0)} ({f(e['overloaded_pct'], 2)} %) | {f(e['ttft_p95_s'])} | "
-                f"{share:.1f} % | {f(e['cost_per_million_tokens'])}; {f(e['hardware_cost_per_million_tokens'])} |"
+                f"{e['rejections_by_code'].get('overloaded', 0)} ({_g(e['overloaded_pct'], 2)} %) | {_g(e['ttft_p95_s'])} ({by_model}) | "
+                f"{share:.1f} % | {_g(e['cost_per_million_tokens'])}; {_g(e['hardware_cost_per_million_tokens'])} |"
             )
     return "\n".join(rows)
