@@ -227,3 +227,45 @@ async def test_degraded_max_tokens_and_no_second_reroute(harness, prefix, client
     full = await client.submit(PROMPT, model="alpha", max_tokens=8, temperature=0, timeout=60)
     assert full.ok and full.usage is not None and full.usage.completion_tokens == 8 and not full.cached
     assert full.degraded is None
+
+
+async def test_the_deployment_defaults_for_interactive_jobs(harness, prefix, client):
+    """alpha's settings give interactive jobs that name none a fallback
+    (its own name and a model nobody serves are skipped) and a degraded
+    max_tokens; a job's own fields win. (Batch jobs are never refused
+    overloaded, so neither default ever applies to them.)"""
+    alpha_engine = EchoEngine(model_name="alpha", stalled=True)
+    alpha = await harness.start(
+        alpha_engine,
+        model_routes=True,
+        admission=AdmissionConfig(max_queued_tokens=16),
+        fallback_models=("alpha", "gamma", "beta"),
+        degrade_max_tokens=2,
+        drain_timeout=0.5,
+    )
+    beta = await harness.start(EchoEngine(model_name="beta"), model_routes=True, default_model="alpha")
+    first = await client.publish({"prompt": PROMPT, "max_tokens": 3})
+    await wait_until(lambda: alpha_engine.add_count[first] == 1, timeout=30)
+
+    moved = await client.submit(PROMPT, max_tokens=5, timeout=60)
+    assert moved.ok and (moved.served_model, moved.degraded) == ("beta", ["model"])
+    assert moved.usage is not None and moved.usage.completion_tokens == 5
+
+    short = await client.submit(PROMPT, max_tokens=2, fallback_models=["gamma"], timeout=60)
+    assert short.error is not None and short.error.code == "overloaded"  # 2 is no degraded form of 2
+
+    keys = {
+        "default": await client.publish({"prompt": PROMPT, "max_tokens": 5, "fallback_models": ["gamma"]}),
+        "own": await client.publish(
+            {"prompt": PROMPT, "max_tokens": 5, "fallback_models": ["gamma"], "degrade": {"max_tokens": 1}}
+        ),
+    }
+    await wait_until(lambda: all(alpha_engine.add_count[k] == 1 for k in keys.values()), timeout=30)
+    alpha_engine.unstall()
+    got = {name: await client.wait(key, timeout=60) for name, key in keys.items()}
+    assert {name: (r.usage.completion_tokens, r.degraded) for name, r in got.items() if r.usage is not None} == {
+        "default": (2, ["max_tokens"]),
+        "own": (1, ["max_tokens"]),
+    }
+    assert alpha.stats["degraded_fallback"] == 1 and alpha.stats["degraded_max_tokens"] == 2
+    assert beta.stats["done_ok"] == 1

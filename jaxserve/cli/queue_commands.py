@@ -158,6 +158,21 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     "one at once; --no-model-routes: consume the single-model queues only, as before routing.",
 )
 @click.option(
+    "--fallback-model",
+    "fallback_models",
+    multiple=True,
+    metavar="NAME",
+    help="The deployment's default fallback_models for interactive jobs that name none: an overloaded job is "
+    "re-routed once to the first with room (repeatable).",
+)
+@click.option(
+    "--degrade-max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The deployment's default degrade.max_tokens for interactive jobs that name none: an overloaded job "
+    "runs with this smaller max_tokens instead.",
+)
+@click.option(
     "--limits",
     "limits_path",
     type=click.Path(exists=True, dir_okay=False),
@@ -276,6 +291,8 @@ def worker(
     served_model_name: tuple[str, ...],
     default_model: str | None,
     model_routes: bool,
+    fallback_models: tuple[str, ...],
+    degrade_max_tokens: int | None,
     limits_path: str | None,
     target_ttft: float,
     max_queued_tokens: int | None,
@@ -377,6 +394,8 @@ def worker(
         model_aliases=tuple(served_model_name[1:]),
         default_model=default_model,
         model_routes=model_routes,
+        fallback_models=tuple(fallback_models),
+        degrade_max_tokens=degrade_max_tokens,
         admission=AdmissionConfig(target_ttft_s=target_ttft, max_queued_tokens=max_queued_tokens),
         limits=limits,
         prices=prices,

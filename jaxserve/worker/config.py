@@ -67,6 +67,11 @@ class WorkerConfig:
     model_routes: bool = False
     model_aliases: tuple[str, ...] = ()
     default_model: str | None = None
+    # The deployment's defaults for interactive jobs that name no
+    # fallback_models / degrade of their own (--fallback-model,
+    # --degrade-max-tokens); batch jobs only ever get what they ask for.
+    fallback_models: tuple[str, ...] = ()
+    degrade_max_tokens: int | None = None
     # Interactive admission (overloaded when a job cannot start in time) and
     # per-tenant limits (--limits FILE; None: no limits).
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)

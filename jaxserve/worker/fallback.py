@@ -25,9 +25,12 @@ something else; the step ``steps.instead_of_overloaded`` then asks
 2. else runs it with ``degrade.max_tokens`` (``degraded: ["max_tokens"]``);
 3. else leaves the answer ``overloaded``, as for a job that asked nothing.
 
-A job that names neither keeps today's path exactly: its step answers it
-itself. A batch job is never refused ``overloaded``, so it never degrades
-unless a rule that refuses batch jobs appears and it asked.
+The deployment may give interactive jobs defaults for both
+(``WorkerConfig.fallback_models``, ``degrade_max_tokens``; ``jaxserve
+worker --fallback-model --degrade-max-tokens``); a job's own fields win,
+and a batch job only ever gets what it asked for. A job with neither, on
+a worker with no defaults, keeps today's path exactly: its step answers it
+itself.
 Tests: ``tests/test_queue_models.py``.
 """
 
@@ -85,11 +88,34 @@ def is_rerouted(run: JobRun) -> bool:
     return routing.was_rerouted(run.primary.message.headers)
 
 
+def fallbacks(run: JobRun) -> tuple[str, ...]:
+    """Where the job may be re-routed: its own ``fallback_models``, else,
+    for an interactive job, the deployment's (``WorkerConfig.fallback_models``,
+    less this worker's own names and the job's model); none for a copy
+    that was re-routed once already."""
+    if is_rerouted(run):
+        return ()
+    job, cfg = run.job, run.w.cfg
+    if job.fallback_models or run.queue_class != INTERACTIVE:
+        return job.fallback_models
+    own = {run.w.served_model_name, *cfg.model_aliases, job.model}
+    return tuple(name for name in cfg.fallback_models if name not in own)
+
+
+def degrade_limit(run: JobRun) -> int | None:
+    """The smaller ``max_tokens`` the job accepts: its own ``degrade``,
+    else, for an interactive job, the deployment's when it is smaller than
+    the job's."""
+    job, default = run.job, run.w.cfg.degrade_max_tokens
+    if job.degrade_max_tokens is not None or run.queue_class != INTERACTIVE or default is None:
+        return job.degrade_max_tokens
+    return default if default < job.params.max_tokens else None
+
+
 def may_degrade(run: JobRun) -> bool:
     """Whether the job accepts anything instead of ``overloaded``: a
     fallback it was not re-routed from already, or a smaller max_tokens."""
-    job = run.job
-    return bool(job.fallback_models and not is_rerouted(run)) or job.degrade_max_tokens is not None
+    return bool(fallbacks(run)) or degrade_limit(run) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +136,7 @@ async def degrade(run: JobRun, prompt_tokens: int) -> Outcome:
     """A fallback with room, else ``degrade.max_tokens``, else refused."""
     if await _reroute(run):
         return Outcome.REROUTED
-    limit = run.job.degrade_max_tokens
+    limit = degrade_limit(run)
     if limit is None:
         return Outcome.REFUSED
     w, job = run.w, run.job
@@ -128,16 +154,14 @@ async def degrade(run: JobRun, prompt_tokens: int) -> Outcome:
 async def _reroute(run: JobRun) -> bool:
     """Pass the job to its first fallback with room; False when none has
     room, the job was re-routed before, or the broker refused the copy."""
-    w, job = run.w, run.job
+    w, names = run.w, fallbacks(run)
     conn: Any = w.connections.conns.get("control")
-    if not job.fallback_models or is_rerouted(run) or conn is None or conn.is_closed:
+    if not names or conn is None or conn.is_closed:
         return False
     try:
-        target = await routing.find_fallback(
-            conn, w.topo, job.fallback_models, run.queue_class, default_model=default_model(w)
-        )
+        target = await routing.find_fallback(conn, w.topo, names, run.queue_class, default_model=default_model(w))
         if target is None:
-            log.info("job_fallback_none_free", key=run.key, fallbacks=list(job.fallback_models))
+            log.info("job_fallback_none_free", key=run.key, fallbacks=list(names))
             return False
         served = w.served_model_name
         from_model = "" if w.routes is None or w.routes.default else served
