@@ -17,6 +17,10 @@
 * ``stream`` is an async iterator of text deltas that puts chunks in order,
   drops duplicates, notices gaps (``Stream.gaps``) and fills them from the
   final result.
+
+The exceptions live in :mod:`jaxserve.client.errors` and :class:`Stream` in
+:mod:`jaxserve.client.stream`; both are re-exported here (``__all__``), so
+``from jaxserve.client.client import Stream`` keeps working.
 """
 
 from __future__ import annotations
@@ -26,19 +30,20 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 import aio_pika
 import aiormq.exceptions
 import orjson
 
+from jaxserve.client.errors import JobError, NoRoute, QueueError, QueueFull, StreamDiverged, UnknownModel
+from jaxserve.client.stream import Stream
 from jaxserve.wire import (
     DEFAULT_AMQP_URL,
     DEFAULT_PREFIX,
     QUEUE_CLASSES,
     Cancel,
-    Chunk,
     Result,
     Topology,
     WireDecodeError,
@@ -52,52 +57,6 @@ T = TypeVar("T")
 
 # A reply whose properties do not decode must not drop the reply connection.
 amqp_compat.install()
-
-
-class QueueError(Exception):
-    """Base class of the client's errors."""
-
-
-class QueueFull(QueueError):
-    """The broker refused the job: the queue is at its length limit
-    (``x-overflow: reject-publish``). Retry later (see :func:`retry_with_backoff`)."""
-
-    def __init__(self, queue: str, key: str) -> None:
-        super().__init__(f"queue {queue!r} is full; job {key!r} was not accepted (retry with backoff)")
-        self.queue = queue
-        self.key = key
-
-
-class NoRoute(QueueError):
-    """The job's queue does not exist (no worker has declared the topology)."""
-
-
-class JobError(QueueError):
-    """A final result with ``status: error``."""
-
-    def __init__(self, result: Result) -> None:
-        err = result.error
-        super().__init__(f"{err.code}: {err.message}" if err is not None else "error result without an error")
-        self.result = result
-        self.code = err.code if err is not None else None
-        self.retryable = bool(err is not None and err.retryable)
-
-
-class UnknownModel(JobError):
-    """No worker serves the job's ``model``: the broker returned it from the
-    models exchange, so it was never queued. ``result`` is the
-    ``unknown_model`` error result a worker would have answered."""
-
-    def __init__(self, key: str, model: str, prefix: str) -> None:
-        super().__init__(
-            Result.failure(
-                key,
-                "unknown_model",
-                f"model {model!r} is not served under prefix {prefix!r}: no worker routes it "
-                "(`jaxserve status` lists the served models' queues)",
-            )
-        )
-        self.model = model
 
 
 def _model_of(body: dict[str, Any] | bytes) -> Any:
@@ -115,15 +74,6 @@ def _model_of(body: dict[str, Any] | bytes) -> Any:
 #: seconds a client trusts "no models exchange" before asking the broker again
 #: (a client may start before the first routing-aware worker)
 MODELS_EXCHANGE_RECHECK_S = 10.0
-
-
-class StreamDiverged(QueueError):
-    """The job was restarted elsewhere and produced a different text than
-    what the stream already yielded. ``result`` holds the final result."""
-
-    def __init__(self, result: Result) -> None:
-        super().__init__(f"stream of {result.id!r} diverged after a restart; use result.text")
-        self.result = result
 
 
 def build_job(prompt: str | None = None, *, messages: list[dict] | None = None, **params: Any) -> dict[str, Any]:
@@ -155,92 +105,6 @@ async def retry_with_backoff(
                 raise
             await asyncio.sleep(random.uniform(0, min(max_delay, base * (2**attempt))))
     raise AssertionError("unreachable")
-
-
-class Stream:
-    """Async iterator of text deltas of one job. After iteration,
-    ``result`` holds the final :class:`Result`; ``gaps`` counts chunks that
-    arrived out of order or never arrived. ``first_chunk_at`` is the
-    ``time.monotonic()`` at which the first chunk reached this client (time
-    to first token, even when that token's text is still empty: a partial
-    UTF-8 character, a special token)."""
-
-    def __init__(self, client: AsyncClient, key: str, timeout: float | None) -> None:
-        self.client = client
-        self.key = key
-        self.timeout = timeout
-        self.result: Result | None = None
-        self.gaps = 0
-        self.duplicates = 0
-        self.chunks = 0
-        self.first_chunk_at: float | None = None
-        self._inbox: asyncio.Queue = asyncio.Queue()
-        self._yielded: list[str] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self._yielded)
-
-    def _deliver(self, msg: Chunk | Result) -> None:
-        if self.first_chunk_at is None and isinstance(msg, Chunk):
-            self.first_chunk_at = time.monotonic()
-        self._inbox.put_nowait(msg)
-
-    async def __aiter__(self) -> AsyncIterator[str]:
-        expected = 0
-        run: str | None = None
-        buffered: dict[int, str] = {}
-        foreign_run = False
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        try:
-            while True:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    msg = await asyncio.wait_for(self._inbox.get(), wait)
-                except TimeoutError:
-                    raise TimeoutError(f"no final result for {self.key!r} within {self.timeout}s") from None
-                if isinstance(msg, Chunk):
-                    self.chunks += 1
-                    if run is None:
-                        run = msg.run
-                    elif msg.run != run:
-                        if not self._yielded and msg.seq == 0:
-                            run, expected, buffered = msg.run, 0, {}
-                        else:
-                            foreign_run = True  # a restart elsewhere: rely on the final
-                            continue
-                    if msg.seq < expected or msg.seq in buffered:
-                        self.duplicates += 1
-                        continue
-                    buffered[msg.seq] = msg.text
-                    if msg.seq > expected:
-                        self.gaps += 1
-                        continue
-                    while expected in buffered:
-                        delta = buffered.pop(expected)
-                        expected += 1
-                        if delta:
-                            self._yielded.append(delta)
-                            yield delta
-                    continue
-                self.result = msg
-                if not msg.ok:
-                    raise JobError(msg)
-                so_far = self.text
-                full = msg.text or ""
-                if buffered and not foreign_run:
-                    # chunks were lost in the middle: the final fills in
-                    self.gaps = max(self.gaps, 1)
-                if full.startswith(so_far):
-                    rest = full[len(so_far) :]
-                    if rest:
-                        self._yielded.append(rest)
-                        yield rest
-                else:
-                    raise StreamDiverged(msg)
-                return
-        finally:
-            self.client._streams.pop(self.key, None)
 
 
 class AsyncClient:
@@ -571,3 +435,20 @@ class Client:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+__all__ = [
+    "MODELS_EXCHANGE_RECHECK_S",
+    "AsyncClient",
+    "Client",
+    "JobError",
+    "NoRoute",
+    "QueueError",
+    "QueueFull",
+    "Result",
+    "Stream",
+    "StreamDiverged",
+    "UnknownModel",
+    "build_job",
+    "retry_with_backoff",
+]
