@@ -51,6 +51,7 @@ class UnknownModel(JobError):
                 "(`jaxserve status` lists the served models' queues)",
             )
         )
+        self.model = model
 
 
 class StreamDiverged(QueueError):
