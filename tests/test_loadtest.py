@@ -195,6 +195,38 @@ def test_loadtest_counts_rejections_by_code(prefix, tmp_path):
     assert level["rejections_by_code"]["rate_limited"] == level["rejected"] > 0, level["rejections_by_code"]
 
 
+def test_loadtest_watches_the_queues_of_the_model_it_names(prefix, tmp_path):
+    """``loadtest --model beta`` against a worker that serves beta on its own
+    queues (not the deployment's default model): the preflight finds beta's
+    consumer, every job is answered by beta, and the drain check between
+    levels reads beta's queue, not the default one nobody consumes."""
+    log, out = tmp_path / "beta.log", tmp_path / "out"
+    proc = start_worker_process(
+        prefix,
+        log,
+        "--store",
+        "memory",
+        "--engine-arg",
+        "model_name=beta",
+        "--engine-arg",
+        "step_s=0.01",
+        "--served-model-name",
+        "beta",
+        "--default-model",
+        "alpha",
+    )
+    try:
+        wait_log(log, "worker_consuming", timeout=60)
+        res = _loadtest(prefix, out, "--concurrency", "2", "--duration", "2", "--mix", "chat=1", "--model", "beta")
+    finally:
+        stop_process(proc)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (level,) = json.loads((out / "loadtest.json").read_text())
+    assert level["completed"] > 0 and level["errors"] == 0 and level["rejected"] == 0
+    assert level["served_by_model"] == {"beta": level["completed"]}
+    assert level["capacity"]["queues_drained"] and level["capacity_back"] is True
+
+
 def test_loadtest_without_a_worker_is_one_line_error(prefix, tmp_path):
     res = _loadtest(prefix, tmp_path / "out", "--concurrency", "1", "--duration", "1")
     assert res.returncode == 1

@@ -128,6 +128,7 @@ class LoadTest:
         self.run_id = uuid.uuid4().hex[:8]
         self.client: Any = None
         self.jobs: list[dict[str, Any]] = []  # every job record, for DIR/loadtest-jobs.jsonl
+        self.queues: dict[str, str] = {}  # queue class -> the queue its jobs land in (_job_queues)
 
     # ------------------------------------------------------------ public
     async def run(self) -> list[dict[str, Any]]:
@@ -172,12 +173,26 @@ class LoadTest:
         return results
 
     # ------------------------------------------------------------ checks
-    async def _preflight(self) -> None:
-        depths = await self.client.queue_depths()
+    async def _job_queues(self) -> dict[str, str]:
+        """The queue each class's jobs land in: the default model's, unless
+        the jobs name a model (``--model M``) whose own queues exist
+        (``{prefix}.interactive.<q(M)>``, docs/protocol.md "Routing by
+        model"): then the drain and depth checks must watch those."""
         topo = self.client.topo
+        default = {q: topo.queue_for(q) for q in ("interactive", "batch")}
+        model = self.workload.extra_params.get("model")
+        if not isinstance(model, str):
+            return default
+        own = {q: topo.model_queue(q, model) for q in default}
+        depths = await self.client.queue_depths(list(own.values()))
+        return {q: own[q] if depths[own[q]]["messages"] >= 0 else default[q] for q in default}
+
+    async def _preflight(self) -> None:
+        self.queues = await self._job_queues()
+        depths = await self.client.queue_depths(list(self.queues.values()))
         needed = {self.workload.kinds[n].queue for n in self.workload.names}
         for queue_class in sorted(needed):
-            name = topo.queue_for(queue_class)
+            name = self.queues[queue_class]
             d = depths.get(name, {"messages": -1, "consumers": -1})
             if d["messages"] < 0:
                 raise LoadTestError(f"no queue {name!r}: is a worker running with prefix {self.cfg.prefix!r}?")
@@ -185,9 +200,8 @@ class LoadTest:
                 raise LoadTestError(f"nobody consumes {name!r}: start a worker with --prefix {self.cfg.prefix}")
 
     async def _depths(self) -> dict[str, int]:
-        depths = await self.client.queue_depths()
-        topo = self.client.topo
-        return {q: depths[topo.queue_for(q)]["messages"] for q in ("interactive", "batch")}
+        depths = await self.client.queue_depths(list(self.queues.values()))
+        return {q: depths[name]["messages"] for q, name in self.queues.items()}
 
     def _unacked(self) -> dict[str, int] | None:
         """messages_unacknowledged of the job queues (rabbitmqctl), or None."""
@@ -206,8 +220,7 @@ class LoadTest:
             ).stdout
         except (OSError, subprocess.SubprocessError):
             return None
-        topo = self.client.topo
-        wanted = {topo.queue_for(q): q for q in ("interactive", "batch")}
+        wanted = {name: q for q, name in self.queues.items()}
         counts: dict[str, int] = {}
         for line in out.splitlines():
             parts = line.split()
