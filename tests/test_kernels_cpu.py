@@ -161,7 +161,15 @@ def test_the_engine_default_on_cpu_is_the_kernel_and_plans_no_block_major_step()
     tables = np.zeros((3, runner.max_blocks_per_seq), np.int32)
     usable = np.arange(1, runner.num_blocks)
     tables[0, : len(usable[::2])], tables[1, : len(usable[1::2])] = usable[::2], usable[1::2]
-    owner, index, major = runner._block_major_plan(tables, 2, np.ones(2, np.int32))
+    from types import SimpleNamespace
+
+    from jaxserve.engine.step_arrays import block_major_plan
+
+    # the three fields of StepArrays the plan reads
+    step = SimpleNamespace(block_tables=tables, rows=2, counts=np.ones(2, np.int32))
+    sizes = dict(num_blocks=runner.num_blocks, max_num_seqs=runner.max_num_seqs, min_use=runner.block_major_min_use)
+    assert bool(block_major_plan(step, **sizes, enabled=True)[2])  # the pure-JAX kernel would go block-major
+    owner, index, major = block_major_plan(step, **sizes, enabled=runner.plans_block_major)
     assert not runner.plans_block_major and not bool(major) and np.all(owner == runner.max_num_seqs)
 
 
