@@ -21,7 +21,12 @@ offsets the worker would subtract. Methods:
   ``plain-calibrated`` likewise for ``plain-space``;
 * ``few-shot``: ``chat`` after eight worked examples (two per class, from
   ``benchmarks/data/topics_fewshot.jsonl``, not in the evaluation set) as
-  prior turns; ``few-shot-calibrated``.
+  prior turns; ``few-shot-calibrated``;
+* ``batch-calibrated``: ``calibrated`` with each label's mean
+  log-probability over the documents taken off before the pick, as
+  ``jaxserve batch`` does to its output after a run
+  (:mod:`jaxserve.batch.calibration`; the content-free offsets cancel out
+  under it); ``few-shot-batch-calibrated``.
 
 To avoid picking a method on the data it is reported on, the documents are
 split into halves (alternate documents of each class): the method with the
@@ -58,6 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from jaxserve.batch import calibration as batch_calibration  # noqa: E402
 from jaxserve.engine import scoring  # noqa: E402
 from jaxserve.tokenizer import labels as L  # noqa: E402
 
@@ -79,6 +85,7 @@ class Method:
     calibrate: bool = False
     few_shot: bool = False
     normalization: str = "sum"
+    batch: bool = False  # batch calibration over the documents (jaxserve.batch.calibration)
 
 
 METHODS = [
@@ -94,14 +101,18 @@ METHODS = [
     Method("calibrated", "chat", INSTRUCTIONS["A"], calibrate=True),
     Method("few-shot", "chat", INSTRUCTIONS["A"], few_shot=True),
     Method("few-shot-calibrated", "chat", INSTRUCTIONS["A"], calibrate=True, few_shot=True),
+    Method("batch-calibrated", "chat", INSTRUCTIONS["A"], calibrate=True, batch=True),
+    Method("few-shot-batch-calibrated", "chat", INSTRUCTIONS["A"], calibrate=True, few_shot=True, batch=True),
 ]
 
 
 def default_method_name() -> str:
     """The method ``jaxserve batch --labels`` uses by default (with the README's template)."""
-    from jaxserve.cli.batch_command import DEFAULT_CALIBRATE, DEFAULT_LABEL_PROMPT
+    from jaxserve.cli.batch_command import DEFAULT_BATCH_CALIBRATION, DEFAULT_CALIBRATE, DEFAULT_LABEL_PROMPT
 
     if DEFAULT_LABEL_PROMPT == "chat":
+        if DEFAULT_BATCH_CALIBRATION:  # content-free calibration cancels out under it
+            return "batch-calibrated"
         return "calibrated" if DEFAULT_CALIBRATE else "chat"
     return "plain-calibrated" if DEFAULT_CALIBRATE else "plain-space"
 
@@ -285,13 +296,18 @@ def main() -> None:
         if m.calibrate:
             cf = jobs[f"{m.name}|cf"]
             offsets = scoring.normalize(scores[f"{m.name}|cf"], [len(x) for x in cf.label_ids], m.normalization)
-        preds = []
+        rows = []
         for d in docs:
             rid = f"{m.name}|{d['id']}"
-            scored = scoring.combine(
-                m.labels, scores[rid], [len(x) for x in jobs[rid].label_ids], m.normalization, offsets
+            rows.append(
+                scoring.combine(m.labels, scores[rid], [len(x) for x in jobs[rid].label_ids], m.normalization, offsets)
             )
-            preds.append(CLASSES[m.labels.index(scoring.best(scored).label)])
+        if m.batch:  # what jaxserve batch does to its output file after the run
+            offs = batch_calibration.offsets([[x.logprob for x in row] for row in rows])
+            picks = [m.labels[batch_calibration.calibrated([x.logprob for x in row], offs)[0]] for row in rows]
+        else:
+            picks = [scoring.best(row).label for row in rows]
+        preds = [CLASSES[m.labels.index(p)] for p in picks]
         acc = {k: sum(preds[i] == gold[i] for i in idx) / max(1, len(idx)) for k, idx in half.items()}
         acc["all"] = sum(p == g for p, g in zip(preds, gold)) / len(docs)
         results[m.name] = {
