@@ -87,6 +87,9 @@ def test_records_in_both_formats_grouped_by_label_set():
     recs += [_openai_line(i, labels, _biased(i), chat=i % 4 < 2) for i in range(20)]
     recs += [_jaxserve_line(100 + i, ["x", "y"], [0.0, -1.0]) for i in range(3)]  # a group too small
     recs += [None, {"id": "e", "status": "error", "error": {"code": "internal"}}, {"status": "ok", "text": "hi"}]
+    odd = _jaxserve_line(200, labels, [0.0, -1.0])
+    odd["labels"][1]["logprob"] = None  # not written by a worker: left alone
+    recs.append(odd)
     summary = C.calibrate_records(recs)
     assert summary.as_dict() == {"groups": 1, "documents": 40, "changed": 20, "too_few": 3}
 
@@ -104,7 +107,8 @@ def test_records_in_both_formats_grouped_by_label_set():
         assert sum(x["prob"] for x in holder["labels"]) == pytest.approx(1.0)
         assert [x["logprob"] for x in holder["labels"]] == _biased(int(rec["custom_id"][1:]))  # kept
     assert recs[40]["text"] == "x" and "label_calibration" not in recs[40]
-    assert recs[-1] == {"status": "ok", "text": "hi"}
+    assert recs[-2] == {"status": "ok", "text": "hi"}
+    assert recs[-1]["text"] == "a" and "label_calibration" not in recs[-1]
 
 
 def test_a_file_is_rewritten_once_and_a_second_pass_changes_nothing(tmp_path):

@@ -38,7 +38,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -108,6 +108,18 @@ def _label_view(rec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], li
     return rec, rec, labels
 
 
+def _scores(labels: list[dict[str, Any]]) -> list[float] | None:
+    """A line's label scores, or None when any is not a finite number (a
+    line written by something else is left alone, never a crash)."""
+    out = []
+    for x in labels:
+        v = x.get("logprob") if isinstance(x, dict) else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        out.append(float(v))
+    return out
+
+
 def _set_pick(holder: dict[str, Any], label: str) -> None:
     holder["content" if "role" in holder else "text"] = label
 
@@ -120,7 +132,7 @@ def calibrate_records(
     groups: dict[tuple[str, ...], list[tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]]] = {}
     for rec in records:
         view = None if rec is None else _label_view(rec)
-        if view is None:
+        if view is None or _scores(view[2]) is None:
             continue
         key = tuple(str(x.get("label")) for x in view[2])
         groups.setdefault(key, []).append(view)
@@ -129,10 +141,10 @@ def calibrate_records(
         if len(members) < min_documents:
             summary.too_few += len(members)
             continue
-        offs = offsets([[float(x["logprob"]) for x in labels] for _, _, labels in members])
+        offs = offsets([cast(list[float], _scores(labels)) for _, _, labels in members])
         summary.groups += 1
         for container, holder, labels in members:
-            best, probs = calibrated([float(x["logprob"]) for x in labels], offs)
+            best, probs = calibrated(cast(list[float], _scores(labels)), offs)
             before = holder.get("content" if "role" in holder else "text")
             if before != names[best]:
                 summary.changed += 1
