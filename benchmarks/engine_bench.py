@@ -9,8 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def load_on_default_kernel(model: str) -> tuple[Any, Any, str]:
-    """A preset's (or folder's) weights on the attention kernel the engine
+def load_on_default_kernel(model: str, quantization: str | None = None) -> tuple[Any, Any, str]:
+    """A preset's (or folder's) weights (``quantization``: ``int8``/``int4``
+    as ``--quantization`` loads them) on the attention kernel the engine
     picks by default for a float32 cache with 64-token blocks: returns
     ``(loaded, attention_impl, reason)``."""
     import jax.numpy as jnp
@@ -19,7 +20,7 @@ def load_on_default_kernel(model: str) -> tuple[Any, Any, str]:
     from jaxserve.models.loader import load_model
     from jaxserve.presets import resolve_model
 
-    loaded = load_model(resolve_model(model))
+    loaded = load_model(resolve_model(model), quantization=quantization)
     cfg = loaded.config
     impl, reason = select_attention(
         "auto",

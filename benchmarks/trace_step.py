@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64, help="decode: the number of sequences (1-64)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weights as --quantization loads them"
+    )
+    ap.add_argument(
         "--top", type=int, default=0, help="also list the N costliest single ops (name, ms and calls per step)"
     )
     args = ap.parse_args()
@@ -62,7 +65,7 @@ def main() -> None:
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
 
-    loaded, impl, reason = eb.load_on_default_kernel(args.model)
+    loaded, impl, reason = eb.load_on_default_kernel(args.model, args.quantization)
     cfg = loaded.config
     if args.step == "mixed":  # the shape of classify_docs.py's steps (256 sequences, 4096-token budget)
         sizes = dict(
@@ -145,6 +148,7 @@ def main() -> None:
     result = {
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "model": args.model,
+        "quantization": args.quantization,
         "step": args.step,
         "kernel": impl.kernel,
         "reason": reason,
