@@ -38,9 +38,11 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import orjson
+
+from jaxserve.engine import scoring
 
 #: fewest lines scored against one label set for their offsets to be
 #: estimated; smaller groups keep the worker's pick
@@ -70,11 +72,14 @@ def offsets(rows: Sequence[Sequence[float]]) -> list[float]:
 
 def calibrated(row: Sequence[float], offs: Sequence[float]) -> tuple[int, list[float]]:
     """The pick (index of the best label, the first on a tie) and each
-    label's probability over the label set, from scores minus offsets."""
-    shifted = [x - o for x, o in zip(row, offs, strict=True)]
-    best = max(range(len(shifted)), key=lambda k: (shifted[k], -k))
-    probs = [math.exp(v) for v in _log_softmax(shifted)]
-    return best, probs
+    label's probability over the label set, from scores minus offsets: the
+    worker's own arithmetic for calibration offsets
+    (:func:`jaxserve.engine.scoring.combine` and ``best``). The scores are
+    already normalized, which ``"sum"`` leaves as they are (the token
+    counts, 1 here, are not read)."""
+    names = [str(k) for k in range(len(row))]
+    scored = scoring.combine(names, row, [1] * len(row), "sum", offs)
+    return int(scoring.best(scored).label), [x.prob for x in scored]
 
 
 @dataclasses.dataclass
@@ -120,8 +125,9 @@ def _scores(labels: list[dict[str, Any]]) -> list[float] | None:
     return out
 
 
-def _set_pick(holder: dict[str, Any], label: str) -> None:
-    holder["content" if "role" in holder else "text"] = label
+def _pick_key(holder: dict[str, Any]) -> str:
+    """Where a holder keeps its pick: a chat message's ``content``, else ``text``."""
+    return "content" if "role" in holder else "text"
 
 
 def calibrate_records(
@@ -129,26 +135,27 @@ def calibrate_records(
 ) -> CalibrationSummary:
     """Batch-calibrate the label lines among ``records`` in place (lines of
     other kinds, and None for unreadable ones, are left alone)."""
-    groups: dict[tuple[str, ...], list[tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]]] = {}
+    # per label set: each line's (container, holder, labels, scores)
+    groups: dict[tuple[str, ...], list[tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], list[float]]]] = {}
     for rec in records:
         view = None if rec is None else _label_view(rec)
-        if view is None or _scores(view[2]) is None:
+        scores = None if view is None else _scores(view[2])
+        if view is None or scores is None:
             continue
         key = tuple(str(x.get("label")) for x in view[2])
-        groups.setdefault(key, []).append(view)
+        groups.setdefault(key, []).append((*view, scores))
     summary = CalibrationSummary()
     for names, members in groups.items():
         if len(members) < min_documents:
             summary.too_few += len(members)
             continue
-        offs = offsets([cast(list[float], _scores(labels)) for _, _, labels in members])
+        offs = offsets([scores for *_, scores in members])
         summary.groups += 1
-        for container, holder, labels in members:
-            best, probs = calibrated(cast(list[float], _scores(labels)), offs)
-            before = holder.get("content" if "role" in holder else "text")
-            if before != names[best]:
+        for container, holder, labels, scores in members:
+            best, probs = calibrated(scores, offs)
+            if holder.get(_pick_key(holder)) != names[best]:
                 summary.changed += 1
-            _set_pick(holder, names[best])
+            holder[_pick_key(holder)] = names[best]
             for x, p in zip(labels, probs, strict=True):
                 x["prob"] = p
             container["label_calibration"] = {"method": "batch", "documents": len(members)}
@@ -158,7 +165,8 @@ def calibrate_records(
 
 def calibrate_file(path: str | Path, min_documents: int = MIN_DOCUMENTS) -> CalibrationSummary:
     """Batch-calibrate every label line of an output file, rewriting it
-    (atomically) when any line changed; other lines are kept byte for byte."""
+    (atomically) when any line changed; the lines it did not change are
+    kept byte for byte."""
     path = Path(path)
     if not path.exists():
         return CalibrationSummary()
@@ -174,7 +182,7 @@ def calibrate_file(path: str | Path, min_documents: int = MIN_DOCUMENTS) -> Cali
     summary = calibrate_records(records, min_documents)
     after = [None if r is None else orjson.dumps(r) for r in records]
     if after != before:
-        lines = [a if a is not None else line for a, line in zip(after, raw, strict=True)]
+        lines = [a if a is not None and a != b else line for a, b, line in zip(after, before, raw, strict=True)]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(b"".join(x + b"\n" for x in lines))
         os.replace(tmp, path)
