@@ -480,6 +480,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--quantization", choices=["int8", "int4"], default=None, help="weights as --quantization loads them")
     parser.add_argument("--skip-components", action="store_true")
     parser.add_argument(
         "--experiments",
@@ -507,6 +508,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(args.input_len + args.output_len, 64),
         enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     startup = time.perf_counter() - t0
     prompts = make_prompts(folder, n, args.input_len)
@@ -517,6 +519,7 @@ def main() -> None:
         "git": git_state(),
         "load_avg_1m_before": round(os.getloadavg()[0], 2),
         "num_prompts": n,
+        "quantization": args.quantization,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "startup_s": round(startup, 2),

@@ -28,7 +28,15 @@
 //   rows x up to 4 tokens holds 16-lane float accumulators; per 64 weights
 //   (two blocks) and (row, token) one vpdpbusd into an int32 vector that
 //   starts at the block's offset correction, one conversion, one FMA with
-//   the two blocks' d * dx (lanes 0-7 block 0, 8-15 block 1).
+//   the two blocks' d * dx (lanes 0-7 block 0, 8-15 block 1). The rows 16
+//   below a tile are prefetched (T1 hint) as it reads its own. With only
+//   the next 256 bytes of each row prefetched, as before, 120 SmolLM2-135M
+//   layer products at one token took 6.3-7.5 ms (17 GB/s, 30 distinct
+//   layers' weights so nothing stays in cache); with 8, 16 or 32 rows
+//   ahead 4.9-5.9 ms (alternated runs of a throwaway probe; 16 is
+//   matvec_cpu.cc's distance too), and the int8 one-prompt decode of
+//   `suite.py run offline-smollm2` went from 86 to 113-117 tok/s
+//   (benchmarks/offline_profile.py --quantization int8 --num-prompts 1).
 // - prefill (T > 8): tokens in the vector lanes, 16 a vector, so each
 //   4-byte group of a weight row is broadcast once for 2 x 16 tokens and
 //   each activation vector serves a tile of 6 rows; a block's 8 vpdpbusd
@@ -69,6 +77,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kGroup = 32;
+// Decode: the weight rows this far below a tile are prefetched into L2 as
+// the tile reads its own (matvec_cpu.cc's kAheadRows, for the same reason).
+constexpr int64_t kDecodeAheadRows = 16;
 constexpr int64_t kDecodeMaxTokens = 8;  // above: the prefill loop (benchmarks/quant_kernel_ab.py)
 enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 
@@ -106,6 +117,40 @@ struct Activations {
 
 // Quantizes x [I, T] (feature-major): for the decode loop token-major; for
 // the prefill loop in groups of 4 features per token, tokens padded to Tp.
+#if defined(JAXSERVE_QUANT_VNNI)
+// The decode layout's quantization with AVX-512, the same arithmetic as the
+// scalar loop below (one multiply for d, one IEEE division for 1 / d, the
+// product rounded half to even by the conversion), so the two give the
+// same integers (tests/test_quant_kernels.py): one token's 32 features a
+// block, read from x directly at T = 1, from a token-major copy above.
+void QuantizeDecodeVnni(const float* x, int64_t I, int64_t T, Activations& a) {
+  const int64_t G = a.G;
+  std::vector<float> tm;
+  if (T > 1) {
+    tm.resize(static_cast<size_t>(T * I));
+    for (int64_t k = 0; k < I; ++k)
+      for (int64_t t = 0; t < T; ++t) tm[t * I + k] = x[k * T + t];
+  }
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = T > 1 ? tm.data() + t * I : x;
+    for (int64_t b = 0; b < G; ++b) {
+      const __m512 v0 = _mm512_loadu_ps(xt + b * kGroup), v1 = _mm512_loadu_ps(xt + b * kGroup + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      volatile float d_kept = amax * (1.0f / 127.0f);
+      const float d = d_kept;
+      volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
+      const __m512 inv = _mm512_set1_ps(inv_kept);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + t * I + b * kGroup), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + t * I + b * kGroup + 16), _mm512_cvtsepi32_epi8(q1));
+      a.dx[t * G + b] = d;
+      a.sx[t * G + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+  }
+}
+#endif
+
 void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Activations& a) {
   a.I = I;
   a.T = T;
@@ -115,6 +160,9 @@ void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Act
   a.xq.assign(static_cast<size_t>(I * Tp), 0);
   a.dx.assign(static_cast<size_t>(G * Tp), 0.0f);
   a.sx.assign(static_cast<size_t>(G * Tp), 0);
+#if defined(JAXSERVE_QUANT_VNNI)
+  if (!prefill) return QuantizeDecodeVnni(x, I, T, a);
+#endif
   float v[kGroup];
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < G; ++b) {
@@ -272,7 +320,7 @@ void DecodeTile(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, c
     __m512 d[R], m[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* row = q + (o + r) * row_bytes;
-      __builtin_prefetch(row + (c + 4) * (kind == kQ8_0 ? 64 : 32), 0, 0);
+      __builtin_prefetch(row + kDecodeAheadRows * row_bytes + c * (kind == kQ8_0 ? 64 : 32), 0, 1);
       w[r] = LoadWeights<kind>(row, c, half);
       d[r] = half ? OneHalf(scale + (o + r) * G + 2 * c) : PairOfHalves(scale + (o + r) * G + 2 * c);
       if (kind == kQ4_1) m[r] = half ? OneHalf(mins + (o + r) * G + 2 * c) : PairOfHalves(mins + (o + r) * G + 2 * c);
