@@ -249,6 +249,9 @@ def main() -> None:
     )
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weights as --quantization loads them"
+    )
+    ap.add_argument(
         "--out", default=None, help="results JSON (default benchmarks/results/classify-accuracy-<UTC>.json)"
     )
     ap.add_argument("--plot", default=str(ROOT / "docs/img/classify-confusion.png"))
@@ -269,6 +272,7 @@ def main() -> None:
         max_model_len=1024,
         max_num_batched_tokens=1024,
         enable_prefix_caching=True,
+        quantization=args.quantization,
     )
     tok = llm.engine.tokenizer
     load_s = time.time() - t0
@@ -347,6 +351,7 @@ def main() -> None:
         "commit": commit,
         "utc": stamp,
         "model": args.model,
+        "quantization": args.quantization,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "data": os.path.relpath(args.data, ROOT),
         "documents": len(docs),
