@@ -480,7 +480,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--quantization", choices=["int8", "int4"], default=None, help="weights as --quantization loads them")
+    parser.add_argument(
+        "--quantization", choices=["int8", "int4"], default=None, help="weights as --quantization loads them"
+    )
     parser.add_argument("--skip-components", action="store_true")
     parser.add_argument(
         "--experiments",
