@@ -122,9 +122,15 @@ struct Activations {
   std::vector<int32_t> sx;    // same layout as dx: sum of the block's xq
 };
 
-// Quantizes x [I, T] (feature-major): for the decode loop token-major; for
-// the prefill loop in groups of 4 features per token, tokens padded to Tp.
 #if defined(JAXSERVE_QUANT_VNNI)
+// x [I, T] (feature-major) as token-major rows [T, I].
+std::vector<float> TokenMajor(const float* x, int64_t I, int64_t T) {
+  std::vector<float> out(static_cast<size_t>(T * I));
+  for (int64_t k = 0; k < I; ++k)
+    for (int64_t t = 0; t < T; ++t) out[t * I + k] = x[k * T + t];
+  return out;
+}
+
 // The decode layout's quantization with AVX-512, the same arithmetic as the
 // scalar loop below (one multiply for d, one IEEE division for 1 / d, the
 // product rounded half to even by the conversion), so the two give the
@@ -132,12 +138,7 @@ struct Activations {
 // block, read from x directly at T = 1, from a token-major copy above.
 void QuantizeDecodeVnni(const float* x, int64_t I, int64_t T, Activations& a) {
   const int64_t G = a.G;
-  std::vector<float> tm;
-  if (T > 1) {
-    tm.resize(static_cast<size_t>(T * I));
-    for (int64_t k = 0; k < I; ++k)
-      for (int64_t t = 0; t < T; ++t) tm[t * I + k] = x[k * T + t];
-  }
+  const std::vector<float> tm = T > 1 ? TokenMajor(x, I, T) : std::vector<float>();
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = T > 1 ? tm.data() + t * I : x;
@@ -197,6 +198,8 @@ void QuantizePrefillVnni(const float* x, int64_t I, int64_t T, Activations& a) {
 }
 #endif
 
+// Quantizes x [I, T] (feature-major): for the decode loop token-major; for
+// the prefill loop in groups of 4 features per token, tokens padded to Tp.
 void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Activations& a) {
   a.I = I;
   a.T = T;
@@ -621,9 +624,7 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
     job->prefill = false;
     job->a.I = I;
     job->a.T = T;
-    job->xt.resize(static_cast<size_t>(T * I));
-    for (int64_t k = 0; k < I; ++k)
-      for (int64_t t = 0; t < T; ++t) job->xt[t * I + k] = x.typed_data()[k * T + t];
+    job->xt = TokenMajor(x.typed_data(), I, T);
   } else
 #endif
   {
