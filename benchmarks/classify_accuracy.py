@@ -307,8 +307,9 @@ def main() -> None:
                 scoring.combine(m.labels, scores[rid], [len(x) for x in jobs[rid].label_ids], m.normalization, offsets)
             )
         if m.batch:  # what jaxserve batch does to its output file after the run
-            offs = batch_calibration.offsets([[x.logprob for x in row] for row in rows])
-            picks = [m.labels[batch_calibration.calibrated([x.logprob for x in row], offs)[0]] for row in rows]
+            logprobs = [[x.logprob for x in row] for row in rows]
+            offs = batch_calibration.offsets(logprobs)
+            picks = [m.labels[batch_calibration.calibrated(lp, offs)[0]] for lp in logprobs]
         else:
             picks = [scoring.best(row).label for row in rows]
         preds = [CLASSES[m.labels.index(p)] for p in picks]
