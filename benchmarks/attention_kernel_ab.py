@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/attention_kernel_ab.py --baseline 2278206        # that commit's kernel vs the working tree's
     .venv/bin/python benchmarks/attention_kernel_ab.py --baseline REV --context 512 --seqs 32
+    .venv/bin/python benchmarks/attention_kernel_ab.py --baseline REV --kv-heads 3 --group 3   # SmolLM2-135M
 
 Builds ``jaxserve/kernels/cpu/paged_attention_cpu.cc`` as it is at
 ``--baseline`` (``git show REV:...``) and as it is in the working tree, each
 into its own library registered under its own FFI target, then times one
 decode step's attention for ``--layers`` layers: ``--seqs`` sequences of
-one query token at ``--context`` cached tokens, GQA 8/4 heads of 64, blocks
+one query token at ``--context`` cached tokens, GQA ``--kv-heads`` x ``--group``
+query heads of 64 (default 4 x 2), blocks
 of 64 at shuffled places in a cache of ``--num-blocks`` blocks per layer
 (each layer its own cache, so every step reads its keys and values from
 memory, as a real decode step does). The two versions alternate per
@@ -37,11 +39,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--num-blocks", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--group", type=int, default=2, help="query heads per kv head (SmolLM2-135M: 3 kv heads, group 3)")
     args = ap.parse_args()
     import jax
     import jax.numpy as jnp
 
-    T, KVH, G, D, BS, L = args.seqs, 4, 2, 64, 64, args.layers
+    T, KVH, G, D, BS, L = args.seqs, args.kv_heads, args.group, 64, 64, args.layers
     M = (args.context + BS) // BS  # blocks per sequence, the query's own slot included
     if T * M >= args.num_blocks:
         raise SystemExit(f"--num-blocks {args.num_blocks} cannot hold {T} sequences of {M} blocks")
@@ -99,6 +103,8 @@ def main() -> None:
             "seqs": T,
             "context": args.context,
             "layers": L,
+            "kv_heads": KVH,
+            "group": G,
             "num_blocks": args.num_blocks,
             "same_outputs": same,
             "speedup": round(speedup, 3),

@@ -96,7 +96,7 @@ def _paged_case(seed: int, *, block_size: int, head_dim: int, kv_heads: int, gro
 
 @needs_kernel
 @pytest.mark.parametrize("block_size,head_dim", [(64, 64), (16, 32), (64, 128)])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6])
 def test_matches_the_pure_jax_kernel(block_size, head_dim, group):
     # decodes at block boundaries and mid-block, a long prefill chunk over a
     # cached prefix, a fresh prompt; 64 x 64 takes the unrolled code path

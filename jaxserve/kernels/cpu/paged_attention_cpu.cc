@@ -22,7 +22,7 @@
 // Each (token, kv head) pair is computed by one thread in one fixed order,
 // so a token's result never depends on the rest of the batch or on threads.
 // In the 64 x 64 case the pair's query heads share each key and value load
-// two at a time where the host has 32 vector registers (AVX-512), and the
+// three or two at a time where the host has 32 vector registers (AVX-512), and the
 // keys of a block no query can see yet (a prompt's last, partly written
 // block) are not scored; neither changes any head's order of operations.
 //
@@ -65,9 +65,9 @@ inline void PrefetchRow(const float* p) {
 }
 
 #if defined(__AVX512F__)
-constexpr bool kPairHeads = true;
+constexpr bool kGroupHeads = true;
 #else
-constexpr bool kPairHeads = false;
+constexpr bool kGroupHeads = false;
 #endif
 
 struct Shapes {
@@ -80,6 +80,23 @@ typedef float V8 __attribute__((vector_size(32)));
 
 inline V8 Load8(const float* p) {
   V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The vector of the 64 x 64 case's score and value loops: sixteen floats
+// where the host has AVX-512 (half the instructions of eight), else V8. The
+// lane count only splits keys (scores) or dimensions (values) differently;
+// every sum is the same chain of operations, so the results are the same.
+#if defined(__AVX512F__)
+typedef float VW __attribute__((vector_size(64)));
+#else
+typedef V8 VW;
+#endif
+constexpr int kW = sizeof(VW) / sizeof(float);
+
+inline VW LoadW(const float* p) {
+  VW v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
@@ -105,34 +122,30 @@ inline float VecExp(float x) {
   return y * scale;
 }
 
-// Scores of up to two query rows against one 64-key block (keys transposed:
-// kb is [64 dims][64 keys]): NC chunks of 8 keys (4: only the first 32 keys
-// can be visible). Both rows share every key load; each row's sums run over
-// d in the same order as for one row alone, so a row's scores do not
-// depend on whether it was paired.
-template <int NC, bool kTwo>
-inline void Scores64(const float* kb, const float* vb, const float* q0, const float* q1, float* sc0, float* sc1) {
-  V8 a[NC] = {}, b[NC] = {};
+// Scores of NR query rows (1-3) against one 64-key block (keys transposed:
+// kb is [64 dims][64 keys]), for its first NK keys (64, or 32 when only
+// those can be visible). The rows share every key load; each row's sums run
+// over d in the same order as for one row alone, so a row's scores do not
+// depend on which rows it was grouped with.
+template <int NK, int NR>
+inline void Scores64(const float* kb, const float* vb, const float* const* qs, float* const* scs) {
+  constexpr int NC = NK / kW;
+  VW a[NR][NC] = {};
   for (int64_t d = 0; d < 64; ++d) {
-    const float x0 = q0[d];
-    const float x1 = kTwo ? q1[d] : 0.0f;
+    float x[NR];
+    for (int r = 0; r < NR; ++r) x[r] = qs[r][d];
     const float* krow = kb + d * 64;
     PrefetchRow(d + kAheadRows < 64 ? krow + kAheadRows * 64 : vb + (d + kAheadRows - 64) * 64);
     for (int i = 0; i < NC; ++i) {
-      const V8 k = Load8(krow + 8 * i);
-      a[i] += x0 * k;
-      if (kTwo) b[i] += x1 * k;
+      const VW k = LoadW(krow + kW * i);
+      for (int r = 0; r < NR; ++r) a[r][i] += x[r] * k;
     }
   }
-  for (int i = 0; i < NC; ++i) std::memcpy(sc0 + 8 * i, &a[i], sizeof(V8));
-  if (kTwo) {
-    for (int i = 0; i < NC; ++i) std::memcpy(sc1 + 8 * i, &b[i], sizeof(V8));
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < NC; ++i) std::memcpy(scs[r] + kW * i, &a[r][i], sizeof(VW));
   }
 }
 
-// Masks a row's block scores to keys [c0, c1) and folds them into its online
-// softmax: returns the rescale factor of the row's accumulator and leaves
-// the weights (0 outside [c0, c1)) in sc.
 template <int64_t kBS>
 inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m, float* l) {
   // (keys past c1 may not have been computed: Block64's half-block case)
@@ -160,54 +173,58 @@ inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m
   return alpha;
 }
 
-// acc rows (64 dims) rescaled by alpha and accumulated with the weights over
-// keys [c0, c1) of a [64 keys][64 dims] value block; two rows share each
-// value load, and each row's order of operations is that of one row alone.
-// nk: the next block's keys (this kv head's), to request ahead; or null.
-template <bool kTwo>
-inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, const float* p0, const float* p1, float alpha0,
-                     float alpha1, float* acc0, float* acc1) {
-  V8 o[8], r[8];
-  for (int i = 0; i < 8; ++i) o[i] = alpha0 * Load8(acc0 + 8 * i);
-  if (kTwo) {
-    for (int i = 0; i < 8; ++i) r[i] = alpha1 * Load8(acc1 + 8 * i);
+// NR acc rows (64 dims) rescaled by their alpha and accumulated with their
+// weights over keys [c0, c1) of a [64 keys][64 dims] value block; the rows
+// share each value load, and each row's order of operations is that of one
+// row alone. nk: the next block's keys (this kv head's), to request ahead;
+// or null.
+template <int NR>
+inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, const float* const* ps,
+                     const float* alphas, float* const* accs) {
+  constexpr int NV = 64 / kW;
+  VW o[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < NV; ++i) o[r][i] = alphas[r] * LoadW(accs[r] + kW * i);
   }
   for (int64_t c = c0; c < c1; ++c) {
-    const float w0 = p0[c];
-    const float w1 = kTwo ? p1[c] : 0.0f;
+    float w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = ps[r][c];
     const float* vrow = vb + c * 64;
     if (c + kAheadRows < 64) {
       PrefetchRow(vrow + kAheadRows * 64);
     } else if (nk != nullptr) {
       PrefetchRow(nk + (c + kAheadRows - 64) * 64);
     }
-    for (int i = 0; i < 8; ++i) {
-      const V8 v = Load8(vrow + 8 * i);
-      o[i] += w0 * v;
-      if (kTwo) r[i] += w1 * v;
+    for (int i = 0; i < NV; ++i) {
+      const VW v = LoadW(vrow + kW * i);
+      for (int r = 0; r < NR; ++r) o[r][i] += w[r] * v;
     }
   }
-  for (int i = 0; i < 8; ++i) std::memcpy(acc0 + 8 * i, &o[i], sizeof(V8));
-  if (kTwo) {
-    for (int i = 0; i < 8; ++i) std::memcpy(acc1 + 8 * i, &r[i], sizeof(V8));
+  for (int r = 0; r < NR; ++r) {
+    for (int i = 0; i < NV; ++i) std::memcpy(accs[r] + kW * i, &o[r][i], sizeof(VW));
   }
 }
 
-// One block for query rows g0 (and g0 + 1 when kTwo) of the 64 x 64 case.
-template <bool kTwo>
+// One block for query rows g0 .. g0 + NR - 1 of the 64 x 64 case.
+template <int NR>
 inline void Block64(const float* kb, const float* vb, const float* nk, const float* q, int64_t g0, int64_t c0, int64_t c1,
                     float* scores, float* acc, float* m, float* l) {
-  const int64_t g1 = kTwo ? g0 + 1 : g0;
-  float* sc0 = scores + g0 * 64;
-  float* sc1 = scores + g1 * 64;
-  if (c1 <= 32) {
-    Scores64<4, kTwo>(kb, vb, q + g0 * 64, q + g1 * 64, sc0, sc1);
-  } else {
-    Scores64<8, kTwo>(kb, vb, q + g0 * 64, q + g1 * 64, sc0, sc1);
+  const float* qs[NR];
+  float* scs[NR];
+  float* accs[NR];
+  for (int r = 0; r < NR; ++r) {
+    qs[r] = q + (g0 + r) * 64;
+    scs[r] = scores + (g0 + r) * 64;
+    accs[r] = acc + (g0 + r) * 64;
   }
-  const float alpha0 = SoftmaxStep<64>(sc0, 64, c0, c1, m + g0, l + g0);
-  const float alpha1 = kTwo ? SoftmaxStep<64>(sc1, 64, c0, c1, m + g1, l + g1) : 0.0f;
-  Values64<kTwo>(vb, nk, c0, c1, sc0, sc1, alpha0, alpha1, acc + g0 * 64, acc + g1 * 64);
+  if (c1 <= 32) {
+    Scores64<32, NR>(kb, vb, qs, scs);
+  } else {
+    Scores64<64, NR>(kb, vb, qs, scs);
+  }
+  float alphas[NR];
+  for (int r = 0; r < NR; ++r) alphas[r] = SoftmaxStep<64>(scs[r], 64, c0, c1, m + g0 + r, l + g0 + r);
+  Values64<NR>(vb, nk, c0, c1, scs, alphas, accs);
 }
 
 // One (token, kv head) pair: online softmax over the visible blocks.
@@ -256,14 +273,18 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       }
     }
     if constexpr (kBS == 64 && kD == 64) {
-      // With 32 vector registers (AVX-512), query heads go in pairs: each key
-      // and value row is loaded once for both. With 16 (AVX2) the pair's 16
-      // accumulators would spill, so each head runs alone.
+      // With 32 vector registers (AVX-512), query heads go in threes (when
+      // G is a multiple of 3: SmolLM2's 9 over 3) or pairs: each key and
+      // value row is loaded once for the group, 24 accumulators. With 16
+      // (AVX2) a pair's 16 accumulators would spill, so each head runs alone.
       int64_t g = 0;
-      if constexpr (kPairHeads) {
-        for (; g + 1 < G; g += 2) Block64<true>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+      if constexpr (kGroupHeads) {
+        if (G % 3 == 0) {
+          for (; g + 2 < G; g += 3) Block64<3>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+        }
+        for (; g + 1 < G; g += 2) Block64<2>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
       }
-      for (; g < G; ++g) Block64<false>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+      for (; g < G; ++g) Block64<1>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {
