@@ -99,7 +99,7 @@ def main() -> None:
         "attention-kernel-ab",
         {
             "command": " ".join([".venv/bin/python", *sys.argv]),
-            "baseline": args.baseline,
+            "baseline": kb.commit_of(args.baseline),
             "seqs": T,
             "context": args.context,
             "layers": L,

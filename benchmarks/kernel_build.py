@@ -23,6 +23,12 @@ def _git_show(rev: str, path: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+def commit_of(rev: str) -> str:
+    """``rev`` as a short commit hash (what a result records: ``HEAD`` moves)."""
+    proc = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 else rev
+
+
 def register_versions(baseline: str, source: str, symbol: str, prefix: str) -> dict[str, str]:
     """FFI targets ``{"baseline": ..., "working tree": ...}`` of ``symbol`` in
     ``source`` (a file name under jaxserve/kernels/cpu) at ``baseline`` and

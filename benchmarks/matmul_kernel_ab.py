@@ -94,7 +94,7 @@ def main() -> None:
         "matmul-kernel-ab",
         {
             "command": " ".join([".venv/bin/python", *sys.argv]),
-            "baseline": args.baseline,
+            "baseline": kb.commit_of(args.baseline),
             "kernel": args.kernel,
             "tokens": T,
             "layers": args.layers,
