@@ -14,7 +14,7 @@ engine's C++ CPU kernels (``--pure-jax``: the pure-JAX path GPU/TPU run):
   benchmark; about 4,000 tokens) in non-overlapping windows.
 
 Must-show (issue 25): int8 agreement >= 90 % and perplexity within 2 % of
-float32; int4 within 10 %. Writes ``benchmarks/results/quant-quality-<UTC
+float32; int4 within 10 %. Writes ``benchmarks/results/quant-quality-report-<UTC
 timestamp>.json`` and prints a table.
 
 The default model is the ``smollm2-135m`` preset (SmolLM2-135M-Instruct from
@@ -229,7 +229,7 @@ def main() -> None:
         ).stdout.strip()
     except OSError:
         commit = ""
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H%M%SZ")  # the results folder's naming rule
     record = {
         "benchmark": "quant_quality",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -249,7 +249,7 @@ def main() -> None:
     }
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"quant-quality-{stamp}.json"
+    path = out_dir / f"quant-quality-report-{stamp}.json"  # not the suite's quant-quality result
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{'variant':8} {'agreement':>10} {'max dlogp':>10} {'ppl':>9} {'ppl/f32':>8} {'MB':>8}")
     for name, r in results.items():
