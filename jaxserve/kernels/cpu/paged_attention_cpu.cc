@@ -146,6 +146,9 @@ inline void Scores64(const float* kb, const float* vb, const float* const* qs, f
   }
 }
 
+// Masks a row's block scores to keys [c0, c1) and folds them into its online
+// softmax: returns the rescale factor of the row's accumulator and leaves
+// the weights (0 outside [c0, c1)) in sc.
 template <int64_t kBS>
 inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m, float* l) {
   // (keys past c1 may not have been computed: Block64's half-block case)
@@ -275,8 +278,9 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     if constexpr (kBS == 64 && kD == 64) {
       // With 32 vector registers (AVX-512), query heads go in threes (when
       // G is a multiple of 3: SmolLM2's 9 over 3) or pairs: each key and
-      // value row is loaded once for the group, 24 accumulators. With 16
-      // (AVX2) a pair's 16 accumulators would spill, so each head runs alone.
+      // value row is loaded once for the group (three rows hold 12
+      // accumulators of 16 floats). With 16 (AVX2) a pair's 16 accumulators
+      // of 8 floats would spill, so each head runs alone.
       int64_t g = 0;
       if constexpr (kGroupHeads) {
         if (G % 3 == 0) {
