@@ -152,6 +152,27 @@ def reply_queue_name(prefix: str, out_path: Path) -> str:
     return f"{prefix}.reply.batch-{hashlib.sha256(str(out_path.resolve()).encode()).hexdigest()[:16]}"
 
 
+def plan_publish(todo: list[BatchItem]) -> tuple[list[BatchItem], dict[str, list[BatchItem]]]:
+    """The items to publish, and for each published key the items that ride
+    on it: deterministic requests with identical bodies are computed once
+    (every item still gets its own output line). Shared by ``jaxserve
+    batch`` and the gateway's Batch API (``jaxserve.gateway.batch_runner``)."""
+    followers: dict[str, list[BatchItem]] = collections.defaultdict(list)
+    leaders: dict[bytes, BatchItem] = {}
+    publish: list[BatchItem] = []
+    for item in todo:
+        assert item.body is not None
+        if is_deterministic(item.body):
+            ident = canonical(item.body)
+            lead = leaders.get(ident)
+            if lead is not None:
+                followers[lead.key].append(item)
+                continue
+            leaders[ident] = item
+        publish.append(item)
+    return publish, dict(followers)
+
+
 def run_batch(items: list[BatchItem], out_path: str | Path, settings: BatchSettings) -> BatchSummary:
     out_path = Path(out_path)
     summary = BatchSummary()
@@ -170,21 +191,8 @@ def run_batch(items: list[BatchItem], out_path: str | Path, settings: BatchSetti
                 writer.error(item, code, message)  # a request the file names gets its error line
             continue
         todo.append(item)
-    # Deterministic duplicates ride on the first of their kind.
-    followers: dict[str, list[BatchItem]] = collections.defaultdict(list)
-    leaders: dict[bytes, BatchItem] = {}
-    publish: list[BatchItem] = []
-    for item in todo:
-        assert item.body is not None
-        if is_deterministic(item.body):
-            ident = canonical(item.body)
-            lead = leaders.get(ident)
-            if lead is not None:
-                followers[lead.key].append(item)
-                summary.deduplicated += 1
-                continue
-            leaders[ident] = item
-        publish.append(item)
+    publish, followers = plan_publish(todo)
+    summary.deduplicated = sum(len(v) for v in followers.values())
     try:
         summary.missing = asyncio.run(_run(publish, followers, writer, out_path, settings))
     finally:
