@@ -10,9 +10,11 @@ import pytest
 
 from jaxserve.worker.limits import (
     LimitsConfig,
+    LimitsFileError,
     MemoryLimiter,
     RedisLimiter,
     TenantLimit,
+    load_limits,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,6 +72,22 @@ async def test_tokens_are_charged_as_of_the_arrival(limiter):
     assert not over.allowed and over.reason == "tokens_per_min" and over.retry_after_s == pytest.approx(5.0, abs=0.01)
     await limiter.release("acme", "big", 300)  # it used half: the rest comes back
     assert (await limiter.charge("acme", "more", 100, T0 + 5.0)).allowed
+
+
+async def test_a_job_over_the_whole_minute_of_tokens_is_refused_for_good(limiter):
+    # 600 a minute; a job of 601 would wait forever (and used to slip through uncharged)
+    for i in range(4):
+        assert (await limiter.arrive("acme", f"big{i}", T0 + i)).allowed
+        over = await limiter.charge("acme", f"big{i}", 601, T0 + i)
+        assert not over.allowed and over.reason == "tokens_per_min" and over.never and over.limit == 600
+    assert (await limiter.charge("acme", "whole", 600, T0 + 4)).allowed  # nothing was taken
+
+
+def test_a_burst_under_one_request_is_a_file_error(tmp_path):
+    path = tmp_path / "limits.yaml"
+    path.write_text("tenants:\n  acme: {requests_per_s: 1, burst: 0.5}\n")
+    with pytest.raises(LimitsFileError, match=r"tenants.acme.burst must be at least 1 \(one request\), got 0.5"):
+        load_limits(path)
 
 
 async def test_max_in_flight_counts_from_arrival_until_release():

@@ -80,6 +80,20 @@ async def test_a_budget_refusal_takes_no_tokens(limiter):
     assert (await limiter.charge("acme", "c", 100_000 - 1000, T0, cost=0.0)).allowed
 
 
+async def test_a_job_larger_than_the_whole_budget_is_refused_for_good(limiter):
+    # 1000 + 1000 tokens: 0.012, more than acme's whole 0.01 a day; four of them, as a new user sent
+    for i in range(4):
+        over = await admit(limiter, "acme", f"big{i}", 1000, 1000, T0 + i)
+        assert not over.allowed and over.reason == "cost_per_day" and over.never, over
+        assert over.needed == pytest.approx(0.012) and over.limit == 0.01
+    # nothing was taken: the whole budget (and every token) is still there
+    assert (await admit(limiter, "acme", "fits", 0, 1000, T0 + 4)).allowed  # 0.01
+    assert (await limiter.charge("acme", "t", 100_000 - 1000, T0 + 4, cost=0.0)).allowed
+    # tokens the same way: more than the minute's whole 100 000 never fits
+    tokens = await limiter.charge("acme", "huge", 100_001, T0 + 5, cost=0.0)
+    assert not tokens.allowed and tokens.reason == "tokens_per_min" and tokens.never
+
+
 async def test_the_budget_refills_over_a_day(limiter):
     assert (await admit(limiter, "acme", "a", 0, 1000, T0)).allowed  # 0.01: all of it
     assert not (await admit(limiter, "acme", "b", 0, 100, T0 + DAY_S / 20)).allowed  # 0.0005 back, 0.001 asked

@@ -89,6 +89,30 @@ async def test_tokens_per_minute_and_max_in_flight(harness, client):
     assert w.stats["rejected_rate_limited"] == 2
 
 
+async def test_a_job_larger_than_its_tenants_whole_limit_is_refused_for_good(harness, client):
+    """Budgets smaller than one job: four 20-token jobs (10 prompt + 10
+    max_tokens, the echo engine's one token per byte) of a tenant with 10
+    tokens a minute, and of one whose day's budget is less than one job's
+    cost. Each is rate_limited, not retryable, saying it can never fit, and
+    none reaches the engine; a batch one is answered too (a wait in the
+    broker would never end)."""
+    from jaxserve.cost import PriceTable
+
+    eng = EchoEngine(step_s=0.002)
+    prices = PriceTable.from_values(prompt_per_million=1.0, completion_per_million=1.0)  # 20 tokens: 0.00002
+    cfg = limits(small={"tokens_per_min": 10}, poor={"cost_per_day": 0.00001})
+    w = await harness.start(eng, limits=cfg, prices=prices)
+    for tenant, reason, whole in (("small", "tokens_per_min", "10"), ("poor", "cost_per_day", "1e-05 USD")):
+        jobs = [client.submit("0123456789", max_tokens=10, tenant=tenant, timeout=10) for _ in range(3)]
+        batch = await client.publish({"prompt": "0123456789", "max_tokens": 10, "tenant": tenant}, queue="batch")
+        for r in [*(await asyncio.gather(*jobs)), await client.wait(batch, timeout=10)]:
+            assert r.error is not None and r.error.code == "rate_limited", r.raw
+            assert not r.error.retryable and r.error.retry_after_s is None
+            assert f"tenant {tenant!r}'s whole {reason} of {whole}: it can never be admitted" in r.error.message
+    assert sum(eng.add_count.values()) == 0 and w.stats["rejected_rate_limited"] == 8
+    assert (await client.submit("01234", max_tokens=5, tenant="small", timeout=10)).ok  # a job that fits runs
+
+
 async def test_limits_are_shared_by_two_workers_through_redis(harness, client, prefix, private_redis):
     cfg = limits(acme={"requests_per_s": 0.01, "burst": 3})
     workers = [

@@ -21,6 +21,11 @@ tenant ``""``, under ``default``). Per tenant, every key optional:
   the unspent part back when the job ends. Without prices the worker
   charges nothing and the budget never refuses.
 
+A job that asks more than its tenant's whole ``tokens_per_min`` or
+``cost_per_day`` could never be admitted, however long it waited: it is
+refused for good (:func:`never_fits`; the worker answers it
+``rate_limited``, not retryable, whatever its queue).
+
 A tenant listed under ``tenants`` gets its own keys and falls back to
 ``default`` for the rest. :class:`MemoryLimiter` keeps the state in the
 worker; :class:`RedisLimiter` shares it between every worker on one Redis
@@ -103,6 +108,8 @@ def _limit(where: str, raw: Any) -> TenantLimit:
             raise LimitsFileError(f"{where}.{key} must be a positive number, got {value!r}")
         if key == "max_in_flight" and int(value) != value:
             raise LimitsFileError(f"{where}.max_in_flight must be an integer, got {value!r}")
+        if key == "burst" and value < 1:  # a bucket that never holds one request admits none
+            raise LimitsFileError(f"{where}.burst must be at least 1 (one request), got {value!r}")
         values[key] = int(value) if key == "max_in_flight" else float(value)
     return TenantLimit(**values)
 
@@ -132,9 +139,28 @@ class Decision:
     allowed: bool
     reason: str = ""  # requests_per_s | tokens_per_min | max_in_flight | cost_per_day
     retry_after_s: float = 0.0
+    # Set when the job asks more than the limit's whole bucket holds: no
+    # wait ever admits it, so it is refused for good (``needed`` of ``limit``).
+    never: bool = False
+    needed: float = 0.0
+    limit: float = 0.0
 
 
 ALLOWED = Decision(True)
+
+
+def never_fits(lim: TenantLimit, tokens: int, cost: float) -> Decision | None:
+    """The refusal of a job larger than its tenant's whole tokens or cost
+    bucket, else None. A token bucket refills up to its burst and no
+    further, so such a job would wait forever, or, since the bucket's "how
+    long until it fits" is 0 for it, slip through uncharged
+    (``tests/test_limits_cost.py::test_a_job_larger_than_the_whole_budget_is_refused_for_good``).
+    Judged before any bucket is touched, so the refusal takes nothing."""
+    if lim.tokens_per_min is not None and tokens > lim.tokens_per_min:
+        return Decision(False, "tokens_per_min", never=True, needed=float(tokens), limit=lim.tokens_per_min)
+    if lim.cost_per_day is not None and cost > lim.cost_per_day:
+        return Decision(False, "cost_per_day", never=True, needed=cost, limit=lim.cost_per_day)
+    return None
 
 
 class Limiter(Protocol):
@@ -211,6 +237,9 @@ class MemoryLimiter:
 
     async def charge(self, tenant: str, job: str, tokens: int, at: float, cost: float = 0.0) -> Decision:
         lim = self.config.for_tenant(tenant)
+        too_big = never_fits(lim, tokens, cost)
+        if too_big is not None:
+            return too_big
         if lim.tokens_per_min is not None:
             wait = self._take((tenant, "tokens"), lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at)
             if wait:
@@ -325,6 +354,9 @@ class RedisLimiter:
 
     async def charge(self, tenant: str, job: str, tokens: int, at: float, cost: float = 0.0) -> Decision:
         lim = self.config.for_tenant(tenant)
+        too_big = never_fits(lim, tokens, cost)
+        if too_big is not None:
+            return too_big
         if lim.tokens_per_min is not None:
             wait = await self._bucket(
                 "tokens", tenant, lim.tokens_per_min / 60.0, lim.tokens_per_min, float(tokens), at

@@ -111,9 +111,14 @@ async def _release_tenant(run: JobRun, end: Ending) -> None:
 
 async def _over_limit(run: JobRun, decision: Any) -> None:
     """Interactive: answered rate_limited with retry_after_s; batch: it
-    waits, back in the broker (``JobRun.defer``)."""
+    waits, back in the broker (``JobRun.defer``). A job larger than the
+    whole limit (``decision.never``) is answered rate_limited, not
+    retryable, in either queue: no wait would ever admit it."""
     tenant = run.job.tenant or ""
     count_rejection(run, "rate_limited", decision.reason)
+    if decision.never:
+        await run.finish(Result.failure(run.key, "rate_limited", _never_message(run, tenant, decision), False))
+        return
     if run.queue_class == INTERACTIVE:
         await run.finish(
             Result.failure(
@@ -125,6 +130,19 @@ async def _over_limit(run: JobRun, decision: Any) -> None:
         )
     else:
         await run.defer(decision.retry_after_s, decision.reason)
+
+
+def _never_message(run: JobRun, tenant: str, decision: Any) -> str:
+    if decision.reason == "cost_per_day":
+        currency = run.w.cfg.prices.currency if run.w.cfg.prices is not None else ""
+        asked = f"may cost {decision.needed:.6g} {currency}".rstrip()
+        whole = f"{decision.limit:g} {currency}".rstrip()
+    else:
+        asked, whole = f"needs {decision.needed:g} tokens", f"{decision.limit:g}"
+    return (
+        f"the job {asked} (prompt + max_tokens), more than tenant {tenant!r}'s whole "
+        f"{decision.reason} of {whole}: it can never be admitted; lower max_tokens or shorten the prompt"
+    )
 
 
 def count_rejection(run: JobRun, code: str, reason: str) -> None:
