@@ -25,7 +25,11 @@ class Stream:
     arrived out of order or never arrived. ``first_chunk_at`` is the
     ``time.monotonic()`` at which the first chunk reached this client (time
     to first token, even when that token's text is still empty: a partial
-    UTF-8 character, a special token)."""
+    UTF-8 character, a special token). ``started`` is set, and ``first``
+    holds the message, when the first reply (a chunk, or a final result
+    such as a refusal) arrives, before anything is iterated: a caller that
+    must answer a refusal differently from a stream (the HTTP gateway's
+    status code) waits on it."""
 
     def __init__(self, client: AsyncClient, key: str, timeout: float | None) -> None:
         self.client = client
@@ -36,6 +40,8 @@ class Stream:
         self.duplicates = 0
         self.chunks = 0
         self.first_chunk_at: float | None = None
+        self.started = asyncio.Event()
+        self.first: Chunk | Result | None = None
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._yielded: list[str] = []
 
@@ -43,9 +49,17 @@ class Stream:
     def text(self) -> str:
         return "".join(self._yielded)
 
+    def close(self) -> None:
+        """Stop routing this job's replies here (iterating to the end does it
+        too); for a caller that gives up on the stream before its end."""
+        self.client._streams.pop(self.key, None)
+
     def _deliver(self, msg: Chunk | Result) -> None:
         if self.first_chunk_at is None and isinstance(msg, Chunk):
             self.first_chunk_at = time.monotonic()
+        if self.first is None:
+            self.first = msg
+            self.started.set()
         self._inbox.put_nowait(msg)
 
     async def __aiter__(self) -> AsyncIterator[str]:
