@@ -14,6 +14,7 @@ import click
 from jaxserve import __version__
 from jaxserve.cli.bench import bench
 from jaxserve.cli.dead_commands import dead
+from jaxserve.cli.gateway_command import gateway
 from jaxserve.cli.generate import generate
 from jaxserve.cli.loadtest_command import loadtest
 from jaxserve.cli.plan_command import plan
@@ -40,6 +41,7 @@ cli.add_command(bench)
 cli.add_command(dead)
 cli.add_command(loadtest)
 cli.add_command(plan)
+cli.add_command(gateway)
 
 _queue: types.ModuleType | None
 try:  # the queue side registers itself once it exists
