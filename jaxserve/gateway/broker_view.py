@@ -157,9 +157,7 @@ class BrokerView:
                 bindings, queues = [], {}
                 log.warning("gateway_broker_view_failed", error=snap.error)
             snap.models = self._models(bindings)
-            if not queues:
-                queues = await self._from_amqp(snap.models)
-            snap.queues = queues
+            snap.queues = await self._from_amqp(snap.models, queues)
             self.snapshot = snap
             return snap
 
@@ -256,17 +254,28 @@ class BrokerView:
                     queues[one.name] = one
         return bindings, queues
 
-    async def _from_amqp(self, models: dict[str, ServedModel]) -> dict[str, QueueStats]:
+    async def _from_amqp(self, models: dict[str, ServedModel], listed: dict[str, QueueStats]) -> dict[str, QueueStats]:
+        """Ready messages and consumers of every job queue by passive
+        declares, over what the listing said: the broker's own answer of
+        the moment, where rabbitmqctl's counts of a quorum queue lag its
+        consumers by seconds (a worker that just started shows none)."""
         names = [self.topo.interactive, self.topo.batch, self.topo.dead, self.topo.results]
         names += [q for m in models.values() for q in m.queues.values()]
+        names += [n for n in listed if n not in names]
         names += [n for n in self.snapshot.queues if n not in names]
         out: dict[str, QueueStats] = {}
         for name in dict.fromkeys(names):
             declared = await self.declare(name)
-            if declared is not None:
-                one = self._stats(name, declared[0], None, declared[1])
-                if one is not None:
-                    out[name] = one
+            if declared is None:
+                continue
+            before = listed.get(name)
+            one = (
+                dataclasses.replace(before, ready=declared[0], consumers=declared[1])
+                if before is not None
+                else self._stats(name, declared[0], None, declared[1])
+            )
+            if one is not None:
+                out[name] = one
         return out
 
     async def declare(self, name: str) -> tuple[int, int] | None:
