@@ -193,9 +193,9 @@ def model_config(preset: str, overrides: dict | None = None):
 def build_model(cfg, dtype):
     from flax import nnx
 
-    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.decoder import CausalLM
 
-    return LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    return CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0))
 
 
 def read_bytes_per_step(cfg, model, batch: int, context: int, cache_itemsize: int) -> dict:

@@ -93,11 +93,13 @@ def build_tokenizer(preset_path: Path, data: Mapping[str, Any]):
 
 
 def build_config(data: Mapping[str, Any], bos_id: int, eos_id: int) -> dict[str, Any]:
-    """config.json as transformers 4.x writes it for LlamaForCausalLM."""
+    """config.json as transformers 4.x writes it, for the preset's
+    architecture (default ``LlamaForCausalLM``; any registered family)."""
     c = data["config"]
     head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    architectures = c.get("architectures", ["LlamaForCausalLM"])
     config = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": architectures,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": bos_id,
@@ -109,7 +111,7 @@ def build_config(data: Mapping[str, Any], bos_id: int, eos_id: int) -> dict[str,
         "intermediate_size": c["intermediate_size"],
         "max_position_embeddings": c["max_position_embeddings"],
         "mlp_bias": False,
-        "model_type": "llama",
+        "model_type": c.get("model_type", "llama"),
         "num_attention_heads": c["num_attention_heads"],
         "num_hidden_layers": c["num_hidden_layers"],
         "num_key_value_heads": c["num_key_value_heads"],
@@ -123,39 +125,27 @@ def build_config(data: Mapping[str, Any], bos_id: int, eos_id: int) -> dict[str,
         "use_cache": True,
         "vocab_size": c["vocab_size"],
     }
-    for key, value in c.items():
-        if key not in ("architectures", "model_type"):
-            config[key] = value
+    config.update(c)
     if config["attention_bias"] or config["mlp_bias"]:
         raise PresetError("presets do not support attention_bias/mlp_bias")
     return dict(sorted(config.items()))
 
 
 def _tensor_specs(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) for every LlamaForCausalLM weight, HF Linear layout [out, in]."""
-    hidden = config["hidden_size"]
-    inter = config["intermediate_size"]
-    vocab = config["vocab_size"]
-    head_dim = config["head_dim"]
-    q_out = config["num_attention_heads"] * head_dim
-    kv_out = config["num_key_value_heads"] * head_dim
-    specs: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (vocab, hidden), "normal")]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        specs += [
-            (f"{p}.input_layernorm.weight", (hidden,), "ones"),
-            (f"{p}.self_attn.q_proj.weight", (q_out, hidden), "normal"),
-            (f"{p}.self_attn.k_proj.weight", (kv_out, hidden), "normal"),
-            (f"{p}.self_attn.v_proj.weight", (kv_out, hidden), "normal"),
-            (f"{p}.self_attn.o_proj.weight", (hidden, q_out), "normal"),
-            (f"{p}.post_attention_layernorm.weight", (hidden,), "ones"),
-            (f"{p}.mlp.gate_proj.weight", (inter, hidden), "normal"),
-            (f"{p}.mlp.up_proj.weight", (inter, hidden), "normal"),
-            (f"{p}.mlp.down_proj.weight", (hidden, inter), "normal"),
-        ]
-    specs.append(("model.norm.weight", (hidden,), "ones"))
-    if not config["tie_word_embeddings"]:
-        specs.append(("lm_head.weight", (vocab, hidden), "normal"))
+    """(name, shape, init) for every weight of the config's family, as the
+    family names them (:mod:`jaxserve.models.weights`), HF Linear layout
+    [out, in]: norm weights at their neutral value, everything else random."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.models.registry import family
+
+    model_config = ModelConfig.from_dict(config, source="preset config")
+    plan = family(model_config.family).weights(model_config)
+    neutral = "zeros" if model_config.norm_weight_offset else "ones"
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for params in [plan.top, *plan.layers]:
+        for parts in params.values():
+            for part in parts:
+                specs.append((part.name, part.shape, neutral if part.name.endswith("norm.weight") else "normal"))
     return specs
 
 
@@ -165,8 +155,8 @@ def build_weights(config: Mapping[str, Any], seed: int, std: float, dtype: str) 
     np_dtype = np.dtype(dtype)  # one of jaxserve.presets.WEIGHT_DTYPES (load_preset checks)
     tensors: dict[str, np.ndarray] = {}
     for name, shape, init in _tensor_specs(config):
-        if init == "ones":
-            tensors[name] = np.ones(shape, dtype=np_dtype)
+        if init in ("ones", "zeros"):
+            tensors[name] = (np.ones if init == "ones" else np.zeros)(shape, dtype=np_dtype)
             continue
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, zlib.crc32(name.encode())])))
         values = rng.standard_normal(shape, dtype=np.float32)

@@ -22,7 +22,8 @@ Preset fields (``models/tiny.json`` is an example)::
     seed         int, seeds the weights
     dtype        "float32" or "float16"
     init_std     weight std (default 0.02)
-    config       HF config.json fields (LlamaForCausalLM): hidden_size,
+    config       HF config.json fields: architectures (default
+                 LlamaForCausalLM; any registered family), hidden_size,
                  intermediate_size, num_hidden_layers, num_attention_heads,
                  num_key_value_heads, vocab_size, max_position_embeddings,
                  tie_word_embeddings, and optionally rope_theta, rms_norm_eps,
@@ -228,8 +229,12 @@ def load_preset(path: Path) -> dict[str, Any]:
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise PresetError(f"preset {path}: num_attention_heads must divide by num_key_value_heads")
     archs = config.get("architectures", ["LlamaForCausalLM"])
-    if archs != ["LlamaForCausalLM"]:
-        raise PresetError(f"preset {path}: only LlamaForCausalLM is supported, got {archs!r}")
+    from jaxserve.models.registry import family_of_architecture, supported_architectures
+
+    if not isinstance(archs, list) or len(archs) != 1 or family_of_architecture(str(archs[0])) is None:
+        raise PresetError(
+            f"preset {path}: architectures must name one of {', '.join(supported_architectures())}, got {archs!r}"
+        )
     if data.get("dtype", "float32") not in WEIGHT_DTYPES:
         raise PresetError(f"preset {path}: dtype must be one of {sorted(WEIGHT_DTYPES)}")
     tok = data["tokenizer"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-VOCAB = 256
+VOCAB = 512  # the tiny preset's tokenizer, so engine tests can load a fixture folder (with_tokenizer)
 TINY = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -103,6 +103,40 @@ def qwen2(folder: str, *, seed: int = 3, tied: bool = True) -> str:
     return _save(m, folder)
 
 
+def qwen3(folder: str, *, seed: int = 4, tied: bool = False) -> str:
+    """Qwen3 with q/k norms, head_dim apart from hidden / heads, and a
+    sliding window on its first layer only (the second attends to all)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        **{**TINY, "num_hidden_layers": 3},
+        head_dim=24,
+        tie_word_embeddings=tied,
+        rope_theta=1000000.0,
+        use_sliding_window=True,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_implementation="eager",
+    )
+    m = Qwen3ForCausalLM(cfg)
+    _randomize(m, seed)
+    return _save(m, folder)
+
+
+def with_tokenizer(folder: str) -> str:
+    """Copy the tiny preset's tokenizer files (512 tokens, = VOCAB) into a
+    fixture folder, so the engine (which needs a tokenizer) can serve it."""
+    import shutil
+
+    from jaxserve.presets import resolve_model
+
+    tiny = resolve_model("tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, os.path.join(folder, name))
+    return folder
+
+
 def rewrite_config_4x(folder: str) -> str:
     """Rewrite config.json in the transformers 4.x key style: ``rope_theta`` and
     ``rope_scaling`` at the top level instead of ``rope_parameters``; ``torch_dtype``."""
@@ -147,4 +181,5 @@ FAMILIES: dict[str, Callable[[str], str]] = {
     "llama3": llama3,
     "mistral": mistral,
     "qwen2": qwen2,
+    "qwen3": qwen3,
 }

@@ -396,7 +396,7 @@ def test_select_attention():
 
 
 def _tiny_model(dtype):
-    from jaxserve.models import LlamaForCausalLM, ModelConfig
+    from jaxserve.models import CausalLM, ModelConfig
 
     cfg = ModelConfig.from_dict(
         dict(
@@ -410,7 +410,7 @@ def _tiny_model(dtype):
             max_position_embeddings=256,
         )
     )
-    model = LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(3))
+    model = CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(3))
     # bigger weights than the init's std of 0.02: no near ties between logits
     for layer in model.layers:
         for name in ("wqkv", "wo", "w_gate_up", "w_down"):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import KVCache
-from jaxserve.models import LlamaForCausalLM, ModelConfig, make_forward, make_logits, make_step
+from jaxserve.models import CausalLM, ModelConfig, make_forward, make_logits, make_step
 
 CFG = ModelConfig.from_dict(
     dict(
@@ -35,7 +35,7 @@ def _i32(*shape):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_donated_cache_is_updated_in_place(dtype):
     """Temporaries do not grow with the cache: every layer's writes alias its donated arrays."""
-    model = nnx.eval_shape(lambda: LlamaForCausalLM(CFG, dtype=dtype, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: CausalLM(CFG, dtype=dtype, rngs=nnx.Rngs(0)))
     fn, state = make_step(model)
     T, S = 16, 16
     meta = AttentionMetadata(_i32(T), _i32(T), _i32(S, 32), _i32(S), _i32(S))
@@ -54,7 +54,7 @@ def test_donated_cache_is_updated_in_place(dtype):
 
 
 def test_forward_logits_and_step_agree():
-    model = LlamaForCausalLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    model = CausalLM(CFG, dtype=jnp.float32, rngs=nnx.Rngs(1))
     fwd, state = make_forward(model)
     logits_fn, _ = make_logits(model)
     step_fn, _ = make_step(model)

@@ -65,7 +65,7 @@ from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models.functional import forward_fn, logits_fn, logits_t_fn
 
 if TYPE_CHECKING:
-    from jaxserve.models.llama import LlamaForCausalLM
+    from jaxserve.models.decoder import CausalLM
 
 log = structlog.get_logger(__name__)
 
@@ -128,7 +128,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         num_layers: int,
         num_kv_heads: int,
@@ -206,7 +206,7 @@ class ModelRunner:
         the device) instead of ``input_ids``."""
         input_ids = jnp.where(feed >= 0, prev_tokens[jnp.maximum(feed, 0)], input_ids)
         # only the sampled and scored rows go on (in programs of more tokens
-        # than that, the last layer computes just them: LlamaForCausalLM.__call__)
+        # than that, the last layer computes just them: CausalLM.__call__)
         hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta, meta.logits_indices)
         rows = min(input_ids.shape[0], self.max_num_seqs)
         if not self._greedy_in_forward(input_ids.shape[0]):

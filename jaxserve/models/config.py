@@ -1,19 +1,27 @@
-"""Model configuration for the Llama family, parsed from a Hugging Face ``config.json``.
+"""The configuration every model family is read into, and the parsing pieces the families share.
 
-Supported architectures: ``LlamaForCausalLM`` (Llama 2 and Llama 3/3.1/3.2 with
-``llama3`` rope scaling), ``MistralForCausalLM`` and ``Qwen2ForCausalLM``.
+:class:`ModelConfig` is one flat, frozen description of a decoder-only
+transformer: the Llama shape (sizes, heads, rope, biases) plus the switches
+the other families turn (per-layer sliding windows and rope, Gemma's norms
+and soft-capping, q/k norms, attention sinks, mixtures of experts). The
+generic decoder (:mod:`jaxserve.models.decoder`) reads only this object, so a
+family is a way of *reading* a checkpoint's ``config.json`` (and GGUF
+metadata) into it, plus the names of its weights: one module under
+:mod:`jaxserve.models.families`, found through :mod:`jaxserve.models.registry`.
+Every default is Llama's, so a switch a family does not mention costs
+nothing in the decoder.
 
-Both spellings of the rope settings are read:
+Both spellings of the rope settings are read (:func:`read_rope`):
 
 - transformers 4.x: top-level ``rope_theta`` and ``rope_scaling`` (a dict with
   ``type`` or ``rope_type``, or null);
 - transformers 5.x: ``rope_parameters`` (a dict holding ``rope_theta``,
-  ``rope_type`` and the scaling parameters).
+  ``rope_type`` and the scaling parameters), or one such dict per layer
+  type (``{"full_attention": {...}, "sliding_attention": {...}}``).
 
-Sliding windows (Mistral v0.1, Qwen2 with ``use_sliding_window``) are
-recorded in ``sliding_window``; the attention masks keys older than the
-window, so a window at least as long as the context changes nothing. Qwen2's
-mixed layout (only some layers sliding) is refused with a ``ModelLoadError``.
+Sliding windows are per layer (:attr:`ModelConfig.layer_windows`): a
+window at least as long as the context changes nothing and is dropped, so
+a model whose windows never bind runs plain causal attention.
 """
 
 from __future__ import annotations
@@ -26,16 +34,11 @@ from typing import Any
 
 from jaxserve.models.errors import ModelLoadError
 
-#: architecture name -> model_type (used when ``architectures`` is absent)
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-
-#: rope types the model implements
+#: rope types the model implements (:mod:`jaxserve.models.rope`)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+#: MLP activations (``hidden_act`` / ``hidden_activation``) the decoder implements
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _DTYPE_NAMES = {
     "float32": "float32",
@@ -47,6 +50,12 @@ _DTYPE_NAMES = {
     "fp16": "float16",
     "half": "float16",
 }
+
+#: the norms a layer may have, by where they sit: ``attn`` on the attention's
+#: input, ``attn_out`` on its output (before the residual add), ``ffn`` and
+#: ``ffn_out`` the same around the MLP. Llama: ``attn``, ``ffn``; Gemma: all
+#: four; OLMo 2: ``attn_out``, ``ffn_out``.
+NORM_PLACES = ("attn", "attn_out", "ffn", "ffn_out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +75,37 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: ``num_experts`` SwiGLU-style experts of width
+    ``intermediate_size``, ``top_k`` of them per token.
+
+    ``router``: ``softmax_topk`` (softmax over every expert in float32, then
+    the top k: Mixtral, Qwen3-MoE) or ``topk_softmax`` (top k of the raw
+    logits, then a softmax over those k: gpt-oss). ``normalize_topk``: the k
+    weights of ``softmax_topk`` renormalized to sum to 1. ``activation``:
+    ``silu`` (``silu(gate) * up``) or ``swiglu_oss`` (gpt-oss: gate clamped
+    above at ``swiglu_limit``, up to +-``swiglu_limit``, then ``(up + 1) *
+    gate * sigmoid(swiglu_alpha * gate)``). ``layers``: per layer whether it
+    is a MoE layer (the others have a dense MLP of the config's
+    ``intermediate_size``); empty means every layer."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax_topk"
+    normalize_topk: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, i: int) -> bool:
+        return not self.layers or self.layers[i]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -82,11 +122,45 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    #: the window of the sliding layers (every layer when ``layer_types`` is empty)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    #: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU with tanh-approximate GELU)
     hidden_act: str = "silu"
+
+    # -- what other families change (every default is Llama's) --------------
+    #: the registry's name for the family that read this config
+    family: str = "llama"
+    #: per layer ``full_attention`` or ``sliding_attention``; empty: every layer
+    #: slides when ``sliding_window`` is set
+    layer_types: tuple[str, ...] = ()
+    #: the rope of the sliding layers where it differs from ``rope`` (Gemma 3)
+    local_rope: RopeConfig | None = None
+    #: per layer whether rope applies (SmolLM3's NoPE layers); empty: every layer
+    rope_layers: tuple[bool, ...] = ()
+    #: rope on the first ``rotary_dim`` features of each head only (Phi-4-mini); None: all
+    rotary_dim: int | None = None
+    #: which norms a layer has (:data:`NORM_PLACES`)
+    norms: tuple[str, ...] = ("attn", "ffn")
+    #: RMSNorm as ``x * (norm_weight_offset + w)`` (Gemma stores w - 1: offset 1)
+    norm_weight_offset: float = 0.0
+    #: RMSNorm of q and k before rope: ``head`` (over each head, weight
+    #: ``[head_dim]``: Qwen3, Gemma 3) or ``full`` (over all heads at once,
+    #: weights ``[H * head_dim]`` / ``[KVH * head_dim]``: OLMo 2)
+    qk_norm: str | None = None
+    #: the embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    embed_scale: float | None = None
+    #: attention scale; None: ``head_dim ** -0.5``
+    attn_scale: float | None = None
+    #: ``cap * tanh(score / cap)`` on the attention scores (Gemma 2)
+    attn_logit_softcap: float | None = None
+    #: the same on the final logits (Gemma 2)
+    final_logit_softcap: float | None = None
+    #: a learned per-head logit joins every attention softmax (gpt-oss)
+    attention_sinks: bool = False
+    moe: MoEConfig | None = None
 
     # convenience aliases -------------------------------------------------
     @property
@@ -95,148 +169,174 @@ class ModelConfig:
 
     @property
     def model_type(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        return self.family
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for a layer that attends to its
+        whole context (a window at least ``max_position_embeddings`` long
+        cannot bind, so it is None as well)."""
+        window = self.sliding_window
+        if window is None or window >= self.max_position_embeddings:
+            return (None,) * self.num_hidden_layers
+        if not self.layer_types:
+            return (window,) * self.num_hidden_layers
+        return tuple(window if t == "sliding_attention" else None for t in self.layer_types)
+
+    @property
     def effective_sliding_window(self) -> int | None:
-        """The window the attention must apply, or None when it cannot matter
-        (no window, or a window at least ``max_position_embeddings`` long)."""
-        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+        """The window when every layer slides with it (Mistral v0.1), else None
+        (no window, or only some layers sliding: see :attr:`layer_windows`)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    def layer_rope(self, i: int) -> RopeConfig | None:
+        """The rope of layer ``i``; None for a layer without rope."""
+        if self.rope_layers and not self.rope_layers[i]:
             return None
-        return self.sliding_window
+        if self.local_rope is not None and self.layer_windows[i] is not None:
+            return self.local_rope
+        return self.rope
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(i)
 
     # parsing -------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "config.json") -> ModelConfig:
-        arch = _architecture(d, source)
-        model_type = SUPPORTED_ARCHITECTURES[arch]
+        """Read a Hugging Face ``config.json`` through its family's module."""
+        from jaxserve.models.registry import family_of_config
 
-        def req(key: str) -> Any:
-            if d.get(key) is None:
-                raise ModelLoadError(f"{source}: required key {key!r} is missing")
-            return d[key]
-
-        hidden = int(req("hidden_size"))
-        heads = int(req("num_attention_heads"))
-        kv_heads = d.get("num_key_value_heads")
-        kv_heads = heads if kv_heads is None else int(kv_heads)
-        head_dim = d.get("head_dim")
-        head_dim = hidden // heads if head_dim is None else int(head_dim)
-        if heads % kv_heads:
-            raise ModelLoadError(
-                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-
-        if model_type == "qwen2":
-            qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type == "llama":
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
-            mlp_bias = bool(d.get("mlp_bias", False))
-        else:  # mistral has no biases
-            qkv_bias = o_bias = mlp_bias = False
-
-        max_pos = int(d.get("max_position_embeddings", 2048))
-        window = _sliding_window(d, model_type, source)
-
-        eos = d.get("eos_token_id")
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, (list, tuple)):
-            eos_ids = tuple(int(e) for e in eos)
-        else:
-            eos_ids = (int(eos),)
-        bos = d.get("bos_token_id")
-        if isinstance(bos, (list, tuple)):
-            bos = bos[0] if bos else None
-
-        dtype = d.get("torch_dtype", d.get("dtype"))
-        if dtype is not None:
-            dtype = _DTYPE_NAMES.get(str(dtype).replace("torch.", ""), str(dtype).replace("torch.", ""))
-
-        return cls(
-            architecture=arch,
-            vocab_size=int(req("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(req("intermediate_size")),
-            num_hidden_layers=int(req("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope=_rope(d, source),
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=mlp_bias,
-            sliding_window=window,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-            torch_dtype=dtype,
-            hidden_act="silu",
-        )
+        return family_of_config(d, source).read_config(d, source)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> ModelConfig:
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ModelLoadError(f"config file not found: {path}")
-        try:
-            with open(path, "rb") as f:
-                d = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read {path}: {e}") from e
-        if not isinstance(d, dict):
-            raise ModelLoadError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, source=path)
+        return cls.from_dict(read_json_config(path), source=os.fspath(path))
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> ModelConfig:
         return cls.from_json_file(os.path.join(os.fspath(folder), "config.json"))
 
 
-def _architecture(d: Mapping[str, Any], source: str) -> str:
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
-    archs = d.get("architectures")
-    if archs:
-        if isinstance(archs, str):
-            archs = [archs]
-        for a in archs:
-            if a in SUPPORTED_ARCHITECTURES:
-                return a
-        raise ModelLoadError(f"{source}: unsupported architecture {', '.join(map(str, archs))}; supported: {supported}")
-    mt = d.get("model_type")
-    if mt in _MODEL_TYPE_TO_ARCH:
-        return _MODEL_TYPE_TO_ARCH[mt]
-    raise ModelLoadError(
-        f"{source}: unsupported architecture (no 'architectures', model_type {mt!r}); supported: {supported}"
+def read_json_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``config.json`` as a dict; a missing or malformed file is a ModelLoadError."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return d
+
+
+# ---------------------------------------------------------------- shared parsing
+
+
+def required(d: Mapping[str, Any], key: str, source: str) -> Any:
+    if d.get(key) is None:
+        raise ModelLoadError(f"{source}: required key {key!r} is missing")
+    return d[key]
+
+
+def read_base(d: Mapping[str, Any], architecture: str, source: str, *, family: str) -> ModelConfig:
+    """The Llama-shaped fields every family has (sizes, heads, rope, eos,
+    dtype, ``hidden_act``), no biases and no window: the family module sets
+    what it changes with ``dataclasses.replace``."""
+    hidden = int(required(d, "hidden_size", source))
+    heads = int(required(d, "num_attention_heads", source))
+    kv_heads = d.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else int(kv_heads)
+    head_dim = d.get("head_dim")
+    head_dim = hidden // heads if head_dim is None else int(head_dim)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+    return ModelConfig(
+        architecture=architecture,
+        family=family,
+        vocab_size=int(required(d, "vocab_size", source)),
+        hidden_size=hidden,
+        intermediate_size=int(required(d, "intermediate_size", source)),
+        num_hidden_layers=int(required(d, "num_hidden_layers", source)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=read_rope(d, source),
+        max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=_bos(d),
+        eos_token_ids=_eos(d),
+        torch_dtype=_dtype(d),
+        hidden_act=read_activation(d, source),
     )
 
 
-def _rope(d: Mapping[str, Any], source: str) -> RopeConfig:
+def read_activation(d: Mapping[str, Any], source: str, key: str = "hidden_act") -> str:
+    act = d.get(key) or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{source}: {key} {act!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ACTIVATIONS))}"
+        )
+    return SUPPORTED_ACTIVATIONS[act]
+
+
+def _eos(d: Mapping[str, Any]) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, (list, tuple)):
+        return tuple(int(e) for e in eos)
+    return (int(eos),)
+
+
+def _bos(d: Mapping[str, Any]) -> int | None:
+    bos = d.get("bos_token_id")
+    if isinstance(bos, (list, tuple)):
+        bos = bos[0] if bos else None
+    return None if bos is None else int(bos)
+
+
+def _dtype(d: Mapping[str, Any]) -> str | None:
+    dtype = d.get("torch_dtype", d.get("dtype"))
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "")
+    return _DTYPE_NAMES.get(name, name)
+
+
+def rope_parameters(d: Mapping[str, Any], layer_type: str = "full_attention") -> tuple[Mapping[str, Any], Any]:
+    """The rope scaling dict and theta of one layer type, from either spelling
+    (see the module docstring)."""
     params = d.get("rope_parameters")
     if isinstance(params, Mapping) and params and all(isinstance(v, Mapping) for v in params.values()):
-        # per-layer-type form ({"full_attention": {...}}): the Llama family has one type
-        params = params.get("full_attention") or next(iter(params.values()))
+        params = params.get(layer_type) or params.get("full_attention") or next(iter(params.values()))
     if isinstance(params, Mapping):
-        scaling: Mapping[str, Any] = params
-        theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    else:
-        scaling = d.get("rope_scaling") or {}
-        theta = d.get("rope_theta", 10000.0)
+        return params, params.get("rope_theta", d.get("rope_theta", 10000.0))
+    return d.get("rope_scaling") or {}, d.get("rope_theta", 10000.0)
+
+
+def read_rope(
+    d: Mapping[str, Any], source: str, layer_type: str = "full_attention", theta: float | None = None
+) -> RopeConfig:
+    """The :class:`RopeConfig` of one layer type; ``theta`` overrides the
+    config's base (a family that keeps a second base under its own key)."""
+    scaling, config_theta = rope_parameters(d, layer_type)
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    kw: dict[str, Any] = {"rope_type": rope_type, "theta": float(theta)}
+    kw: dict[str, Any] = {"rope_type": rope_type, "theta": float(config_theta if theta is None else theta)}
     if rope_type in ("linear", "llama3"):
         if scaling.get("factor") is None:
             raise ModelLoadError(f"{source}: rope type {rope_type!r} needs a 'factor'")
@@ -251,30 +351,33 @@ def _rope(d: Mapping[str, Any], source: str) -> RopeConfig:
     return RopeConfig(**kw)
 
 
-def _sliding_window(d: Mapping[str, Any], model_type: str, source: str) -> int | None:
-    window = d.get("sliding_window")
-    if window is None:
-        return None
-    window = int(window)
-    if model_type == "mistral":
-        return window
-    if model_type == "qwen2":
-        if not d.get("use_sliding_window", False):
-            return None
-        layer_types = d.get("layer_types")
-        n = int(d.get("num_hidden_layers", 0))
-        if layer_types is None:
-            mwl = int(d.get("max_window_layers", n))
-            layer_types = ["sliding_attention" if i >= mwl else "full_attention" for i in range(n)]
-        kinds = set(layer_types)
-        if kinds == {"sliding_attention"}:
-            return window
-        if kinds <= {"full_attention"}:
-            return None
-        if window >= int(d.get("max_position_embeddings", 2048)):
-            return None
+def read_layer_types(d: Mapping[str, Any], source: str, default: list[str] | None = None) -> tuple[str, ...]:
+    """``layer_types`` (one ``full_attention``/``sliding_attention`` per layer),
+    or ``default`` when the config has none; checked for length and values."""
+    n = int(required(d, "num_hidden_layers", source))
+    types = d.get("layer_types") or default or []
+    if not types:
+        return ()
+    if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
         raise ModelLoadError(
-            f"{source}: sliding_window={window} on only some layers (layer_types/max_window_layers) is not supported"
+            f"{source}: layer_types must list 'full_attention' or 'sliding_attention' for each of the {n} layers, "
+            f"got {types!r}"
         )
-    # Llama has no sliding window
-    return None
+    return tuple(types)
+
+
+__all__ = [
+    "MoEConfig",
+    "ModelConfig",
+    "NORM_PLACES",
+    "RopeConfig",
+    "SUPPORTED_ACTIVATIONS",
+    "SUPPORTED_ROPE_TYPES",
+    "read_activation",
+    "read_base",
+    "read_json_config",
+    "read_layer_types",
+    "read_rope",
+    "required",
+    "rope_parameters",
+]

@@ -1,4 +1,15 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) as a Flax NNX module over the paged KV cache.
+"""The decoder every family runs: a Flax NNX module over the paged KV cache.
+
+One forward pass for all families (:mod:`jaxserve.models.families`), built
+from the blocks in :mod:`jaxserve.models.blocks` and
+:mod:`jaxserve.models.moe` and switched by the
+:class:`~jaxserve.models.config.ModelConfig` a family reads: which norms a
+layer has and where (Llama's two pre-norms, Gemma's four, OLMo 2's two
+post-norms), q/k norms, per-layer sliding windows and rope (or none),
+partial rotary, attention soft-capping and sinks, a dense GLU MLP or a
+mixture of experts, the embedding scale and final logit soft-capping. A
+switch the config leaves at its default (Llama's) adds nothing to the
+compiled program.
 
 Each layer has its own weight arrays and its own pair of KV cache arrays,
 and the forward pass is a Python loop over the layers (unrolled at trace
@@ -9,9 +20,9 @@ layer's whole cache); per-layer arrays are read in place (see
 ``kv_cache.py``). Compile time grows with depth instead (about 2-3x for 8
 layers), which the persistent compilation cache absorbs on restarts.
 
-Fused projections: ``wqkv`` is ``[L, (H + 2*KVH) * head_dim, hidden]`` (q, k, v
-rows in that order) and ``w_gate_up`` is ``[L, 2 * intermediate, hidden]``
-(gate then up). Linear weights are stored ``[out, in]``, as Hugging Face
+Fused projections: a layer's ``wqkv`` is ``[(H + 2*KVH) * head_dim, hidden]``
+(q, k, v rows in that order) and its ``w_gate_up`` ``[2 * intermediate,
+hidden]`` (gate then up). Linear weights are stored ``[out, in]``, as Hugging Face
 stores them, and ``lm_head`` is ``[vocab, hidden]`` like the embedding.
 
 Feature-major activations: inside the layers the residual stream is
@@ -58,22 +69,13 @@ from jaxserve.kernels import cpu as cpu_kernels
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, TP_AXIS, write_and_attend
 from jaxserve.kernels.kv_cache import KVCache
-from jaxserve.models import quant
-from jaxserve.models.config import ModelConfig
+from jaxserve.models import moe, quant
+from jaxserve.models.blocks import gated_activation, head_rms_norm, rms_norm, softcap
+from jaxserve.models.config import NORM_PLACES, ModelConfig, RopeConfig
 from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
 from jaxserve.models.sharding import split_fused
 
 _INIT_STD = 0.02
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
-    """RMSNorm over ``axis`` (the feature axis) in float32; returns float32."""
-    x = x.astype(jnp.float32)
-    var = jnp.mean(x * x, axis=axis, keepdims=True)
-    w = weight.astype(jnp.float32)
-    if axis == 0:
-        w = w[:, None]
-    return x * jax.lax.rsqrt(var + eps) * w
 
 
 def _mm(w: jax.Array | quant.QuantizedWeight, x: jax.Array, cpu_kernel: bool = False) -> jax.Array:
@@ -140,38 +142,75 @@ def _param(rngs: nnx.Rngs, shape, dtype, init: str) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * _INIT_STD).astype(dtype))
 
 
-class LlamaDecoderLayer(nnx.Module):
-    """One decoder layer's weights."""
+class DecoderLayer(nnx.Module):
+    """One decoder layer's weights; which exist is the config's business
+    (norms by place, biases, q/k norms, sinks, a dense MLP or experts)."""
 
-    def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    #: every weight a layer may hold (:meth:`arrays` gives each, or None)
+    NAMES = (
+        "attn_norm",
+        "q_norm",
+        "k_norm",
+        "wqkv",
+        "bqkv",
+        "wo",
+        "bo",
+        "sinks",
+        "attn_out_norm",
+        "ffn_norm",
+        "w_gate_up",
+        "b_gate_up",
+        "w_down",
+        "b_down",
+        "ffn_out_norm",
+        *moe.PARAM_NAMES,
+    )
+
+    def __init__(self, config: ModelConfig, index: int, *, dtype, rngs: nnx.Rngs):
         c = config
-        E, I = c.hidden_size, c.intermediate_size
-        qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-        q_out = c.num_attention_heads * c.head_dim
-        self.input_norm = _param(rngs, (E,), dtype, "ones")
+        E, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        H, KVH = c.num_attention_heads, c.num_key_value_heads
+        qkv_out = (H + 2 * KVH) * D
+        norm_init = "zeros" if c.norm_weight_offset else "ones"  # the stored weight is w - offset
+
+        def maybe(cond: bool, shape: tuple[int, ...], init: str) -> nnx.Param | None:
+            return _param(rngs, shape, dtype, init) if cond else None
+
+        for place in NORM_PLACES:
+            setattr(self, f"{place}_norm", maybe(place in c.norms, (E,), norm_init))
+        qn, kn = ((H * D,), (KVH * D,)) if c.qk_norm == "full" else ((D,), (D,))
+        self.q_norm = maybe(c.qk_norm is not None, qn, norm_init)
+        self.k_norm = maybe(c.qk_norm is not None, kn, norm_init)
         self.wqkv = _param(rngs, (qkv_out, E), dtype, "normal")
-        self.bqkv = _param(rngs, (qkv_out,), dtype, "zeros") if c.qkv_bias else None
-        self.wo = _param(rngs, (E, q_out), dtype, "normal")
-        self.bo = _param(rngs, (E,), dtype, "zeros") if c.o_bias else None
-        self.post_norm = _param(rngs, (E,), dtype, "ones")
-        self.w_gate_up = _param(rngs, (2 * I, E), dtype, "normal")
-        self.b_gate_up = _param(rngs, (2 * I,), dtype, "zeros") if c.mlp_bias else None
-        self.w_down = _param(rngs, (E, I), dtype, "normal")
-        self.b_down = _param(rngs, (E,), dtype, "zeros") if c.mlp_bias else None
+        self.bqkv = maybe(c.qkv_bias, (qkv_out,), "zeros")
+        self.wo = _param(rngs, (E, H * D), dtype, "normal")
+        self.bo = maybe(c.o_bias, (E,), "zeros")
+        self.sinks = maybe(c.attention_sinks, (H,), "zeros")
+        dense = not c.is_moe_layer(index)
+        self.w_gate_up = maybe(dense, (2 * I, E), "normal")
+        self.b_gate_up = maybe(dense and c.mlp_bias, (2 * I,), "zeros")
+        self.w_down = maybe(dense, (E, I), "normal")
+        self.b_down = maybe(dense and c.mlp_bias, (E,), "zeros")
+        for name, shape in moe.param_shapes(c, index).items():
+            setattr(self, name, None if shape is None else _param(rngs, shape, dtype, _init_of(name)))
 
     def arrays(self) -> dict[str, Any]:
         """The raw weight arrays: ``jax.Array``, ``QuantizedWeight`` for a
-        quantized matrix, None for an absent bias."""
-        names = ("input_norm", "wqkv", "bqkv", "wo", "bo", "post_norm", "w_gate_up", "b_gate_up", "w_down", "b_down")
+        quantized matrix, None for a weight this layer does not have."""
         out = {}
-        for n in names:
+        for n in self.NAMES:
             p = getattr(self, n)
             out[n] = None if p is None else _value(p)
         return out
 
 
-class LlamaForCausalLM(nnx.Module):
-    """Llama-family causal LM over the paged KV cache.
+def _init_of(name: str) -> str:
+    return "zeros" if name.startswith("b_") or "_b_" in name else "normal"
+
+
+class CausalLM(nnx.Module):
+    """Every family's causal LM over the paged KV cache (the config says what
+    each layer has; see the module docstring).
 
     ``model(input_ids[T], positions[T], kv_cache, meta[, output_rows[R]]) -> (hidden[T or R, E] float32, kv_cache)``
     and ``model.compute_logits(hidden[N, E]) -> float32[N, vocab]``.
@@ -182,8 +221,8 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         c = config
         self.embed = _param(rngs, (c.vocab_size, c.hidden_size), self.dtype, "normal")
-        self.layers = nnx.List([LlamaDecoderLayer(c, dtype=self.dtype, rngs=rngs) for _ in range(c.num_hidden_layers)])
-        self.norm = _param(rngs, (c.hidden_size,), self.dtype, "ones")
+        self.layers = nnx.List([DecoderLayer(c, i, dtype=self.dtype, rngs=rngs) for i in range(c.num_hidden_layers)])
+        self.norm = _param(rngs, (c.hidden_size,), self.dtype, "zeros" if c.norm_weight_offset else "ones")
         if c.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -220,12 +259,13 @@ class LlamaForCausalLM(nnx.Module):
         T = input_ids.shape[0]
         H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_size, kv_size = H * D, KVH * D
-        eps = c.rms_norm_eps
+        eps, offset = c.rms_norm_eps, c.norm_weight_offset
         dtype = self.dtype
         block_size = kv_cache.block_size
         cache_dtype = kv_cache.dtype
-        scale = 1.0 / math.sqrt(D)
-        window = c.effective_sliding_window
+        scale = c.attn_scale if c.attn_scale is not None else 1.0 / math.sqrt(D)
+        rotary = c.rotary_dim or D
+        windows = c.layer_windows
         attention, mesh, groups = self.attention, self.mesh, self.tensor_parallel_size
         if kv_cache.layout != attention.layout:
             raise ValueError(
@@ -234,29 +274,43 @@ class LlamaForCausalLM(nnx.Module):
             )
 
         positions = positions.astype(jnp.int32)
-        cos, sin = rope_cos_sin(positions, inv_frequencies(c.rope, D))
+        tables: dict[RopeConfig, tuple[jax.Array, jax.Array]] = {}  # cos/sin per distinct rope (Gemma 3 has two)
+
+        def rope_tables(rope: RopeConfig) -> tuple[jax.Array, jax.Array]:
+            if rope not in tables:
+                tables[rope] = rope_cos_sin(positions, inv_frequencies(rope, rotary))
+            return tables[rope]
+
         embed = _value(self.embed)
         if quant.is_quantized(embed):
             h = quant.embed(embed, input_ids).T  # [E, T]: the rows gathered quantized, then dequantized
         else:
             h = jnp.take(embed, input_ids, axis=0).astype(jnp.float32).T  # [E, T]
+        if c.embed_scale is not None:  # rounded to the weight dtype first, as transformers does
+            h = h * jnp.asarray(c.embed_scale, dtype).astype(jnp.float32)
 
         def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, tokens] -> [tokens, n, D]
             return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
 
+        def norm(x: jax.Array, weight: jax.Array | None) -> jax.Array:  # feature-major; absent norm: x
+            return x if weight is None else rms_norm(x, weight, eps, axis=0, offset=offset)
+
         prune = output_rows is not None and output_rows.shape[0] < T
         # The C++ kernel takes q as the projection leaves it (feature-major, not
         # rotated): no transposed, rotated copy of q per layer. float32 weights
-        # only (the other path rounds q to the weight dtype first). On the same
-        # path the dense layers of decode-sized programs use the C++ matmuls
-        # (``_cpu_matmul`` says which shapes).
-        fused_rope = cpu_dense = self._cpu_kernels()
+        # only (the other path rounds q to the weight dtype first), and rope
+        # over the whole head. On the same path the dense layers of
+        # decode-sized programs use the C++ matmuls (``_cpu_matmul`` says
+        # which shapes).
+        cpu_dense = self._cpu_kernels()
         mm = functools.partial(_mm, cpu_kernel=cpu_dense)
         last = len(self.layers) - 1
         k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
         for i, block in enumerate(self.layers):
             w = block.arrays()
-            x = rms_norm(h, w["input_norm"], eps, axis=0)
+            rope = c.layer_rope(i)
+            cos_sin = None if rope is None else rope_tables(rope)  # None: a layer without rope
+            x = norm(h, w["attn_norm"])
             if (
                 cpu_dense
                 and not quant.is_quantized(w["wqkv"])
@@ -266,17 +320,26 @@ class LlamaForCausalLM(nnx.Module):
                 # values to token-major at ~1 GB/s (3.6 ms a layer at 4096
                 # tokens), while a second dot leaves them token-major for free
                 q_rows, k_tm, v_tm = _qkv_kv_token_major(w, x, q_size, kv_size)
-                k, v = apply_rope(k_tm.reshape(T, KVH, D), cos, sin), v_tm.reshape(T, KVH, D)
+                k, v = k_tm.reshape(T, KVH, D), v_tm.reshape(T, KVH, D)
             else:
                 qkv = _add_bias(mm(w["wqkv"], x), w["bqkv"])
                 # tensor parallel: rows are group-major (jaxserve.models.sharding)
                 q_rows, k_rows, v_rows = split_fused(qkv, [q_size, kv_size, kv_size], groups)
-                k = apply_rope(heads(k_rows, KVH), cos, sin)
-                v = heads(v_rows, KVH)
-            q_meta, q_positions, q_cos, q_sin = meta, positions, cos, sin
+                k, v = heads(k_rows, KVH), heads(v_rows, KVH)
+            if c.qk_norm == "head":
+                q_rows = head_rms_norm(q_rows, w["q_norm"], H, eps, offset)
+                k = rms_norm(k, w["k_norm"], eps, offset=offset)
+            elif c.qk_norm == "full":
+                q_rows = rms_norm(q_rows, w["q_norm"], eps, axis=0, offset=offset)
+                k = rms_norm(k.reshape(T, kv_size), w["k_norm"], eps, offset=offset).reshape(T, KVH, D)
+            if cos_sin is not None:
+                k = apply_rope(k, *cos_sin)
+            q_meta, q_positions, q_cos_sin = meta, positions, cos_sin
             if prune and i == last:  # from here on only the wanted rows
                 q_rows, h = q_rows[:, output_rows], h[:, output_rows]
-                q_positions, q_cos, q_sin = positions[output_rows], cos[output_rows], sin[output_rows]
+                q_positions = positions[output_rows]
+                if cos_sin is not None:
+                    q_cos_sin = (cos_sin[0][output_rows], cos_sin[1][output_rows])
                 # (no block-major plan: that is for steps of one token per sequence)
                 q_meta = dataclasses.replace(
                     meta,
@@ -286,10 +349,17 @@ class LlamaForCausalLM(nnx.Module):
                     block_index=None,
                     block_major=None,
                 )
-            if fused_rope:  # the kernel rotates and scales q as it reads it
-                q, q_rope = q_rows, (q_cos, q_sin)
+            if cpu_dense and q_cos_sin is not None and rotary == D:  # the kernel rotates and scales q as it reads it
+                q, q_rope = q_rows, q_cos_sin
+            elif q_cos_sin is not None:
+                q, q_rope = apply_rope(heads(q_rows, H), *q_cos_sin).astype(dtype), None
             else:
-                q, q_rope = apply_rope(heads(q_rows, H), q_cos, q_sin).astype(dtype), None
+                q, q_rope = heads(q_rows, H).astype(dtype), None
+            features: dict[str, Any] = {}  # attention features only some families have
+            if c.attn_logit_softcap is not None:
+                features["logit_softcap"] = c.attn_logit_softcap
+            if w["sinks"] is not None:
+                features["sinks"] = w["sinks"].astype(jnp.float32)
             k_layers[i], v_layers[i], attn = write_and_attend(
                 attention,
                 q,
@@ -301,21 +371,27 @@ class LlamaForCausalLM(nnx.Module):
                 positions,
                 block_size=block_size,
                 scale=scale,
-                sliding_window=window,
+                sliding_window=windows[i],
                 cache_dtype=cache_dtype,
                 mesh=mesh,
                 query_meta=q_meta,
                 query_positions=q_positions,
                 query_rope=q_rope,
+                **features,
             )
-            h = h + _add_bias(mm(w["wo"], attn.reshape(attn.shape[0], q_size).T), w["bo"])
-            x = rms_norm(h, w["post_norm"], eps, axis=0)
-            gu = _add_bias(mm(w["w_gate_up"], x), w["b_gate_up"])
-            if groups == 1:
-                g, u = jnp.split(gu, 2, axis=0)
+            a = _add_bias(mm(w["wo"], attn.reshape(attn.shape[0], q_size).T), w["bo"])
+            h = h + norm(a, w["attn_out_norm"])
+            x = norm(h, w["ffn_norm"])
+            if w["w_gate_up"] is None:
+                m = moe.moe_mlp(x, w, c, cpu_kernel=cpu_dense, mesh=mesh)
             else:
-                g, u = split_fused(gu, [c.intermediate_size, c.intermediate_size], groups)
-            h = h + _add_bias(mm(w["w_down"], jax.nn.silu(g) * u), w["b_down"])
+                gu = _add_bias(mm(w["w_gate_up"], x), w["b_gate_up"])
+                if groups == 1:
+                    g, u = jnp.split(gu, 2, axis=0)
+                else:
+                    g, u = split_fused(gu, [c.intermediate_size, c.intermediate_size], groups)
+                m = _add_bias(mm(w["w_down"], gated_activation(g, u, c.hidden_act)), w["b_down"])
+            h = h + norm(m, w["ffn_out_norm"])
 
         # Token-major for the caller. The barrier keeps XLA from folding this
         # transpose into a later vocabulary matmul: a dot contracting its
@@ -323,7 +399,7 @@ class LlamaForCausalLM(nnx.Module):
         # ("Unsupported element type for DotThunk: BF16 x BF16 = F32").
         if output_rows is not None and not prune:
             h = h[:, output_rows]
-        h = jax.lax.optimization_barrier(rms_norm(h, self.norm[...], eps, axis=0).T)
+        h = jax.lax.optimization_barrier(norm(h, self.norm[...]).T)
         return h, kv_cache.replace(k=k_layers, v=v_layers)
 
     def output_embedding(self) -> jax.Array | quant.QuantizedWeight:
@@ -335,15 +411,18 @@ class LlamaForCausalLM(nnx.Module):
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden_size]``."""
         w = self.output_embedding()
         if quant.is_quantized(w):
-            return _mm(w, hidden.T, cpu_kernel=self._cpu_kernels()).T
-        return jnp.einsum("ne,ve->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+            logits = _mm(w, hidden.T, cpu_kernel=self._cpu_kernels()).T
+        else:
+            logits = jnp.einsum("ne,ve->nv", hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return softcap(logits, self.config.final_logit_softcap)
 
     def compute_logits_t(self, hidden: jax.Array) -> jax.Array:
         """float32 logits *transposed*, ``[vocab, N]``: the orientation in which
         the CPU runs the vocabulary matmul fastest for few rows (11.5 ms vs
         13.5 ms for 64 x 512 x 32000 here); the greedy sampler reduces over
         axis 0 directly."""
-        return _mm(self.output_embedding(), hidden.T, cpu_kernel=self._cpu_kernels())
+        logits_t = _mm(self.output_embedding(), hidden.T, cpu_kernel=self._cpu_kernels())
+        return softcap(logits_t, self.config.final_logit_softcap)
 
     def _cpu_kernels(self) -> bool:
         """Whether the C++ kernels serve this model's float32 programs: the

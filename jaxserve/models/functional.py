@@ -43,7 +43,7 @@ def forward_fn(
     output_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Hidden states of every token, or of the token rows ``output_rows`` only
-    (see ``LlamaForCausalLM.__call__``), and the updated cache."""
+    (see ``CausalLM.__call__``), and the updated cache."""
     model = nnx.merge(graphdef, state)
     return model(input_ids, positions, kv_cache, meta, output_rows)
 
@@ -54,7 +54,7 @@ def logits_fn(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> ja
 
 
 def logits_t_fn(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
-    """Transposed float32 logits ``[V, N]`` (see ``LlamaForCausalLM.compute_logits_t``)."""
+    """Transposed float32 logits ``[V, N]`` (see ``CausalLM.compute_logits_t``)."""
     model = nnx.merge(graphdef, state)
     return model.compute_logits_t(hidden)
 

@@ -30,10 +30,16 @@ Two ways to read a tensor:
     Q4_1 = f16 scale, f16 min + the same nibbles (w = d*q + m).
     ``QuantizedBlocks.dequantize()`` gives the same array as ``get``.
 
-Only what jaxserve serves is accepted: architectures in
-:data:`ARCHITECTURES` and tensor types in :data:`SUPPORTED_TENSOR_TYPES`;
-anything else raises a one-line :class:`ModelLoadError` naming it when the
-file is opened, before any weight is read.
+What differs by family (llama.cpp's architecture name, tensor names,
+whether Q/K rows were permuted, Gemma's shifted norm weights, the metadata
+keys of its settings) comes from the family's
+:class:`~jaxserve.models.gguf_spec.GGUFSpec`, found by the file's
+``general.architecture`` in :mod:`jaxserve.models.registry`.
+
+Only what jaxserve serves is accepted: registered architectures and the
+tensor types in :data:`SUPPORTED_TENSOR_TYPES`; anything else raises a
+one-line :class:`ModelLoadError` naming it when the file is opened, before
+any weight is read.
 """
 
 from __future__ import annotations
@@ -46,15 +52,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.models.errors import ModelLoadError
-
-#: GGUF ``general.architecture`` -> the Hugging Face architecture jaxserve builds
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-#: architectures whose converter permuted the Q and K rows (llama.cpp's
-#: ``LlamaModel.permute``); Qwen2's converter leaves them as Hugging Face has them
-_PERMUTED = frozenset({"llama"})
+from jaxserve.models.gguf_spec import GLOBAL_NAMES, GGUFMetadata, GGUFSpec
+from jaxserve.models.registry import family_of_gguf
 
 #: tensor types jaxserve reads (each one is covered by tests/test_gguf.py)
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
@@ -71,40 +70,20 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
     "Q6_K",
 )
 
-# Hugging Face name (per layer ``{i}``) -> GGUF name
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
 # GGUF tensors that are not weights of the model (llama.cpp writes rope tables)
 _IGNORED_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
-def hf_to_gguf_name(name: str) -> str | None:
-    """``model.layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight`` (None when unknown)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def hf_to_gguf_name(name: str, spec: GGUFSpec) -> str | None:
+    """``model.layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight`` under
+    ``spec``'s names (None when the name has no GGUF tensor)."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
     prefix = "model.layers."
     if name.startswith(prefix):
         index, _, rest = name[len(prefix) :].partition(".")
-        if index.isdigit() and rest in _LAYER_NAMES:
-            return f"blk.{index}.{_LAYER_NAMES[rest]}"
+        if index.isdigit() and rest in spec.layer_names:
+            return f"blk.{index}.{spec.layer_names[rest]}"
     return None
 
 
@@ -178,20 +157,21 @@ class GGUFCheckpoint:
         self.path = os.fspath(path)
         self._reader = reader if reader is not None else open_reader(self.path)
         self.metadata = read_metadata(self._reader)
-        self.architecture = check_architecture(self.metadata, self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = self.metadata.get("general.architecture")
+        self.family = family_of_gguf(arch, self._tensors, self.path)
+        assert self.family.gguf is not None
+        self.spec: GGUFSpec = self.family.gguf
         check_tensor_types(self._reader.tensors, self.path)
-        arch = self.metadata["general.architecture"]
         self._heads = int(_required(self.metadata, f"{arch}.attention.head_count", self.path))
         self._kv_heads = int(self.metadata.get(f"{arch}.attention.head_count_kv", self._heads))
-        self._permuted = arch in _PERMUTED
 
     def hf_config(self) -> dict[str, Any]:
         """The file's ``config.json`` (see :func:`hf_config`)."""
         types = {name: t.tensor_type.name for name, t in self._tensors.items()}
         embed = self._tensors.get("token_embd.weight")
         rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
-        return hf_config(self.metadata, types, self.path, rows)
+        return self.spec.config(GGUFMetadata(self.metadata, types, self.path, rows))
 
     # -- the interface the loader uses (same as its safetensors source) ------
     def close(self) -> None:
@@ -199,7 +179,7 @@ class GGUFCheckpoint:
         self._reader = None
 
     def __contains__(self, name: str) -> bool:
-        gguf_name = hf_to_gguf_name(name)
+        gguf_name = hf_to_gguf_name(name, self.spec)
         return gguf_name is not None and gguf_name in self._tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -214,7 +194,7 @@ class GGUFCheckpoint:
         found = self.shape(name)
         if found != tuple(expected_shape):
             raise ModelLoadError(
-                f"{self.path}: tensor {hf_to_gguf_name(name)} ({name}) has shape {list(found)}, "
+                f"{self.path}: tensor {hf_to_gguf_name(name, self.spec)} ({name}) has shape {list(found)}, "
                 f"expected {list(expected_shape)}"
             )
         tensor = self._tensor(name)
@@ -226,6 +206,8 @@ class GGUFCheckpoint:
 
             values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
             values = values.reshape(found)
+        if self.spec.norm_offset and name.endswith("norm.weight"):  # the converter stored w + offset
+            values = values.astype(np.float32) - np.float32(self.spec.norm_offset)
         return self._unpermuted(name, values)
 
     def raw_blocks(self, name: str) -> QuantizedBlocks:
@@ -247,13 +229,13 @@ class GGUFCheckpoint:
 
     # -- helpers ---------------------------------------------------------------
     def _tensor(self, name: str) -> Any:
-        gguf_name = hf_to_gguf_name(name)
+        gguf_name = hf_to_gguf_name(name, self.spec)
         if gguf_name is None or gguf_name not in self._tensors:
             raise ModelLoadError(f"{self.path}: missing tensor {gguf_name or name} ({name})")
         return self._tensors[gguf_name]
 
     def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
-        if not self._permuted:
+        if not self.spec.permuted_qk:
             return rows
         if ".self_attn.q_proj." in name:
             return rows[unpermute_rows(rows.shape[0], self._heads)]
@@ -266,19 +248,6 @@ def _required(metadata: Mapping[str, Any], key: str, path: str) -> Any:
     if metadata.get(key) is None:
         raise ModelLoadError(f"{path}: GGUF metadata key {key!r} is missing")
     return metadata[key]
-
-
-def _short_float(value: Any) -> float:
-    """A float32 metadata value as its shortest decimal (1e-05, not 9.99999974e-06)."""
-    return float(str(np.float32(value)))
-
-
-def check_architecture(metadata: Mapping[str, Any], path: str) -> str:
-    """The Hugging Face architecture for the file's ``general.architecture``."""
-    arch = metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[arch]
 
 
 def check_tensor_types(tensors: Any, path: str) -> None:
@@ -294,87 +263,11 @@ def check_tensor_types(tensors: Any, path: str) -> None:
             )
 
 
-def hf_config(
-    metadata: Mapping[str, Any], tensor_types: Mapping[str, str], path: str, embed_rows: int | None = None
-) -> dict[str, Any]:
-    """A transformers-style ``config.json`` for the file (see jaxserve.models.config).
-
-    ``tensor_types`` maps every GGUF tensor name to its type name;
-    ``embed_rows`` (the rows of ``token_embd.weight``) is the vocabulary size
-    the weights have, preferred over the metadata's count."""
-    architecture = check_architecture(metadata, path)
-    arch = metadata["general.architecture"]
-    names = set(tensor_types)
-
-    def key(name: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata key '{arch}.{name}' is missing")
-        return value
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length") or hidden // heads)
-    rotary = metadata.get(f"{arch}.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
-        raise ModelLoadError(
-            f"{path}: {arch}.rope.dimension_count={rotary} differs from the head size {head_dim}; "
-            "partial rotary embeddings are not supported"
-        )
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(
-            f"{path}: tensor rope_freqs.weight (per-frequency rope factors, as Llama 3.1+ files carry) is not supported"
-        )
-    rope_scaling = None
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
-    elif scaling_type not in ("none", None):
-        raise ModelLoadError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}; supported: linear")
-
-    if "token_embd.weight" not in names:
-        raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = embed_rows or metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-    if vocab is None:
-        raise ModelLoadError(f"{path}: neither {arch}.vocab_size nor tokenizer.ggml.tokens is present")
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": arch,
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _short_float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _short_float(key("rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in names,
-        "torch_dtype": "bfloat16" if tensor_types.get("token_embd.weight") == "BF16" else "float32",
-    }
-    if arch == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-        config["mlp_bias"] = False
-    for field, meta in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        value = metadata.get(f"tokenizer.ggml.{meta}")
-        if value is not None:
-            config[field] = int(value)
-    return config
-
-
 __all__ = [
-    "ARCHITECTURES",
     "GGUFCheckpoint",
     "QuantizedBlocks",
     "SUPPORTED_TENSOR_TYPES",
-    "check_architecture",
     "check_tensor_types",
-    "hf_config",
     "hf_to_gguf_name",
     "open_reader",
     "read_metadata",

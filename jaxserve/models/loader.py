@@ -1,13 +1,14 @@
-"""Load a Hugging Face Llama-family checkpoint folder into ``LlamaForCausalLM``.
+"""Load a Hugging Face checkpoint folder of any registered family into the decoder.
 
 Reads ``config.json`` and either ``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or (a folder without safetensors) the one
 ``*.gguf`` file it holds, read through
 :class:`jaxserve.models.gguf_file.GGUFCheckpoint` under the same Hugging Face
 tensor names (``jaxserve.presets.resolve_model`` makes such a folder for a
-``.gguf`` path). HF tensors are mapped into the per-layer,
-fused parameters of ``jaxserve.models.llama`` (Linear weights kept ``[out,
-in]`` as HF stores them; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
+``.gguf`` path). The family (:mod:`jaxserve.models.registry`) says which
+checkpoint tensors make each parameter of :class:`CausalLM`
+(:mod:`jaxserve.models.weights`: Linear weights kept ``[out, in]`` as HF
+stores them; q/k/v fused into ``wqkv``, gate/up into ``w_gate_up``). The
 model is built abstractly (``nnx.eval_shape``, no random init) and filled
 one parameter at a time on the host, so peak host memory is about one
 fused parameter on top of the open files. Every parameter's value is made
@@ -30,8 +31,10 @@ from flax import nnx
 
 from jaxserve.models import quant
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.decoder import CausalLM, DecoderLayer
 from jaxserve.models.errors import ModelLoadError
-from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.registry import family
+from jaxserve.models.weights import Part
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,7 +43,7 @@ INDEX_FILE = "model.safetensors.index.json"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     folder: str
 
     @property
@@ -151,10 +154,11 @@ def _checkpoint_dtype(src: _TensorSource, name: str) -> jnp.dtype:
 
 
 def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str | None = None) -> LoadedModel:
-    """Load ``folder`` (config.json + safetensors). ``dtype`` None keeps the
-    checkpoint's float32/bfloat16 (anything else becomes float32; float32
-    with ``quantization``). ``quantization`` (``int8``/``int4``): every
-    matrix quantized as it is read (``jaxserve.models.quant.load_param``)."""
+    """Load ``folder`` (config.json + safetensors, or one .gguf). ``dtype``
+    None keeps the checkpoint's float32/bfloat16 (anything else becomes
+    float32; float32 with ``quantization``). ``quantization``
+    (``int8``/``int4``): every matrix quantized as it is read
+    (``jaxserve.models.quant.load_param``)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise ModelLoadError(f"model folder not found: {folder}")
@@ -168,7 +172,7 @@ def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str |
         if want is None:
             want = jnp.dtype(jnp.float32) if quantization else _checkpoint_dtype(src, embed_name)
         np_dtype = np.dtype(want)  # ml_dtypes bfloat16 or float32
-        model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=want, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: CausalLM(config, dtype=want, rngs=nnx.Rngs(0)))
         _fill(
             model,
             config,
@@ -181,94 +185,44 @@ def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str |
     return LoadedModel(config=config, model=model, folder=folder)
 
 
-Part = tuple[str, tuple[int, ...], slice]
+def _read(src: Any, part: Part) -> np.ndarray:
+    arr = src.get(part.name, part.shape)
+    return arr if part.transform is None else part.transform(arr)
 
 
 def param_value(src: Any, shape: tuple[int, ...], parts: list[Part], np_dtype: np.dtype) -> np.ndarray:
-    """The host value of one parameter of ``shape``: each part is (HF tensor
-    name, its HF shape, the rows of the parameter it fills); q/k/v and
-    gate/up are fused by filling their rows of one array."""
-    if len(parts) == 1 and parts[0][2] == slice(None):
-        name, hf_shape, _ = parts[0]
-        return src.get(name, hf_shape).astype(np_dtype, copy=False)
+    """The host value of one parameter of ``shape`` from its parts (each
+    fills ``part.where`` of it: q/k/v rows of ``wqkv``, one expert of a
+    stack)."""
+    if len(parts) == 1 and parts[0].where == slice(None):
+        return _read(src, parts[0]).astype(np_dtype, copy=False).reshape(shape)
     out = np.empty(shape, np_dtype)
-    for name, hf_shape, rows in parts:
-        out[rows] = src.get(name, hf_shape).astype(np_dtype, copy=False)
+    for part in parts:
+        out[part.where] = _read(src, part).astype(np_dtype, copy=False)
     return out
 
 
-def _fill(
-    model: LlamaForCausalLM, c: ModelConfig, src: _TensorSource, np_dtype: np.dtype, qkind: str | None = None
-) -> None:
-    E, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    H, KVH, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    qs, kvs = H * D, KVH * D
+def _fill(model: CausalLM, c: ModelConfig, src: Any, np_dtype: np.dtype, qkind: str | None = None) -> None:
+    """Every parameter from the parts its family names for it."""
+    plan = family(c.family).weights(c)
 
-    def put(param: nnx.Param, shape: tuple[int, ...], parts: list[Part]) -> None:
-        if qkind is not None and len(shape) == 2:  # a matrix, quantized as it is read
+    def put(where: str, param: nnx.Param | None, parts: list[Part] | None) -> None:
+        if param is None or parts is None:
+            if param is not None or parts:
+                raise ModelLoadError(f"family {c.family!r}: the model's {where} and its checkpoint parts disagree")
+            return
+        shape = tuple(param.shape)
+        if qkind is not None and where.split()[-1] in quant.QUANTIZED_PARAMS:  # quantized as it is read
             param.set_value(quant.load_param(src, parts, qkind))
             return
         arr = param_value(src, shape, parts, np_dtype)
-        assert tuple(arr.shape) == tuple(param.shape), (arr.shape, param.shape)
         param.set_value(jnp.asarray(arr))
 
-    def fused(name: str, shape: tuple[int, ...], parts: list[tuple[str, tuple[int, ...], slice]]) -> None:
-        """Fill parameter ``name`` of every layer, ``shape`` each: a part is
-        (HF name template, HF shape, target rows). Absent parameters (biases
-        the config does not have) are skipped."""
-        for i, layer in enumerate(model.layers):
-            param = getattr(layer, name)
-            if param is None:
-                return
-            put(param, shape, [(tmpl.format(i=i), hf_shape, rows) for tmpl, hf_shape, rows in parts])
-
-    pre = "model.layers.{i}."
-    a = slice(None)
-    put(model.embed, (V, E), [("model.embed_tokens.weight", (V, E), a)])
-    put(model.norm, (E,), [("model.norm.weight", (E,), a)])
-    if model.lm_head is not None:
-        put(model.lm_head, (V, E), [("lm_head.weight", (V, E), a)])
-
-    fused("input_norm", (E,), [(pre + "input_layernorm.weight", (E,), a)])
-    fused("post_norm", (E,), [(pre + "post_attention_layernorm.weight", (E,), a)])
-    fused(
-        "wqkv",
-        (qs + 2 * kvs, E),
-        [
-            (pre + "self_attn.q_proj.weight", (qs, E), slice(0, qs)),
-            (pre + "self_attn.k_proj.weight", (kvs, E), slice(qs, qs + kvs)),
-            (pre + "self_attn.v_proj.weight", (kvs, E), slice(qs + kvs, qs + 2 * kvs)),
-        ],
-    )
-    fused(
-        "bqkv",
-        (qs + 2 * kvs,),
-        [
-            (pre + "self_attn.q_proj.bias", (qs,), slice(0, qs)),
-            (pre + "self_attn.k_proj.bias", (kvs,), slice(qs, qs + kvs)),
-            (pre + "self_attn.v_proj.bias", (kvs,), slice(qs + kvs, qs + 2 * kvs)),
-        ],
-    )
-    fused("wo", (E, qs), [(pre + "self_attn.o_proj.weight", (E, qs), a)])
-    fused("bo", (E,), [(pre + "self_attn.o_proj.bias", (E,), a)])
-    fused(
-        "w_gate_up",
-        (2 * I, E),
-        [
-            (pre + "mlp.gate_proj.weight", (I, E), slice(0, I)),
-            (pre + "mlp.up_proj.weight", (I, E), slice(I, 2 * I)),
-        ],
-    )
-    fused(
-        "b_gate_up",
-        (2 * I,),
-        [
-            (pre + "mlp.gate_proj.bias", (I,), slice(0, I)),
-            (pre + "mlp.up_proj.bias", (I,), slice(I, 2 * I)),
-        ],
-    )
-    fused("w_down", (E, I), [(pre + "mlp.down_proj.weight", (E, I), a)])
-    fused("b_down", (E,), [(pre + "mlp.down_proj.bias", (E,), a)])
+    for name in ("embed", "norm", "lm_head"):
+        put(name, getattr(model, name), plan.top.get(name))
+    for i, (layer, params) in enumerate(zip(model.layers, plan.layers)):
+        for name in DecoderLayer.NAMES:
+            put(f"layer {i} {name}", getattr(layer, name), params.get(name))
 
 
 __all__ = ["LoadedModel", "load_model", "ModelLoadError"]

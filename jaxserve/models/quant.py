@@ -195,9 +195,9 @@ def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, ...]) -> 
     return QuantizedWeight(q, d, m, kind)
 
 
-def load_param(src: Any, parts: list[tuple[str, tuple[int, ...], Any]], kind: str) -> QuantizedWeight:
+def load_param(src: Any, parts: list[Any], kind: str) -> QuantizedWeight:
     """One ``[O, I]`` parameter, quantized, from a checkpoint's tensors
-    (``jaxserve.models.loader``'s parts: HF name, HF shape, the parameter
+    (``jaxserve.models.weights.Part``: HF name, HF shape, the parameter
     rows it fills, in row order). GGUF tensors already in blocks of the
     width ``kind`` asks for (Q8_0 for int8; Q4_0 or Q4_1 for int4) are taken
     as they are, never through float32 (a fused parameter concatenates its
@@ -207,23 +207,28 @@ def load_param(src: Any, parts: list[tuple[str, tuple[int, ...], Any]], kind: st
     asked, not the file's 4-bit ones. JAX arrays as leaves."""
     raw = getattr(src, "raw_blocks", None)
     bits = kind[:2]  # "q8" or "q4": the block width asked for
-    if raw is not None and all(GGUF_KINDS.get(src.dtype_name(name), "")[:2] == bits for name, _, _ in parts):
-        pieces = [from_gguf_blocks(src.dtype_name(name), raw(name).blocks, shape) for name, shape, _ in parts]
+    as_stored = all(p.transform is None and GGUF_KINDS.get(src.dtype_name(p.name), "")[:2] == bits for p in parts)
+    if raw is not None and as_stored:
+        pieces = [from_gguf_blocks(src.dtype_name(p.name), raw(p.name).blocks, p.shape) for p in parts]
         if len({p.kind for p in pieces}) == 1:
             if len(pieces) == 1:
                 return to_device(pieces[0])
             cat = [np.concatenate([getattr(p, f) for p in pieces]) for f in ("q", "scale")]
             mins = None if pieces[0].min is None else np.concatenate([p.min for p in pieces])
             return to_device(QuantizedWeight(cat[0], cat[1], mins, pieces[0].kind))
-    rows = sum(shape[0] for _, shape, _ in parts)
-    arr = np.empty((rows, parts[0][1][1]), np.float32)
-    for name, shape, where in parts:
-        arr[where] = src.get(name, shape)
+    rows = sum(p.shape[0] for p in parts)
+    arr = np.empty((rows, parts[0].shape[1]), np.float32)
+    for p in parts:
+        value = src.get(p.name, p.shape)
+        arr[p.where] = value if p.transform is None else p.transform(value)
     return to_device(quantize(arr, kind))
 
 
-#: the matrices of ``jaxserve.models.llama`` that quantization stores as blocks
+#: the layer matrices of ``jaxserve.models.decoder`` that quantization stores as blocks
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+#: every parameter quantization stores as blocks (the MoE router stays float:
+#: it is small, and its top-k choice is what a rounding would change)
+QUANTIZED_PARAMS = frozenset({"embed", "lm_head", *MATRICES})
 
 
 def quantize_model(model: Any, kind: str) -> None:

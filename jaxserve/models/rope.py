@@ -54,11 +54,17 @@ def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array | np.ndarray) -> tupl
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, head_dim]``.
+    """Rotate ``x`` ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, rotary]``.
 
-    Computed in float32; the result is float32 (callers cast).
+    ``rotary`` below ``head_dim`` (partial rotary, Phi-4-mini): the first
+    ``rotary`` features of each head are rotated among themselves and the
+    rest pass through, as transformers does. Computed in float32; the result
+    is float32 (callers cast).
     """
     x = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
+    half = rotary // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

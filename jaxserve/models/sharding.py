@@ -90,22 +90,20 @@ def _group_major(parts: list[int], groups: int) -> np.ndarray:
     return np.concatenate(order)
 
 
-#: per-layer parameter -> (PartitionSpec, fused parts to reorder group-major, or None)
+#: per-layer parameter -> (PartitionSpec, fused parts to reorder group-major,
+#: or None); a weight not listed (norms, q/k norms) is replicated
 def _layer_plan(config: ModelConfig) -> dict[str, tuple[P, list[int] | None]]:
     c = config
     qkv = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
     gate_up = [c.intermediate_size, c.intermediate_size]
     return {
-        "input_norm": (P(), None),
-        "post_norm": (P(), None),
         "wqkv": (P(TP_AXIS, None), qkv),
         "bqkv": (P(TP_AXIS), qkv),
         "wo": (P(None, TP_AXIS), None),
-        "bo": (P(), None),
+        "sinks": (P(TP_AXIS), None),  # per query head: each device its own heads'
         "w_gate_up": (P(TP_AXIS, None), gate_up),
         "b_gate_up": (P(TP_AXIS), gate_up),
         "w_down": (P(None, TP_AXIS), None),
-        "b_down": (P(), None),
     }
 
 
@@ -118,10 +116,11 @@ def shard_model(model, mesh: Mesh) -> None:
     plan = _layer_plan(model.config)
     replicated = NamedSharding(mesh, P())
     for layer in model.layers:
-        for name, (spec, parts) in plan.items():
+        for name in layer.NAMES:
             param = getattr(layer, name)
             if param is None:
                 continue
+            spec, parts = plan.get(name, (P(), None))
             value = param[...]
             if parts is not None:
                 value = value[_group_major(parts, size)]

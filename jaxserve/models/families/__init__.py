@@ -1,0 +1,20 @@
+"""One module per model family; :data:`FAMILIES` is what the registry serves.
+
+Adding a family: write its module (config reading, weight names, GGUF
+names; see ``docs/architecture.md``), list its ``FAMILY`` here, and add its
+checkpoint to ``tests/model_fixtures.py`` so the parity tests cover it.
+"""
+
+from __future__ import annotations
+
+from jaxserve.models.families import llama, mistral, qwen2, qwen3
+from jaxserve.models.family import Family
+
+FAMILIES: list[Family] = [
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+]
+
+__all__ = ["FAMILIES"]

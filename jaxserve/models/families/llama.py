@@ -1,0 +1,58 @@
+"""Llama 2 / 3 / 3.1 / 3.2 (and SmolLM2, which is a Llama): the layout the other families start from.
+
+Optional attention and MLP biases (``attention_bias``, ``mlp_bias``), rope
+``default`` / ``linear`` / ``llama3``, tied or untied embeddings. llama.cpp
+writes these as ``llama`` with the Q and K rows permuted for its
+interleaved rope (the reader un-permutes them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.errors import ModelLoadError
+from jaxserve.models.family import Family
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
+from jaxserve.models.weights import llama_weights
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
+    c = read_base(d, ARCHITECTURE, source, family="llama")
+    bias = bool(d.get("attention_bias", False))
+    return dataclasses.replace(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+
+
+def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    if meta.has_tensor("rope_freqs.weight"):
+        raise ModelLoadError(
+            f"{meta.path}: tensor rope_freqs.weight (per-frequency rope factors, as Llama 3.1+ files carry) "
+            "is not supported"
+        )
+    config = base_config(meta, ARCHITECTURE)
+    full_rotary(meta, config["head_dim"])
+    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
+    config["mlp_bias"] = False
+    return config
+
+
+def _dense(tensor_names: Collection[str]) -> bool:
+    """llama.cpp writes Mixtral as ``llama`` too, with stacked expert tensors."""
+    return "blk.0.ffn_gate_inp.weight" not in tensor_names
+
+
+FAMILY = Family(
+    name="llama",
+    architectures=(ARCHITECTURE,),
+    model_types=("llama",),
+    read_config=read_config,
+    weights=llama_weights,
+    gguf=GGUFSpec(
+        architectures=("llama",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True, claims=_dense
+    ),
+    end_of_turn=("<|eot_id|>", "<|eom_id|>"),
+)

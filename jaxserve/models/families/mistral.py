@@ -1,0 +1,34 @@
+"""Mistral (7B v0.1 - v0.3, Ministral text): Llama without biases, with a sliding window on every layer.
+
+The window (v0.1's 4096) is dropped when it is at least the context length
+(:attr:`ModelConfig.layer_windows`). llama.cpp converts Mistral checkpoints
+as ``llama`` files (read by the Llama family, without the window, as
+llama.cpp runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.family import Family
+from jaxserve.models.weights import llama_weights
+
+ARCHITECTURE = "MistralForCausalLM"
+
+
+def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
+    c = read_base(d, ARCHITECTURE, source, family="mistral")
+    window = d.get("sliding_window")
+    return dataclasses.replace(c, sliding_window=None if window is None else int(window))
+
+
+FAMILY = Family(
+    name="mistral",
+    architectures=(ARCHITECTURE,),
+    model_types=("mistral",),
+    read_config=read_config,
+    weights=llama_weights,
+)

@@ -1,0 +1,44 @@
+"""What a model family is to jaxserve: how to read its config, where its weights are, how its GGUF files are named.
+
+Every family shares one forward pass (:mod:`jaxserve.models.decoder`,
+built from the blocks in :mod:`jaxserve.models.blocks`), switched by the
+:class:`~jaxserve.models.config.ModelConfig` the family's ``read_config``
+returns. So a family module under :mod:`jaxserve.models.families` is data
+and small functions: the architecture names it answers to, the reading of
+its ``config.json``, its weights' names (:mod:`jaxserve.models.weights`),
+its GGUF names (:mod:`jaxserve.models.gguf_spec`) and the tokens that end
+an assistant turn in its chat template. ``docs/architecture.md`` ("Adding
+a model family") walks through writing one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.gguf_spec import GGUFSpec
+from jaxserve.models.weights import ModelWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    #: the registry's key (``qwen3``); ``ModelConfig.family``
+    name: str
+    #: Hugging Face ``architectures`` names it reads (``Qwen3ForCausalLM``)
+    architectures: tuple[str, ...]
+    #: ``model_type`` values it reads when a config has no ``architectures``
+    model_types: tuple[str, ...]
+    #: ``(config.json as a dict, where it came from) -> ModelConfig``
+    read_config: Callable[[Mapping[str, Any], str], ModelConfig]
+    #: where each parameter comes from in a checkpoint
+    weights: Callable[[ModelConfig], ModelWeights]
+    #: how its GGUF files are read; None when llama.cpp has no such architecture
+    gguf: GGUFSpec | None = None
+    #: tokens that end an assistant turn in its chat template, besides the
+    #: eos token (``<end_of_turn>``); each one in the vocabulary stops generation
+    end_of_turn: tuple[str, ...] = ()
+
+
+__all__ = ["Family"]
