@@ -206,14 +206,101 @@ async def test_rerun_skips_done_lines_and_retries_retryable_errors(harness, pref
     assert got["j2"][0]["status"] == "error"
 
 
-async def test_a_changed_body_under_the_same_batch_id_is_refused(harness, prefix, tmp_path):
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+async def test_the_same_csv_with_other_options_is_a_new_run_and_the_same_options_resume(harness, prefix, tmp_path):
+    """Keys cover what the job asks: the same CSV with a new --template or
+    --max-tokens runs (never idempotency_key_reused, even on a restarted
+    worker over the same SQLite store), and the same options again are
+    answered from the store (replayed) without the engine."""
+    from jaxserve.worker.store.sqlite import SqliteStore
+
+    db = tmp_path / "store.sqlite3"
+    eng = EchoEngine(step_s=0.001)
+    w = await harness.start(eng, store=SqliteStore(db))
+    docs = write_csv(tmp_path / "docs.csv", [{"doc_id": f"r{i}", "text": f"body {i}"} for i in range(3)])
+    first = await batch(prefix, docs, tmp_path / "o1", template="A: {{ text }}", id_column="doc_id", max_tokens=2)
+    assert first.ok == 3 and first.exit_status == 0
+    await w.shutdown(drain_timeout=0.5)
+    eng = EchoEngine(step_s=0.001)
+    await harness.start(eng, store=SqliteStore(db))  # restarted: the store kept every key's result
+    runs = [
+        ("o2", {"template": "B: {{ text }}", "max_tokens": 2}, "B: body 1", 2),
+        ("o3", {"template": "A: {{ text }}", "max_tokens": 3}, "A: body 1", 3),
+    ]
+    for out, options, prompt, n in runs:
+        summary = await batch(prefix, docs, tmp_path / out, id_column="doc_id", **options)
+        assert summary.ok == 3 and summary.errors == {} and summary.exit_status == 0, summary
+        got = {x["custom_id"]: x for x in lines(tmp_path / out)}
+        assert got["r1"]["text"] == expected_completion(prompt, n)[0] and not got["r1"].get("replayed")
+    assert sum(eng.add_count.values()) == 6
+    again = await batch(prefix, docs, tmp_path / "o4", template="A: {{ text }}", id_column="doc_id", max_tokens=2)
+    assert again.ok == 3 and all(x["replayed"] for x in lines(tmp_path / "o4"))  # unchanged: resumed
+    assert sum(eng.add_count.values()) == 6
+    assert {x["id"] for x in lines(tmp_path / "o4")} == {x["id"] for x in lines(tmp_path / "o1")}
+
+
+async def test_a_rerun_into_the_same_out_replaces_the_lines_of_changed_jobs(harness, prefix, tmp_path):
+    """OUT answers a request only for the job it asked: a rerun with
+    another template replaces every line (in both formats), a rerun with the
+    same options skips them all."""
+    eng = EchoEngine(step_s=0.001)
+    await harness.start(eng)
+    docs = write_csv(tmp_path / "docs.csv", [{"doc_id": f"r{i}", "text": f"body {i}"} for i in range(3)])
+    inp = write_jsonl(
+        tmp_path / "in.jsonl", [openai_line(f"c{i}", "/v1/completions", {"prompt": f"p {i}"}) for i in range(2)]
+    )
+    for path, opts in ((docs, {"id_column": "doc_id"}), (inp, {})):
+        out = tmp_path / f"{path.name}.out"
+        assert (await batch(prefix, path, out, template="A: {{ text }}", max_tokens=2, **opts)).ok
+        first = {x["custom_id"]: x["id"] for x in lines(out)}
+        same = await batch(prefix, path, out, template="A: {{ text }}", max_tokens=2, **opts)
+        assert same.skipped_already_done == len(first) and same.replaced == 0 and same.ok == 0
+        changed = await batch(prefix, path, out, template="B: {{ text }}", max_tokens=3, **opts)
+        assert changed.replaced == len(first) and changed.ok == len(first) and changed.exit_status == 0
+        now = {x["custom_id"]: x for x in lines(out)}
+        assert set(now) == set(first) and all(now[c]["id"] != first[c] for c in first)  # one line each
+    assert now["c1"]["response"]["body"]["choices"][0]["text"] == expected_completion("p 1", 3)[0]
+
+
+async def test_a_batch_exits_non_zero_when_every_line_failed_or_one_is_unknown_model_or_invalid(
+    harness, prefix, tmp_path
+):
+    await harness.start(EchoEngine(step_s=0.001, model_name="echo"))
+    inp = write_jsonl(tmp_path / "long.jsonl", [{"id": f"j{i}", "prompt": "word " * 600} for i in range(2)])
+    failed = await batch(prefix, inp, tmp_path / "o1")  # every line context_length_exceeded
+    assert failed.ok == 0 and failed.errors == {"context_length_exceeded": 2} and failed.exit_status == 1
+    mixed = [{"id": "ok", "prompt": "fine", "max_tokens": 2}]
+    for code, line in (
+        ("unknown_model", {"id": "m", "prompt": "x", "model": "gpt-9"}),
+        ("invalid_request", {"id": "t", "prompt": "x", "temperature": 7}),
+    ):
+        inp = write_jsonl(tmp_path / f"{code}.jsonl", [*mixed, line])
+        summary = await batch(prefix, inp, tmp_path / f"{code}.out")
+        assert summary.ok == 1 and summary.errors == {code: 1} and summary.bad_lines == 0, summary
+        assert summary.exit_status == 1
+    fine = write_jsonl(tmp_path / "fine.jsonl", mixed)
+    assert (await batch(prefix, fine, tmp_path / "fine.out")).exit_status == 0
+
+
+async def test_the_cli_exits_1_when_every_row_failed(harness, prefix, tmp_path):
+    from click.testing import CliRunner
+
+    from jaxserve.cli.batch_command import batch as batch_command
+
     await harness.start(EchoEngine(step_s=0.001))
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "j", "prompt": "version one", "max_tokens": 2}])
-    await batch(prefix, inp, tmp_path / "o1", batch_id="fixed")
-    write_jsonl(inp, [{"id": "j", "prompt": "version two", "max_tokens": 2}])
-    await batch(prefix, inp, tmp_path / "o2", batch_id="fixed")
-    [line] = lines(tmp_path / "o2")
-    assert line["error"]["code"] == "idempotency_key_reused"
+    docs = write_csv(tmp_path / "docs.csv", [{"doc_id": f"r{i}", "text": "word " * 600} for i in range(2)])
+    args = [str(docs), "-o", str(tmp_path / "out"), "--prefix", prefix, "--amqp-url", AMQP_URL, "--no-progress"]
+    args += ["--template", "{{ text }}", "--id-column", "doc_id", "--idle-timeout", "20"]
+    result = await asyncio.to_thread(CliRunner().invoke, batch_command, args)
+    assert result.exit_code == 1, result.output
+    assert '"context_length_exceeded": 2' in result.output
 
 
 async def test_response_cache_answers_a_second_key_without_the_engine(harness, client):

@@ -11,10 +11,12 @@ Three kinds of line or row:
   the template rendered with the row's fields (jinja2), the id from
   ``--id-column``.
 
-Keys are scoped to the file: ``<batch id>:<custom_id>``, where the batch
-id is a hash of the file's content (or ``--batch-id``), so two files that
-both say ``request-1`` never share a result; a row without an id gets one
-from its content. Lines that cannot be used become items with an
+Keys are scoped to the file and name the job: ``<batch id>:<custom_id>:<job
+digest>`` (``jaxserve.batch.keys.job_key``), where the batch id is a hash of
+the file's content (or ``--batch-id``), so two files that both say
+``request-1`` never share a result, and the digest covers what the body asks
+for, so the same file run with other options is a new run; a row without an
+id gets one from its content. Lines that cannot be used become items with an
 ``error`` (their line number and what is wrong) instead of stopping the run.
 """
 
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from jaxserve.batch.keys import job_key
 
 #: looked up with a line's "url" as given, whatever its type
 ENDPOINTS: dict[Any, str] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -133,7 +137,7 @@ def read_items(path: str | Path, opts: InputOptions) -> tuple[str, list[BatchIte
                 BatchItem(
                     lineno,
                     f"line-{lineno}",
-                    f"{batch_id}:line-{lineno}",
+                    job_key(batch_id, f"line-{lineno}", None),
                     None,
                     None,
                     ("invalid_request", f"line {lineno}: {err}"),
@@ -159,18 +163,25 @@ def read_items(path: str | Path, opts: InputOptions) -> tuple[str, list[BatchIte
             given = rec.get("custom_id") or rec.get("id") or (rec.get(opts.id_column) if opts.id_column else None)
             cid = str(given or f"line-{lineno}")
             error = (exc.code, f"line {lineno}: {exc}")
-            items.append(BatchItem(lineno, cid, f"{batch_id}:{cid}", None, _endpoint_of(rec), error, named=bool(given)))
+            items.append(
+                BatchItem(lineno, cid, job_key(batch_id, cid, None), None, _endpoint_of(rec), error, named=bool(given))
+            )
             continue
         if custom_id in seen:
             msg = f"line {lineno}: custom_id {custom_id!r} was already used on line {seen[custom_id]} (it must be unique in a file)"
             items.append(
                 BatchItem(
-                    lineno, custom_id, f"{batch_id}:{custom_id}#dup{lineno}", None, endpoint, ("invalid_request", msg)
+                    lineno,
+                    custom_id,
+                    job_key(batch_id, f"{custom_id}#dup{lineno}", None),
+                    None,
+                    endpoint,
+                    ("invalid_request", msg),
                 )
             )
             continue
         seen[custom_id] = lineno
-        items.append(BatchItem(lineno, custom_id, f"{batch_id}:{custom_id}", body, endpoint))
+        items.append(BatchItem(lineno, custom_id, job_key(batch_id, custom_id, body), body, endpoint))
     return batch_id, items
 
 

@@ -70,13 +70,17 @@ def response_body(result: dict[str, Any], endpoint: str, model: str, created: in
     return body
 
 
-def output_line(custom_id: str, result: dict[str, Any], endpoint: str, model: str) -> dict[str, Any]:
-    """The OpenAI Batch line for a final jaxserve result (ok or error)."""
+def output_line(
+    custom_id: str, result: dict[str, Any], endpoint: str, model: str, line_id: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI Batch line for a final jaxserve result (ok or error);
+    ``line_id`` its ``id`` (``jaxserve.batch.keys.line_id``, which a resumed
+    run checks), else a random one."""
     if result.get("status") != "ok":
         err = result.get("error") or {}
-        return error_line(custom_id, str(err.get("code", "internal")), str(err.get("message", "")))
+        return error_line(custom_id, str(err.get("code", "internal")), str(err.get("message", "")), line_id)
     return {
-        "id": f"batch_req_{_hex()}",
+        "id": line_id or f"batch_req_{_hex()}",
         "custom_id": custom_id,
         "response": {
             "status_code": 200,
@@ -87,9 +91,9 @@ def output_line(custom_id: str, result: dict[str, Any], endpoint: str, model: st
     }
 
 
-def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
+def error_line(custom_id: str, code: str, message: str, line_id: str | None = None) -> dict[str, Any]:
     return {
-        "id": f"batch_req_{_hex()}",
+        "id": line_id or f"batch_req_{_hex()}",
         "custom_id": custom_id,
         "response": None,
         "error": {"code": code, "message": message},

@@ -1,10 +1,12 @@
 """Run a batch file through the queue: publish, collect, resume, deduplicate.
 
 * **Resumable.** OUT is appended to as results arrive. A rerun over the same
-  OUT skips requests that have a final line there (``ok``, or an error that
-  retrying cannot fix) and runs again those that ended in a retryable error
-  (their old lines are dropped first). Results that arrive while the command
-  is down wait in its durable reply queue, named after OUT.
+  OUT skips requests that have a final line there for the same job (``ok``,
+  or an error that retrying cannot fix) and runs again those that ended in
+  a retryable error and those whose line answered the request with other
+  options (``jaxserve.batch.keys.answers``); their old lines are dropped
+  first. Results that arrive while the command is down wait in its durable
+  reply queue, named after OUT.
 * **Deduplicated.** Within one run, deterministic requests (label scoring,
   temperature 0, or a seed given) with identical bodies are published once;
   each line still gets its own output line.
@@ -31,7 +33,7 @@ from typing import Any, cast
 
 import orjson
 
-from jaxserve.batch import openai_format
+from jaxserve.batch import keys, openai_format
 from jaxserve.batch.inputs import BatchItem, canonical, is_deterministic
 from jaxserve.wire import RETRYABLE_CODES, Result
 
@@ -54,6 +56,8 @@ class BatchSummary:
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     skipped_already_done: int = 0
     retried: int = 0
+    #: requests whose line in OUT answered them with other options (template, model, sampling ...)
+    replaced: int = 0
     bad_lines: int = 0
     deduplicated: int = 0
     missing: int = 0
@@ -63,9 +67,14 @@ class BatchSummary:
 
     @property
     def exit_status(self) -> int:
+        """2: results missing; 1: a line was bad, a request named a model
+        nobody serves or was refused as invalid, or every request run failed
+        (a run that produced nothing is not a success); else 0."""
         if self.missing:
             return 2
-        return 1 if self.bad_lines else 0
+        if self.bad_lines or self.errors.get("unknown_model") or self.errors.get("invalid_request"):
+            return 1
+        return 1 if self.errors and not self.ok else 0
 
 
 def _output_lines(path: Path) -> list[tuple[bytes, dict[str, Any] | None]]:
@@ -83,31 +92,42 @@ def _output_lines(path: Path) -> list[tuple[bytes, dict[str, Any] | None]]:
     return out
 
 
-def settled_custom_ids(out_path: Path) -> tuple[set[str], int]:
-    """custom_ids that OUT answers for good; rewrites OUT without the lines
-    of retryable errors (and torn lines). Returns (done, dropped)."""
+def settled_custom_ids(out_path: Path, items: list[BatchItem]) -> tuple[set[str], int, int]:
+    """custom_ids that OUT answers for good, for the job each of ``items``
+    asks now; rewrites OUT without the lines of retryable errors (and torn
+    lines) and without the lines that answered a request with other options
+    (a changed template, model, sampling ...: that request is a new job).
+    Lines of requests the input no longer has are kept. Returns (done,
+    retried, replaced)."""
     lines = _output_lines(out_path)
+    asked: dict[str, BatchItem] = {}
+    for item in items:
+        asked.setdefault(item.custom_id, item)  # a repeated custom_id's own item is an error line
     done: set[str] = set()
     keep: list[bytes] = []
-    dropped = 0
+    retried = replaced = 0
     for raw, rec in lines:
         if rec is None:
-            dropped += 1
+            retried += 1
             continue
         cid, code = openai_format.line_outcome(rec)
-        if cid is None:
+        asks = asked.get(str(cid)) if cid is not None else None
+        if asks is None:
             keep.append(raw)
             continue
-        if code is not None and code in RETRYABLE_CODES:
-            dropped += 1
+        if not keys.answers(rec, asks.custom_id, asks.body):
+            replaced += 1
             continue
-        done.add(str(cid))
+        if code is not None and code in RETRYABLE_CODES:
+            retried += 1
+            continue
+        done.add(asks.custom_id)
         keep.append(raw)
-    if dropped:
+    if retried or replaced:
         tmp = out_path.with_name(out_path.name + ".tmp")
         tmp.write_bytes(b"".join(k + b"\n" for k in keep))
         os.replace(tmp, out_path)
-    return done, dropped
+    return done, retried, replaced
 
 
 class _Writer:
@@ -127,7 +147,9 @@ class _Writer:
         if self._format(item) == "openai":
             endpoint = item.endpoint or ("chat" if item.body and "messages" in item.body else "completions")
             model = self.settings.served_model_name or result.get("served_model") or result.get("model") or "jaxserve"
-            line = openai_format.output_line(item.custom_id, result, endpoint, model)
+            line = openai_format.output_line(
+                item.custom_id, result, endpoint, model, line_id=keys.line_id(item.custom_id, item.body)
+            )
         else:
             line = {**result, "id": item.key, "custom_id": item.custom_id}
         self._write(line)
@@ -176,7 +198,13 @@ def plan_publish(todo: list[BatchItem]) -> tuple[list[BatchItem], dict[str, list
 def run_batch(items: list[BatchItem], out_path: str | Path, settings: BatchSettings) -> BatchSummary:
     out_path = Path(out_path)
     summary = BatchSummary()
-    done, summary.retried = settled_custom_ids(out_path)
+    done, summary.retried, summary.replaced = settled_custom_ids(out_path, items)
+    if summary.replaced:
+        print(
+            f"{summary.replaced} requests in {out_path} were answered with other options (template, model, "
+            "sampling, labels or schema); their old lines are replaced by this run's",
+            file=sys.stderr,
+        )
     writer = _Writer(out_path, settings, summary)
     todo: list[BatchItem] = []
     for item in items:

@@ -280,12 +280,14 @@ def batch(
     write one output line per request to OUT.
 
     OpenAI Batch lines (custom_id, method, url, body) get OpenAI Batch output
-    lines; keys are scoped to the file; a rerun skips requests answered in
-    OUT and retries those that ended in a retryable error. A line's
-    body.model routes it to that model's workers; a model no worker serves
-    gets its unknown_model line at once. Exit status: 0
-    done, 1 some lines were bad (reported), 2 results still missing after
-    --idle-timeout."""
+    lines; keys are scoped to the file and to what each job asks (template,
+    model, sampling, labels, schema), so a run with other options is a new
+    run; a rerun skips requests answered in OUT for the same job and retries
+    those that ended in a retryable error. A line's body.model routes it to
+    that model's workers; a model no worker serves gets its unknown_model
+    line at once. Exit status: 0 done, 1 some lines were bad (reported), a
+    request got unknown_model or invalid_request, or every request failed,
+    2 results still missing after --idle-timeout."""
     from jaxserve.batch.inputs import InputError, InputOptions, read_items
     from jaxserve.batch.run import BatchSettings, run_batch
 
