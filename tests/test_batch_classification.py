@@ -104,6 +104,31 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
     assert summary.bad_lines == 5 and summary.exit_status == 1  # the four refused here plus the broken line
 
 
+async def test_openai_lines_carry_the_usage_cost_a_jaxserve_line_carries(harness, prefix, tmp_path):
+    from openai.types import Completion
+
+    from jaxserve.cost import PriceTable
+
+    prices = PriceTable.from_values(prompt_per_million=2.0, completion_per_million=10.0)
+    await harness.start(EchoEngine(step_s=0.001), prices=prices)
+    inp = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            openai_line("c", "/v1/completions", {"prompt": "alpha beta", "max_tokens": 4}),
+            openai_line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ],
+    )
+    assert (await batch(prefix, inp, tmp_path / "openai.out", max_tokens=3)).ok == 2
+    assert (await batch(prefix, inp, tmp_path / "native.out", max_tokens=3, out_format="jaxserve")).ok == 2
+    native = {x["custom_id"]: x["usage"] for x in lines(tmp_path / "native.out")}
+    for x in lines(tmp_path / "openai.out"):
+        usage = x["response"]["body"]["usage"]
+        own = native[x["custom_id"]]
+        cost = (own["prompt_tokens"] * 2.0 + own["completion_tokens"] * 10.0) / 1e6
+        assert usage["cost"] == own["cost"] == {"amount": pytest.approx(cost), "currency": "USD"}, usage
+    Completion.model_validate(lines(tmp_path / "openai.out")[0]["response"]["body"])  # still openai's shape
+
+
 async def test_label_scoring_results_in_both_formats(harness, prefix, tmp_path):
     await harness.start(EchoEngine(step_s=0.001))
     inp = write_jsonl(

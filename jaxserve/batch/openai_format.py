@@ -4,7 +4,8 @@ A line is ``{"id": "batch_req_...", "custom_id", "response": {"status_code",
 "request_id", "body"}, "error"}``. The body is the object the endpoint
 itself returns: a ``text_completion`` for ``/v1/completions`` or a
 ``chat.completion`` for ``/v1/chat/completions`` (``id``, ``object``,
-``created``, ``model``, ``choices``, ``usage`` with ``total_tokens``). A
+``created``, ``model``, ``choices``, ``usage`` with ``total_tokens``, and
+``cost`` when the worker priced the job, as in a jaxserve result). A
 failed request has ``response: null`` and ``error: {"code", "message"}``
 (jaxserve's error code and message).
 
@@ -59,12 +60,14 @@ def response_body(result: dict[str, Any], endpoint: str, model: str, created: in
         if "parsed" in result:
             choice["parsed"] = result["parsed"]
         body = {"id": f"cmpl-{_hex()}", "object": "text_completion"}
-    body.update(
-        created=created,
-        model=model,
-        choices=[choice],
-        usage={"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    )
+    out_usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if usage.get("cost") is not None:  # the worker priced it: the same field as a jaxserve result's
+        out_usage["cost"] = usage["cost"]
+    body.update(created=created, model=model, choices=[choice], usage=out_usage)
     if result.get("labels") is not None:
         body["labels"] = [{"label": x["label"], "logprob": x["logprob"], "prob": x["prob"]} for x in result["labels"]]
     return body
