@@ -68,6 +68,20 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option
     show_default=True,
     help="Jobs of one batch published and not answered yet.",
 )
+@click.option(
+    "--batch-lease",
+    type=click.FloatRange(min=1.0),
+    default=30.0,
+    show_default=True,
+    help="Seconds a gateway holds a batch without renewing it; a batch whose gateway died is taken over after this.",
+)
+@click.option(
+    "--broker-poll",
+    type=click.FloatRange(min=0.5),
+    default=5.0,
+    show_default=True,
+    help="Seconds between two looks at the broker's models and queues (status page, /metrics, 503s).",
+)
 @click.option("--owned-by", default="jaxserve", show_default=True, help="owned_by of the models /v1/models lists.")
 @click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
 @click.option("--log-level", default="info", show_default=True)
@@ -84,6 +98,8 @@ def gateway(
     management_url: str | None,
     request_timeout: float,
     batch_max_in_flight: int,
+    batch_lease: float,
+    broker_poll: float,
     owned_by: str,
     log_format: str,
     log_level: str,
@@ -117,6 +133,8 @@ def gateway(
         management_url=management_url,
         request_timeout_s=request_timeout,
         batch_max_in_flight=batch_max_in_flight,
+        lease_s=batch_lease,
+        broker_poll_s=broker_poll,
         owned_by=owned_by,
     )
     with broker_errors(amqp_url):

@@ -271,12 +271,14 @@ class BatchRunner:
             if not pending:
                 all_done.set()
 
-        remaining_s = max(60.0, float(self.record["expires_at"]) - time.time())
+        # the queue outlives the window by a day; a fixed value, since a
+        # gateway taking the batch over redeclares it with the same arguments
+        window_s = int(self.record["expires_at"]) - int(self.record["created_at"])
         client = AsyncClient(
             ctx.amqp_url,
             prefix=ctx.prefix,
             reply_queue=f"{ctx.prefix}.reply.gw-{self.id}",
-            reply_queue_expires_ms=int((remaining_s + 86_400) * 1000),
+            reply_queue_expires_ms=(window_s + 86_400) * 1000,
             on_unclaimed=on_final,
             name=f"jaxserve-gateway-{self.id}",
         )
