@@ -126,6 +126,13 @@ ensure_redis() {
   wait_for_port 6379 30 Redis
 }
 
+ensure_chromium() {
+  # tests/test_gateway_page.py opens the gateway's status page in Debian's
+  # headless chromium through its chromedriver (Selenium)
+  install_missing chromium chromium
+  install_missing chromedriver chromium-driver
+}
+
 cmd="${1:-help}"
 shift || true
 case "$cmd" in
@@ -148,6 +155,7 @@ case "$cmd" in
     setup_venv test
     ensure_rabbitmq
     ensure_redis
+    ensure_chromium
     log "running the test suite"
     exec "$VENV/bin/python" -m pytest -q "$@" ;;
   demo)
