@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from jaxserve.gateway.batches import window_seconds
 from jaxserve.gateway.errors import ApiError, from_error, param_of
-from jaxserve.gateway.keys import OPEN, KeyRing, KeysFileError, Principal, priority_header
+from jaxserve.gateway.keys import OPEN, KeyRing, KeysFileError, Principal, priority_header, queue_header
 from jaxserve.gateway.metrics import RecentEvents
 from jaxserve.gateway.translate import ChunkWriter, job_body, validate
 from jaxserve.wire import ERROR_CODES, Result
@@ -84,6 +84,10 @@ def test_priority_header():
         with pytest.raises(ApiError) as info:
             priority_header(bad, None)
         assert info.value.status == 400 and info.value.param == "X-Jaxserve-Priority"
+    assert queue_header(None) == "interactive" and queue_header("batch") == "batch"
+    with pytest.raises(ApiError) as info:
+        queue_header("fast")
+    assert info.value.status == 400 and info.value.param == "X-Jaxserve-Queue"
 
 
 def test_requests_become_job_bodies_with_the_callers_tenant():

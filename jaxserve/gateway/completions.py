@@ -1,6 +1,7 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: one job each
-on the model's interactive queue, answered whole or streamed as
-server-sent events from the job's replies.
+on the model's interactive queue (``X-Jaxserve-Queue: batch`` for its batch
+queue), answered whole or streamed as server-sent events from the job's
+replies.
 
 The gateway keeps nothing for these: the job's key is new (or the
 caller's ``Idempotency-Key``, scoped to the tenant), its replies come to the
@@ -33,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from jaxserve.client import AsyncClient, JobError, NoRoute, QueueFull, StreamDiverged, UnknownModel
 from jaxserve.gateway.broker_view import BrokerView
 from jaxserve.gateway.errors import ApiError, from_result, no_worker, queue_full
-from jaxserve.gateway.keys import Principal, priority_header
+from jaxserve.gateway.keys import Principal, priority_header, queue_header
 from jaxserve.gateway.metrics import GatewayMetrics, RecentEvents
 from jaxserve.gateway.translate import ChunkWriter, Endpoint, completion, job_body, parse_body, validate
 from jaxserve.wire import Result
@@ -57,17 +58,18 @@ class Completions:
         received = time.monotonic()
         body = parse_body(await request.body())
         priority = priority_header(request.headers.get("x-jaxserve-priority"), principal.priority)
+        queue = queue_header(request.headers.get("x-jaxserve-queue"))
         job = job_body(body, endpoint, principal, priority)
         model = job["model"]
         request.state.model = model
         key = self._key(request, principal)
         validate(job, key)
-        await self._check_worker(model)
+        await self._check_worker(model, queue)
         if job.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, job, key, endpoint, include_usage, received)
-        result = await self._submit(request, job, key, endpoint)
-        self.events.add("answer", model, "interactive")
+            return await self._stream(request, job, key, endpoint, include_usage, received, queue)
+        result = await self._submit(request, job, key, endpoint, queue)
+        self.events.add("answer", model, queue)
         return JSONResponse(completion(result, endpoint, model))
 
     @staticmethod
@@ -80,11 +82,11 @@ class Completions:
             return f"gw:{principal.tenant}:{given[:200]}"
         return "gw-" + uuid.uuid4().hex
 
-    async def _check_worker(self, model: str) -> None:
+    async def _check_worker(self, model: str, queue_class: str) -> None:
         """503 when the model is routed but no worker consumes its queue now
         (a model nobody routes is the broker's 404, at publish)."""
         served = self.view.snapshot.models.get(model)
-        queue = served.queues.get("interactive") if served is not None else None
+        queue = served.queues.get(queue_class) if served is not None else None
         if queue is None:
             return
         seen = self.view.snapshot.queues.get(queue)
@@ -102,10 +104,10 @@ class Completions:
             return ApiError(503, f"{exc} (model {model!r})", "server_error", None, "no_worker")
         raise exc
 
-    async def _submit(self, request: Request, job: dict[str, Any], key: str, endpoint: Endpoint) -> Result:
+    async def _submit(self, request: Request, job: dict[str, Any], key: str, endpoint: Endpoint, queue: str) -> Result:
         model = job["model"]
         try:
-            await self.client.publish(job, key=key, queue="interactive", expiration=self.timeout_s)
+            await self.client.publish(job, key=key, queue=queue, expiration=self.timeout_s)
         except (UnknownModel, QueueFull, NoRoute) as exc:
             raise self._refusal(exc, key, model) from None
         waiter = asyncio.ensure_future(self.client.wait(key, self.timeout_s + 5.0))
@@ -129,7 +131,14 @@ class Completions:
         return result
 
     async def _stream(
-        self, request: Request, job: dict[str, Any], key: str, endpoint: Endpoint, include_usage: bool, received: float
+        self,
+        request: Request,
+        job: dict[str, Any],
+        key: str,
+        endpoint: Endpoint,
+        include_usage: bool,
+        received: float,
+        queue: str,
     ) -> Response:
         model = job["model"]
         params = {k: v for k, v in job.items() if k not in _STREAM_ARGS}
@@ -137,7 +146,7 @@ class Completions:
             s = await self.client.stream(
                 job.get("prompt"),
                 messages=job.get("messages"),
-                queue="interactive",
+                queue=queue,
                 key=key,
                 timeout=self.timeout_s,
                 expiration=self.timeout_s,
@@ -167,13 +176,13 @@ class Completions:
         writer = ChunkWriter(endpoint, model, include_usage)
         request.state.streaming = True  # its metrics and log line come when the stream ends
         return StreamingResponse(
-            self._events(s, writer, key, endpoint, received),
+            self._events(s, writer, key, endpoint, received, queue),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, s: Any, writer: ChunkWriter, key: str, endpoint: Endpoint, received: float
+        self, s: Any, writer: ChunkWriter, key: str, endpoint: Endpoint, received: float, queue: str
     ) -> AsyncIterator[bytes]:
         model = writer.model
         route = _route(endpoint)
@@ -187,7 +196,7 @@ class Completions:
                     yield writer.delta(delta)
                 finished = True
                 yield writer.closing(s.result)
-                self.events.add("answer", model, "interactive")
+                self.events.add("answer", model, queue)
             except JobError as exc:
                 finished = True
                 refusal = from_result(exc.result)

@@ -136,3 +136,21 @@ def priority_header(value: str | None, default: int | None) -> int | None:
             "invalid_priority",
         )
     return priority
+
+
+def queue_header(value: str | None) -> str:
+    """The queue class from ``X-Jaxserve-Queue``: ``interactive`` (the
+    default: admission refuses what cannot start in time) or ``batch`` (a
+    synchronous caller that would rather wait behind the batch work than be
+    refused: an offline pipeline on the SDK)."""
+    if value is None or value == "":
+        return "interactive"
+    if value not in ("interactive", "batch"):
+        raise ApiError(
+            400,
+            f"X-Jaxserve-Queue must be interactive or batch, got {value!r}",
+            "invalid_request_error",
+            "X-Jaxserve-Queue",
+            "invalid_queue",
+        )
+    return value
