@@ -347,7 +347,7 @@ async def _build(config: GatewayConfig) -> Gateway:
         prefix=config.prefix,
         store=store,
         files=files,
-        work_dir=config.home / "batches",
+        work_dir=files.folder / "batches",  # beside the files: replicas that share those share these
         owner=owner,
         metrics=gateway_metrics,
         events=events,
