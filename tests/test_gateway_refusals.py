@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import json
 import time
 import types
@@ -191,3 +192,42 @@ def test_overloaded_and_full_queue_are_429_with_retry_after(stalled):
     assert refused.code == "queue_full" and int(refused.response.headers["retry-after"]) >= 1
     body = refused.response.json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_metrics_and_json_logs_count_requests_by_route_model_and_status(keyed):
+    team_a = _sdk(keyed.gateway, "sk-team-a-0001")
+    team_a.chat.completions.create(model="echo", messages=[{"role": "user", "content": "count me"}], max_tokens=2)
+    with urllib.request.urlopen(keyed.gateway.url + "/metrics", timeout=10) as resp:
+        scraped = resp.read().decode()
+    ok = 'jaxserve_gateway_requests_total{model_name="echo",route="/v1/chat/completions",status="200"}'
+    line = next(x for x in scraped.splitlines() if x.startswith(ok))
+    assert float(line.split()[-1]) >= 1
+    assert 'route="/v1/chat/completions",status="401"' in scraped
+    assert 'jaxserve_gateway_request_duration_seconds_count{model_name="echo",route="/v1/chat/completions"}' in scraped
+    assert 'jaxserve_gateway_queue_consumers{model_name="echo",queue="interactive"} 1.0' in scraped
+    lines = keyed.gateway.log.read_text().splitlines()
+    assert lines and all(json.loads(x)["event"] for x in lines)  # JSON, one object a line, as the worker's
+    requests = [json.loads(x) for x in lines if '"gateway_request"' in x]
+    assert {"route", "status", "model", "tenant", "duration_ms"} <= set(requests[-1])
+    assert any(r["status"] == 401 and r["tenant"] is None for r in requests)
+
+
+def test_openai_batch_limits(keyed):
+    robots = _sdk(keyed.gateway, "sk-robots-0002")
+    line = json.dumps(
+        {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"model": "echo", "prompt": "a"}}
+    )
+    rows = "\n".join(line.replace('"x"', f'"x{i}"') for i in range(50_001)).encode()
+    upload = robots.files.create(file=("big.jsonl", io.BytesIO(rows)), purpose="batch")
+    batch = robots.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    end = time.monotonic() + 60
+    while batch.status == "validating" and time.monotonic() < end:
+        time.sleep(0.2)
+        batch = robots.batches.retrieve(batch.id)
+    assert batch.status == "failed" and batch.errors.data[0].code == "batch_too_large"
+    assert "50000" in batch.errors.data[0].message.replace(",", "")
+    with pytest.raises(openai.BadRequestError) as info:
+        robots.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+    assert info.value.param == "purpose"
+    with pytest.raises(openai.NotFoundError):  # another tenant's file does not exist for this one
+        _sdk(keyed.gateway, "sk-team-a-0001").files.retrieve(upload.id)

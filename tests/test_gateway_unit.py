@@ -188,3 +188,19 @@ def test_recent_events_count_refusals_by_code_and_answers_by_class():
     assert {k: sum(v) for k, v in by_code.items()} == {"overloaded": 2, "invalid_api_key": 1}
     assert len(by_code["overloaded"]) == 10 and by_code["overloaded"][-1] == 2  # the newest minute last
     assert events.rates(60) == {("m", "interactive"): pytest.approx(0.1)}
+
+
+def test_a_file_over_the_limit_is_refused_and_nothing_is_kept(tmp_path):
+    import io
+
+    from jaxserve.gateway.files import Files
+
+    files = Files(store=None, folder=tmp_path, max_bytes=1000)  # type: ignore[arg-type]
+    assert files.write_upload(io.BytesIO(b"x" * 1000), "file-ok1") == 1000
+    with pytest.raises(ApiError) as info:
+        files.write_upload(io.BytesIO(b"x" * 1001), "file-big1")
+    assert info.value.status == 400 and info.value.code == "file_too_large" and info.value.param == "file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file-ok1"]
+    for bad in ("../etc", "file-../x", "batch_1"):
+        with pytest.raises(ApiError):
+            files.path(bad)
