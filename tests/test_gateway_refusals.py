@@ -231,3 +231,17 @@ def test_openai_batch_limits(keyed):
     assert info.value.param == "purpose"
     with pytest.raises(openai.NotFoundError):  # another tenant's file does not exist for this one
         _sdk(keyed.gateway, "sk-team-a-0001").files.retrieve(upload.id)
+
+
+def test_idempotency_key_answers_a_retry_from_the_workers_store(keyed):
+    robots = _sdk(keyed.gateway, "sk-robots-0002")
+    headers = {"Idempotency-Key": "order-42"}
+    first = robots.completions.create(model="echo", prompt="same question", max_tokens=3, extra_headers=headers)
+    again = robots.completions.create(model="echo", prompt="same question", max_tokens=3, extra_headers=headers)
+    assert again.choices[0].text == first.choices[0].text
+    wait_log(keyed.worker_log, '"job_replayed"')
+    replayed = [json.loads(x) for x in keyed.worker_log.read_text().splitlines() if '"job_replayed"' in x]
+    assert [r["key"] for r in replayed] == ["gw:robots:order-42"]  # answered from the store, not run again
+    with pytest.raises(openai.ConflictError) as info:  # the same key for another request
+        robots.completions.create(model="echo", prompt="other question", max_tokens=3, extra_headers=headers)
+    assert info.value.code == "idempotency_key_reused"
