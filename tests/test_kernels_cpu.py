@@ -1,7 +1,8 @@
 """The C++ CPU paged-attention kernel (jaxserve/kernels/cpu) against dense
 attention and the pure-JAX kernel: shuffled blocks, garbage in unused
-blocks, padding tokens, prefix chunks, sliding windows, GQA groups, both
-the generic and the 64 x 64 unrolled code paths, and row independence."""
+blocks, padding tokens, prefix chunks, sliding windows, GQA groups, logit
+soft-capping and attention sinks, the generic and the unrolled (blocks of
+64, head dims 64, 128, 256) code paths, and row independence."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from jaxserve.kernels import cpu
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import select_attention
 from jaxserve.kernels.paged_attention import paged_attention, write_kv
-from test_paged_attention import NUM_PAD, SCALE, SEQS, _build, _reference
+from test_paged_attention import CAP, NUM_PAD, SCALE, SEQS, _build, _reference, _sinks, dense_from_cache
 
 
 def test_the_kernel_builds_where_a_compiler_exists():
@@ -120,10 +121,12 @@ def test_matches_the_pure_jax_kernel(block_size, head_dim, group):
 
 
 @needs_kernel
-def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch():
+@pytest.mark.parametrize("features", [False, True])
+def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch(features):
     seqs = [(130, 1), (64, 1), (5, 30), (300, 1)]
     q, k, v, meta, positions = _paged_case(11, block_size=64, head_dim=64, kv_heads=4, group=2, seqs=seqs)
-    run = jax.jit(lambda q, meta, positions: cpu.paged_attention_cpu(q, k, v, meta, positions, scale=0.125))
+    extra = {"logit_softcap": CAP, "sinks": _sinks(8)} if features else {}
+    run = jax.jit(lambda q, meta, positions: cpu.paged_attention_cpu(q, k, v, meta, positions, scale=0.125, **extra))
     full = np.asarray(run(q, meta, positions))
     # token 0 alone (the others turned into padding) and token 32 (the last
     # sequence's decode) moved to the front
@@ -133,6 +136,82 @@ def test_a_tokens_result_does_not_depend_on_the_rest_of_the_batch():
     order = np.r_[32, np.arange(32), np.arange(33, q.shape[0])]
     moved = np.asarray(run(q[order], dataclasses.replace(meta, token_seq=meta.token_seq[order]), positions[order]))
     np.testing.assert_array_equal(moved, full[order])
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "block_size,head_dim,group",
+    [(64, 64, 1), (64, 64, 3), (64, 64, 8), (64, 128, 4), (64, 256, 2), (16, 32, 4)],
+)
+def test_features_match_the_pure_jax_kernel(block_size, head_dim, group):
+    """Soft-capping (the kernel's vectorised tanh), sinks and both, with and
+    without a window, on the unrolled paths (blocks of 64, head dims 64, 128,
+    256; query heads in threes, pairs and alone) and the generic one (16 x
+    32): decodes in a block's first half (the half-block scores) and at
+    boundaries, a prefill chunk over a prefix, a fresh prompt; padding tokens
+    see no key and get zeros, sinks or not. Queries are 3x unit normal, so the
+    cap of 2 bends most scores and the features change the result."""
+    seqs = [(200, 1), (block_size - 1, 1), (block_size, 1), (70, 40), (0, 23)]
+    q, k, v, meta, positions = _paged_case(
+        7, block_size=block_size, head_dim=head_dim, kv_heads=2, group=group, seqs=seqs
+    )
+    q = q * 3
+    scale = head_dim**-0.5
+    sinks = _sinks(2 * group)
+    plain = None
+    for cap, with_sinks, window in ((None, False, None), (CAP, False, None), (None, True, 50), (CAP, True, 50)):
+        s = sinks if with_sinks else None
+        ref = jax.jit(
+            lambda q, k, v, s, cap=cap, window=window: paged_attention(
+                q,
+                k,
+                v,
+                meta,
+                positions,
+                block_size=block_size,
+                scale=scale,
+                sliding_window=window,
+                logit_softcap=cap,
+                sinks=s,
+            )
+        )(q, k, v, s)
+        out = jax.jit(
+            lambda q, k, v, s, cap=cap, window=window: cpu.paged_attention_cpu(
+                q, k, v, meta, positions, scale=scale, sliding_window=window, logit_softcap=cap, sinks=s
+            )
+        )(q, k, v, s)
+        out = np.asarray(out)
+        np.testing.assert_allclose(out, np.asarray(ref), rtol=3e-5, atol=3e-5)
+        np.testing.assert_array_equal(out[-2:], 0.0)  # the padding tokens
+        if plain is None:
+            plain = out
+        else:
+            assert np.max(np.abs(out - plain)) > 0.1
+
+
+@needs_kernel
+def test_features_match_dense_attention():
+    """The kernel with both features and a window against the dense oracle
+    directly (not only the pure-JAX kernel), gpt-oss's shape: 8 query heads
+    per kv head, head dim 64."""
+    seqs = [(150, 1), (31, 1), (20, 45)]
+    q, k, v, meta, positions = _paged_case(5, block_size=64, head_dim=64, kv_heads=1, group=8, seqs=seqs)
+    q = q * 3
+    sinks = _sinks(8, seed=2)
+    out = cpu.paged_attention_cpu(
+        q, k, v, meta, positions, scale=0.125, sliding_window=40, logit_softcap=CAP, sinks=sinks
+    )
+    want = dense_from_cache(q, k, v, meta, positions, scale=0.125, sliding_window=40, logit_softcap=CAP, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=3e-5, atol=3e-5)
+
+
+@needs_kernel
+def test_feature_arguments_are_checked():
+    q, k, v, meta, positions = _paged_case(1, block_size=16, head_dim=32, kv_heads=2, group=2, seqs=[(3, 2)])
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, \[4\]"):
+        cpu.paged_attention_cpu(q, k, v, meta, positions, scale=0.1, sinks=jnp.zeros(2))
+    with pytest.raises(ValueError, match="logit_softcap must be a positive"):
+        cpu.paged_attention_cpu(q, k, v, meta, positions, scale=0.1, logit_softcap=-3.0)
 
 
 def test_auto_picks_the_kernel_for_float32_caches_only():
@@ -174,8 +253,8 @@ def test_the_engine_default_on_cpu_is_the_kernel_and_plans_no_block_major_step()
 
 
 @needs_kernel
-@pytest.mark.parametrize("window", [None, 9])
-def test_feature_major_unrotated_queries_match_rotated_ones(window):
+@pytest.mark.parametrize("window,features", [(None, False), (9, False), (9, True)])
+def test_feature_major_unrotated_queries_match_rotated_ones(window, features):
     """``paged_attention_cpu_fm`` (q as the fused projection leaves it:
     ``[H * D, T]``, rotated and scaled by the kernel) equals the token-major
     kernel on the same queries rotated by ``apply_rope`` first."""
@@ -186,16 +265,24 @@ def test_feature_major_unrotated_queries_match_rotated_ones(window):
     T, H, D = q.shape
     cos, sin = rope_cos_sin(case["positions"], 1.0 / (10000.0 ** (np.arange(0, D, 2) / D)))
     q_fm = jnp.transpose(q, (1, 2, 0)).reshape(H * D, T)  # row h * D + d, column t
+    extra = {"logit_softcap": CAP, "sinks": _sinks(H)} if features else {}
 
     @jax.jit
     def both(q, q_fm, cos, sin, kc, vc, kn, vn, meta, pos):
         kc, vc = write_kv(kc, vc, kn, vn, meta.slot_mapping)
-        want = cpu.paged_attention_cpu(apply_rope(q, cos, sin), kc, vc, meta, pos, scale=SCALE, sliding_window=window)
-        got = cpu.paged_attention_cpu_fm(q_fm, cos, sin, kc, vc, meta, pos, scale=SCALE, sliding_window=window)
-        return want, got
+        want = cpu.paged_attention_cpu(
+            apply_rope(q, cos, sin), kc, vc, meta, pos, scale=SCALE, sliding_window=window, **extra
+        )
+        got = cpu.paged_attention_cpu_fm(q_fm, cos, sin, kc, vc, meta, pos, scale=SCALE, sliding_window=window, **extra)
+        plain = cpu.paged_attention_cpu_fm(q_fm, cos, sin, kc, vc, meta, pos, scale=SCALE, sliding_window=window)
+        return want, got, plain
 
-    want, got = both(
+    want, got, plain = both(
         q, q_fm, cos, sin, case["kc"], case["vc"], case["k_new"], case["v_new"], case["meta"], case["positions"]
     )
     assert got.shape == (T, H, D)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    if features:  # the features reach the feature-major entry point, as the dense oracle has them
+        assert np.max(np.abs(np.asarray(got) - np.asarray(plain))) > 0.1
+        ref, n_real = _reference(dict(case, q_np=np.asarray(apply_rope(q, cos, sin))), sliding_window=window, **extra)
+        np.testing.assert_allclose(np.asarray(got)[:n_real], ref, rtol=2e-5, atol=2e-5)

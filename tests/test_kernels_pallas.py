@@ -13,6 +13,12 @@ The ragged TPU kernel does not run in JAX 0.10.2's interpret mode (see
 pins the failure), so its adapter runs through the module's own pure-JAX
 reference, which takes the same inputs in the same layout.
 
+Per-layer features: the three kernels soft-cap (``logit_softcap``), the
+ragged one also slides; none has sinks. ``attend`` sends each call to the
+shipped kernel only when it has all of that call's features, else to the
+reference over the same heads-layout cache
+(``test_attend_takes_the_shipped_kernel_per_layer``).
+
 Every case has shuffled block tables (a random permutation of the physical
 blocks), garbage (x100) in unused blocks and block 0, padding tokens and
 empty rows, GQA (4 query heads per kv head), and context lengths on both
@@ -48,6 +54,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxserve.kernels import backends
 from jaxserve.kernels import pallas_attention as pallas
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, AttentionImpl, select_attention
@@ -159,7 +166,7 @@ def _case(seqs, *, seed: int, dtype=jnp.float32, num_blocks: int = NUM_BLOCKS):
     )
 
 
-def _reference(case, sliding_window=None):
+def _reference(case, sliding_window=None, **features):
     kb, vb = case["blocks"]
     return paged_attention(
         case["q"],
@@ -171,7 +178,16 @@ def _reference(case, sliding_window=None):
         scale=SCALE,
         sliding_window=sliding_window,
         cache_dtype=case["dtype"],
+        **features,
     )
+
+
+#: a soft-cap the scores of these cases (unit normal q and k, scale 1/sqrt(D)) cross
+CAP = 1.5
+
+
+def _sinks(heads: int = H) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(17).standard_normal(heads) * 2 + 1, jnp.float32)
 
 
 # ------------------------------------------------------------------ layouts
@@ -191,7 +207,7 @@ def test_heads_layout_write_and_reference_equal_blocks_layout():
     back = heads_to_blocks(kh2, vh2)
     np.testing.assert_array_equal(np.asarray(back[0]), np.asarray(kb2))
     np.testing.assert_array_equal(np.asarray(back[1]), np.asarray(vb2))
-    for window in (None, 9):
+    for window, features in ((None, {}), (9, {}), (9, {"logit_softcap": CAP, "sinks": _sinks()})):
         ref = paged_attention(
             case["q"],
             kb2,
@@ -202,6 +218,7 @@ def test_heads_layout_write_and_reference_equal_blocks_layout():
             scale=SCALE,
             sliding_window=window,
             chunk_tokens=2 * BS,
+            **features,
         )
         got = paged_attention(
             case["q"],
@@ -214,6 +231,7 @@ def test_heads_layout_write_and_reference_equal_blocks_layout():
             sliding_window=window,
             chunk_tokens=2 * BS,
             layout="heads",
+            **features,
         )
         # the same float32 operands, gathered differently: on the CPU a few ulps at most; on an
         # accelerator XLA may pick other dot algorithms (split-K, TF32) per layout
@@ -289,6 +307,26 @@ def test_gpu_kernel_many_splits():
     _check(out, _reference(case), case["n_real"], jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_gpu_kernel_soft_cap_matches_reference(seqs, dtype):
+    """The kernel's own attn_logits_soft_cap on the adapter's scaled queries is
+    the reference's cap * tanh(s / cap) of the scaled scores."""
+    _needs("gpu")
+    case = _case(seqs, seed=7, dtype=dtype)
+    kh, vh = case["heads"]
+    fn = jax.jit(
+        lambda q, k, v, meta, pos: pallas.gpu_paged_attention(
+            q, k, v, meta, pos, scale=SCALE, interpret=INTERPRET, logit_softcap=CAP
+        )
+    )
+    out = fn(case["q"], kh, vh, case["meta"], case["positions"])
+    ref = _reference(case, logit_softcap=CAP)
+    _check(out, ref, case["n_real"], dtype)
+    plain = np.asarray(_reference(case), np.float32)
+    assert np.max(np.abs(plain - np.asarray(ref, np.float32))[: case["n_real"]]) > 0.05
+
+
 # ------------------------------------------------------------- TPU kernels
 
 
@@ -302,6 +340,24 @@ def test_tpu_paged_kernel_matches_reference(dtype):
     )
     assert out.dtype == dtype
     _check(out, _reference(case), case["n_real"], dtype, bf16_kv=True)
+
+
+def test_tpu_paged_kernel_soft_cap_matches_reference():
+    _needs("tpu")
+    case = _case(DECODE, seed=8)
+    kh, vh = case["heads"]
+    out = pallas.tpu_paged_attention(
+        case["q"],
+        kh,
+        vh,
+        case["meta"],
+        case["positions"],
+        scale=SCALE,
+        interpret=INTERPRET,
+        pages_per_compute_block=4,
+        logit_softcap=CAP,
+    )
+    _check(out, _reference(case, logit_softcap=CAP), case["n_real"], jnp.float32, bf16_kv=True)
 
 
 @pytest.mark.parametrize(
@@ -333,6 +389,121 @@ def test_ragged_adapter_matches_reference(sliding_window, dtype, num_blocks):
         kernel=ref_ragged_paged_attention,
     )
     _check(out, _reference(case, sliding_window), case["n_real"], dtype)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_ragged_adapter_soft_cap_matches_reference(sliding_window):
+    """The ragged kernel's soft_cap (after its sm_scale of 1 on the adapter's
+    scaled queries, before the mask), through the module's reference."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    case = _case(MIXED, seed=9)
+    kh, vh = case["heads"]
+    out = pallas.tpu_ragged_attention(
+        case["q"],
+        kh,
+        vh,
+        case["meta"],
+        case["positions"],
+        scale=SCALE,
+        sliding_window=sliding_window,
+        kernel=ref_ragged_paged_attention,
+        logit_softcap=CAP,
+    )
+    _check(out, _reference(case, sliding_window, logit_softcap=CAP), case["n_real"], jnp.float32)
+
+
+#: (kernel, program) -> [(layer features, the kernel attend must call)]: one
+#: model's mixed layers; each call goes to the shipped kernel only if it has
+#: all of that layer's features (KERNEL_FEATURES)
+ROUTES = {
+    ("gpu", "decode"): [
+        ({}, "gpu"),
+        ({"logit_softcap": CAP}, "gpu"),
+        ({"sliding_window": 6}, "reference"),
+        ({"logit_softcap": CAP, "sinks": True}, "reference"),
+    ],
+    ("gpu", "mixed"): [({"logit_softcap": CAP}, "reference")],
+    ("tpu", "decode"): [
+        ({"logit_softcap": CAP}, "tpu"),
+        ({"sliding_window": 6}, "reference"),
+        ({"sinks": True}, "reference"),
+    ],
+    ("tpu_ragged", "decode"): [
+        ({"logit_softcap": CAP}, "tpu"),
+        ({"sliding_window": 6, "logit_softcap": CAP}, "tpu_ragged"),
+        ({"sinks": True}, "reference"),
+    ],
+    ("tpu_ragged", "mixed"): [
+        ({"sliding_window": 6, "logit_softcap": CAP}, "tpu_ragged"),
+        ({"sliding_window": 6, "sinks": True}, "reference"),
+    ],
+}
+
+
+@pytest.mark.parametrize("kernel,program", list(ROUTES))
+def test_attend_takes_the_shipped_kernel_per_layer(kernel, program, monkeypatch):
+    """The layers of one model (one program for the GPU and TPU paged kernels)
+    with different features: the kernel each call takes (recorded), and its
+    result against the reference with that layer's features. Decode: every
+    token within the paged kernels' program size; mixed: prefill-sized."""
+    if kernel == "gpu":
+        _needs("gpu")
+    else:
+        _needs("tpu")
+    ragged = kernel == "tpu_ragged"
+    impl = AttentionImpl(
+        kernel="gpu" if kernel == "gpu" else "tpu", interpret=INTERPRET, ragged=ragged, max_kernel_tokens=16
+    )
+    calls: list[str] = []
+
+    def recording(name, fn, **fixed):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **{**kwargs, **fixed})
+
+        return run
+
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    monkeypatch.setattr(pallas, "gpu_paged_attention", recording("gpu", pallas.gpu_paged_attention))
+    monkeypatch.setattr(pallas, "tpu_paged_attention", recording("tpu", pallas.tpu_paged_attention))
+    # the ragged kernel itself cannot be interpreted: its module's reference, eagerly
+    monkeypatch.setattr(
+        pallas,
+        "tpu_ragged_attention",
+        recording("tpu_ragged", pallas.tpu_ragged_attention, kernel=ref_ragged_paged_attention),
+    )
+    monkeypatch.setattr(backends, "paged_attention", recording("reference", backends.paged_attention))
+    case = _case(DECODE if program == "decode" else MIXED, seed=10)
+    assert (case["q"].shape[0] <= 16) == (program == "decode")
+    kh, vh = case["heads"]
+    layers = ROUTES[(kernel, program)]
+    sinks = _sinks()
+
+    def model(q, kh, vh, meta, positions, sinks):
+        return [
+            backends.attend(
+                impl,
+                q,
+                kh,
+                vh,
+                meta,
+                positions,
+                block_size=BS,
+                scale=SCALE,
+                cache_dtype=jnp.float32,
+                **{**features, "sinks": sinks if features.get("sinks") else None},
+            )
+            for features, _ in layers
+        ]
+
+    run = model if ragged else jax.jit(model)  # the ragged reference needs concrete sequence counts
+    outs = run(case["q"], kh, vh, case["meta"], case["positions"], sinks)
+    assert calls == [want for _, want in layers]
+    for out, (features, want) in zip(outs, layers):
+        ref = _reference(case, **{**features, "sinks": sinks if features.get("sinks") else None})
+        _check(out, ref, case["n_real"], jnp.float32, bf16_kv=want == "tpu")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="about the interpret mode")
@@ -379,7 +550,6 @@ def test_select_attention():
     assert select_attention("auto", platform="tpu", **{**kw, "head_dim": 128})[0].ragged
     # shapes the GPU kernel cannot take: auto falls back, pallas refuses and says why
     for bad, match in (
-        ({"sliding_window": 4096}, "sliding window"),
         ({"head_dim": 80}, "head_dim"),
         ({"block_size": 48}, "block_size"),
     ):
@@ -390,6 +560,34 @@ def test_select_attention():
         select_attention("pallas", platform="cpu", **kw)
     with pytest.raises(ValueError, match="'fast'"):
         select_attention("fast", platform="gpu", **kw)
+
+
+def test_select_attention_keeps_the_kernel_for_models_with_layer_features():
+    """A sliding window, a soft-cap or sinks on some layers no longer sends the
+    whole model to the reference: the Pallas kernel is kept, and the reason
+    names the layers that run the reference (their calls do, see
+    test_attend_takes_the_shipped_kernel_per_layer)."""
+    kw = dict(head_dim=64, num_kv_heads=8, block_size=64, cache_dtype=jnp.bfloat16)
+    impl, reason = select_attention("auto", platform="gpu", **kw)
+    assert (
+        impl == AttentionImpl(kernel="gpu") and reason == "GPU: shipped Pallas paged kernel for decode-sized programs"
+    )
+    impl, reason = select_attention("auto", platform="gpu", sliding_window=4096, logit_softcap=50.0, **kw)
+    assert impl == AttentionImpl(kernel="gpu")
+    assert reason.endswith("; layers with a sliding window: reference"), reason
+    impl, reason = select_attention("pallas", platform="gpu", sliding_window=128, sinks=True, **kw)
+    assert impl == AttentionImpl(kernel="gpu")
+    assert reason.endswith("; layers with a sliding window or attention sinks: reference"), reason
+    impl, reason = select_attention("auto", platform="tpu", sliding_window=4096, **kw)
+    assert impl == AttentionImpl(kernel="tpu", ragged=False)
+    assert reason.endswith("head_dim a multiple of 128, got 64); layers with a sliding window: reference"), reason
+    impl, reason = select_attention("auto", platform="tpu", sliding_window=4096, sinks=True, **{**kw, "head_dim": 128})
+    assert impl == AttentionImpl(kernel="tpu", ragged=True)
+    assert reason == (
+        "TPU: shipped Pallas paged kernel for decode-sized programs, ragged kernel for the others; "
+        "sliding-window layers: ragged kernel for all programs; layers with attention sinks: reference"
+    )
+    assert "\n" not in reason
 
 
 # ------------------------------------------------------------ model level

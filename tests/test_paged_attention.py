@@ -1,16 +1,25 @@
 """Paged attention against dense attention: shuffled block tables, mixed batches, GQA,
-padding writes to the null block, multi-chunk online softmax, sliding windows."""
+padding writes to the null block, multi-chunk online softmax, sliding windows, and
+the per-layer score features (logit soft-capping, attention sinks), with the dense
+oracle itself held to transformers' eager formulas for them."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.kernels import cpu as cpu_kernel
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import (
     KVCache,
@@ -118,8 +127,8 @@ def _build(seed: int = 0, dtype=jnp.float32, seqs=None):
     )
 
 
-def _reference(case, sliding_window=None):
-    """Dense attention per sequence; padding rows get zeros."""
+def _reference(case, sliding_window=None, **features):
+    """Dense attention per sequence (``features``: ``logit_softcap``, ``sinks``); padding rows get zeros."""
     outs = []
     t = 0
     for s, (_cached, new) in enumerate(case["seqs"]):
@@ -131,15 +140,30 @@ def _reference(case, sliding_window=None):
                 jnp.asarray(case["full_v"][s]),
                 scale=SCALE,
                 sliding_window=sliding_window,
+                **features,
             )
         )
         t += new
     return np.asarray(jnp.concatenate(outs)), t
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_tokens", "sliding_window", "query_tile", "straggler_group"))
+@functools.partial(
+    jax.jit, static_argnames=("chunk_tokens", "sliding_window", "query_tile", "straggler_group", "logit_softcap")
+)
 def _step(
-    q, kc, vc, k_new, v_new, meta, positions, chunk_tokens=None, sliding_window=None, query_tile=16, straggler_group=32
+    q,
+    kc,
+    vc,
+    k_new,
+    v_new,
+    meta,
+    positions,
+    chunk_tokens=None,
+    sliding_window=None,
+    query_tile=16,
+    straggler_group=32,
+    logit_softcap=None,
+    sinks=None,
 ):
     # uint16 storage means a bfloat16 cache (the default logical dtype for uint16)
     kc, vc = write_kv(kc, vc, k_new, v_new, meta.slot_mapping)
@@ -155,6 +179,8 @@ def _step(
         sliding_window=sliding_window,
         query_tile=query_tile,
         straggler_group=straggler_group,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
     )
     return out, kc, vc
 
@@ -435,3 +461,358 @@ def test_block_major_is_compiled_only_with_owners():
     # the block-major scores: one matmul over all NUM_BLOCKS blocks of the cache
     whole_cache = f"tensor<{NUM_BLOCKS}x{KVH}x{H // KVH}x{D}xf32>, tensor<{NUM_BLOCKS}x{KVH}x{D}x{BS}xf32>"
     assert whole_cache not in plain and whole_cache in owned
+
+
+# ------------------------------------------------- logit soft-capping and attention sinks
+
+#: a cap the scores of these cases cross: unit-normal queries and keys scaled
+#: by 1/sqrt(D) give scores of spread ~1, and 3x queries (below) ~3, well into
+#: tanh's bend, so a kernel that skipped or misplaced the cap would be far off
+CAP = 2.0
+
+
+def _sinks(heads: int, seed: int = 0) -> jax.Array:
+    """One sink logit per query head, all different (a head mix-up shows), some
+    large enough to take most of a row's mass."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(heads) * 2 + 2, jnp.float32)
+
+
+FEATURES = {
+    "softcap": lambda heads: {"logit_softcap": CAP},
+    "sinks": lambda heads: {"sinks": _sinks(heads)},
+    "both": lambda heads: {"logit_softcap": CAP, "sinks": _sinks(heads)},
+}
+
+
+def transformers_formulas(q, k, v, *, scale, q_positions, sliding_window=None, logit_softcap=None, sinks=None):
+    """transformers' eager attention, one query head at a time in float64 numpy:
+    ``w = q @ k^T * scaling``; gemma2's ``tanh(w / softcap) * softcap``; the
+    additive mask; gpt_oss's sinks concatenated as a last column, the row max
+    (sink included) subtracted, softmax, the column dropped; ``w @ v``. Head
+    ``h`` reads kv head ``h // G`` (``repeat_kv``)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    T, H, D = q.shape
+    K, kvh, _ = k.shape
+    G = H // kvh
+    kpos = np.arange(K)
+    visible = kpos[None, :] <= np.asarray(q_positions)[:, None]
+    if sliding_window is not None:
+        visible &= kpos[None, :] > np.asarray(q_positions)[:, None] - sliding_window
+    out = np.zeros((T, H, D))
+    for h in range(H):
+        w = q[:, h] @ k[:, h // G].T * scale
+        if logit_softcap is not None:
+            w = np.tanh(w / logit_softcap) * logit_softcap
+        w = w + np.where(visible, 0.0, -np.inf)
+        if sinks is not None:
+            w = np.concatenate([w, np.full((T, 1), float(sinks[h]))], axis=1)
+        w = w - w.max(axis=1, keepdims=True)
+        p = np.exp(w)
+        p = p / p.sum(axis=1, keepdims=True)
+        if sinks is not None:
+            p = p[:, :-1]
+        out[:, h] = p @ v[:, h // G]
+    return out
+
+
+def _dense_case(seed: int, *, T: int, K: int, kvh: int, G: int, D: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((T, kvh * G, D)).astype(np.float32) * 3
+    k = rng.standard_normal((K, kvh, D)).astype(np.float32)
+    v = rng.standard_normal((K, kvh, D)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks", "both"])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_dense_oracle_is_the_transformers_formulas(feature, group):
+    """dense_causal_attention with the features equals a direct transcription
+    of transformers' eager attention, with and without a sliding window."""
+    kvh, D, K = 2, 16, 23
+    q, k, v = _dense_case(group, T=9, K=K, kvh=kvh, G=group, D=D)
+    features = FEATURES[feature](kvh * group)
+    positions = np.arange(K - 9, K)
+    for window in (None, 5):
+        got = dense_causal_attention(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=D**-0.5, sliding_window=window, **features
+        )
+        want = transformers_formulas(q, k, v, scale=D**-0.5, q_positions=positions, sliding_window=window, **features)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+        plain = transformers_formulas(q, k, v, scale=D**-0.5, q_positions=positions, sliding_window=window)
+        assert np.max(np.abs(want - plain)) > 0.05  # the feature matters in this case
+
+
+def test_dense_oracle_matches_transformers_own_eager_attention():
+    """The oracle against transformers' own functions: gemma2's
+    eager_attention_forward (softcap) and gpt_oss's (sinks, read from the module)."""
+    torch = pytest.importorskip("torch")
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    kvh, G, D, K, T = 2, 4, 32, 20, 7
+    q, k, v = _dense_case(3, T=T, K=K, kvh=kvh, G=G, D=D)
+    positions = np.arange(K - T, K)
+    visible = np.arange(K)[None, :] <= positions[:, None]
+    mask = torch.from_numpy(np.where(visible, 0.0, torch.finfo(torch.float32).min).astype(np.float32))[None, None]
+    tq, tk, tv = (torch.from_numpy(x).transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, tokens, D]
+    sinks = _sinks(kvh * G, seed=4)
+
+    module = SimpleNamespace(num_key_value_groups=G, training=False, head_dim=D)
+    want, _ = gemma2_eager(module, tq, tk, tv, mask, scaling=D**-0.5, softcap=CAP)
+    got = dense_causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=D**-0.5, logit_softcap=CAP)
+    np.testing.assert_allclose(np.asarray(got), want[0].numpy(), rtol=2e-5, atol=2e-5)
+
+    module = SimpleNamespace(num_key_value_groups=G, training=False, sinks=torch.from_numpy(np.asarray(sinks)))
+    want, _ = gpt_oss_eager(module, tq, tk, tv, mask, scaling=D**-0.5)
+    got = dense_causal_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=D**-0.5, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want[0].numpy(), rtol=2e-5, atol=2e-5)
+
+
+def test_dense_oracle_row_that_sees_no_key_gets_zeros():
+    """A query before every key (position -1): with sinks the transcription's
+    softmax puts all the mass on the sink, so zeros; without, the oracle says
+    zeros too (the kernels' padding rows), not NaN."""
+    q, k, v = _dense_case(5, T=3, K=6, kvh=1, G=2, D=8)
+    positions = jnp.asarray([-1, 2, 5])
+    sinks = _sinks(2)
+    got = np.asarray(
+        dense_causal_attention(*map(jnp.asarray, (q, k, v)), scale=0.3, q_positions=positions, sinks=sinks)
+    )
+    want = transformers_formulas(q, k, v, scale=0.3, q_positions=np.asarray(positions), sinks=sinks)
+    np.testing.assert_array_equal(want[0], 0.0)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    plain = np.asarray(dense_causal_attention(*map(jnp.asarray, (q, k, v)), scale=0.3, q_positions=positions))
+    np.testing.assert_array_equal(plain[0], 0.0)
+    assert np.all(np.isfinite(plain))
+
+
+def test_feature_arguments_are_checked():
+    q, k, v = (jnp.asarray(x) for x in _dense_case(0, T=2, K=4, kvh=1, G=2, D=4))
+    for bad in (0.0, -1.0, jnp.float32(2.0)):
+        with pytest.raises(ValueError, match="logit_softcap must be a positive Python float"):
+            dense_causal_attention(q, k, v, scale=0.5, logit_softcap=bad)
+    with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, \[2\]"):
+        dense_causal_attention(q, k, v, scale=0.5, sinks=jnp.zeros(1))
+
+
+@pytest.mark.parametrize("feature,sliding_window", [("softcap", None), ("sinks", None), ("both", None), ("both", 9)])
+def test_paged_features_match_dense(feature, sliding_window):
+    """Every path of the gathering kernel with the features: the per-token
+    kernel (query_tile=1), tiles with stragglers, chunked online softmax
+    (chunks of 2 blocks); padding tokens (no key) get zeros, sinks or not."""
+    case = _build(seed=13)
+    case["q"] = case["q"] * 3
+    case["q_np"] = case["q_np"] * 3
+    features = FEATURES[feature](H)
+    ref, n_real = _reference(case, sliding_window=sliding_window, **features)
+    plain, _ = _reference(case, sliding_window=sliding_window)
+    assert np.max(np.abs(ref - plain)) > 0.1
+    for query_tile in (1, 4):
+        out, _, _ = _step(
+            case["q"],
+            case["kc"],
+            case["vc"],
+            case["k_new"],
+            case["v_new"],
+            case["meta"],
+            case["positions"],
+            chunk_tokens=2 * BS,
+            sliding_window=sliding_window,
+            query_tile=query_tile,
+            straggler_group=3,
+            **features,
+        )
+        out = np.asarray(out)
+        np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+def test_prefill_sized_step_with_features_uses_tiles():
+    """A prefill-heavy step (the tile pass does most of the work), both features and a window."""
+    case = _build(seed=14, seqs=SEQS_PREFILL)
+    features = FEATURES["both"](H)
+    ref, n_real = _reference(case, sliding_window=11, **features)
+    out, _, _ = _step(
+        case["q"],
+        case["kc"],
+        case["vc"],
+        case["k_new"],
+        case["v_new"],
+        case["meta"],
+        case["positions"],
+        chunk_tokens=2 * BS,
+        sliding_window=11,
+        query_tile=(16, 4),
+        straggler_group=2,
+        **features,
+    )
+    np.testing.assert_allclose(np.asarray(out)[:n_real], ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("feature,sliding_window", [("softcap", None), ("sinks", 6), ("both", None), ("both", 6)])
+def test_block_major_decode_with_features(feature, sliding_window):
+    """Block-major decode merges the per-block partial softmaxes with the sink
+    as one more term: equal to dense attention, and to the gathering kernel."""
+    case = _build(seed=15, seqs=SEQS_DECODE)
+    case["q"] = case["q"] * 3
+    case["q_np"] = case["q_np"] * 3
+    features = FEATURES[feature](H)
+    ref, n_real = _reference(case, sliding_window=sliding_window, **features)
+    for major in (True, False):
+        out, _, _ = _step(
+            case["q"],
+            case["kc"],
+            case["vc"],
+            case["k_new"],
+            case["v_new"],
+            _with_owners(case, major),
+            case["positions"],
+            sliding_window=sliding_window,
+            **features,
+        )
+        out = np.asarray(out)
+        np.testing.assert_allclose(out[:n_real], ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(out[n_real:], 0.0)
+
+
+def random_paged_case(seed: int, *, block_size: int, head_dim: int, kv_heads: int, group: int, seqs):
+    """A per-layer ``blocks`` cache of shuffled blocks full of unit-normal
+    garbage, and one step's tokens over it: ``seqs`` lists (context before the
+    step, tokens in it); two padding tokens follow. Returns ``q`` (3x unit
+    normal), ``k``, ``v``, ``meta``, ``positions``."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-(c + n) // block_size) for c, n in seqs)
+    num_blocks = len(seqs) * width + 2
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(seqs) + 1, width), np.int32)
+    tok_seq, pos = [], []
+    for s, (cached, new) in enumerate(seqs):
+        nb = -(-(cached + new) // block_size)
+        tables[s, :nb] = perm[s * width : s * width + nb]
+        tok_seq += [s] * new
+        pos += list(range(cached, cached + new))
+    tok_seq += [len(seqs)] * 2
+    pos += [0, 0]
+    T = len(tok_seq)
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros(T, jnp.int32),
+        token_seq=jnp.asarray(np.array(tok_seq, np.int32)),
+        block_tables=jnp.asarray(tables),
+        context_lens=jnp.asarray(np.array([c + n for c, n in seqs] + [0], np.int32)),
+        logits_indices=jnp.zeros(len(seqs) + 1, jnp.int32),
+    )
+    k = jnp.asarray(rng.standard_normal((num_blocks, kv_heads, head_dim, block_size)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((T, kv_heads * group, head_dim)) * 3, jnp.float32)
+    return q, k, v, meta, jnp.asarray(np.array(pos, np.int32))
+
+
+def dense_from_cache(q, k_cache, v_cache, meta, positions, *, scale, **kwargs) -> np.ndarray:
+    """``dense_causal_attention`` of each sequence's tokens over its keys and
+    values read back from a per-layer ``blocks`` cache through its block
+    table; zeros for tokens of rows with no context (padding)."""
+    kc, vc = np.asarray(k_cache), np.asarray(v_cache)
+    block_size = vc.shape[2]
+    seq, pos = np.asarray(meta.token_seq), np.asarray(positions)
+    tables, ctx = np.asarray(meta.block_tables), np.asarray(meta.context_lens)
+    out = np.zeros(q.shape, np.float32)
+    for s in np.unique(seq):
+        if ctx[s] == 0:
+            continue
+        p = np.arange(ctx[s])
+        blocks = tables[s, p // block_size]
+        keys, values = kc[blocks, :, :, p % block_size], vc[blocks, :, p % block_size, :]  # [n, kvh, D]
+        rows = np.nonzero(seq == s)[0]
+        out[rows] = np.asarray(
+            dense_causal_attention(
+                q[rows], jnp.asarray(keys), jnp.asarray(values), scale=scale, q_positions=pos[rows], **kwargs
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (8, 64), (4, 128), (2, 256)])
+def test_groups_and_head_dims_with_features(group, head_dim):
+    """GQA groups 1-8 (gpt-oss: 64 query heads over 8 kv heads), head dims 64,
+    128 and 256 (Gemma), decode and prefill tokens, both features and a window."""
+    seqs = [(40, 1), (15, 1), (9, 20), (0, 6)]
+    q, k, v, meta, positions = random_paged_case(
+        group, block_size=16, head_dim=head_dim, kv_heads=2, group=group, seqs=seqs
+    )
+    features = FEATURES["both"](2 * group)
+    scale = head_dim**-0.5
+    out = jax.jit(
+        lambda q, k, v, sinks: paged_attention(
+            q, k, v, meta, positions, block_size=16, scale=scale, sliding_window=12, logit_softcap=CAP, sinks=sinks
+        )
+    )(q, k, v, features["sinks"])
+    want = dense_from_cache(q, k, v, meta, positions, scale=scale, sliding_window=12, **features)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_array_equal(np.asarray(out)[-2:], 0.0)
+
+
+TP_CHILD = """
+import dataclasses, json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, "tests")
+from test_paged_attention import CAP, _sinks, dense_from_cache, random_paged_case
+from jaxserve.kernels import cpu
+from jaxserve.kernels.backends import REFERENCE, AttentionImpl, cache_spec, write_and_attend
+from jaxserve.kernels.kv_cache import blocks_to_heads
+from jaxserve.kernels.paged_attention import write_kv
+
+KVH, G, D, BS = 4, 2, 16, 16
+seqs = [(40, 1), (15, 1), (9, 20), (0, 6)]
+q, k_cache, v_cache, meta, positions = random_paged_case(3, block_size=BS, head_dim=D, kv_heads=KVH, group=G, seqs=seqs)
+T = q.shape[0]
+rng = np.random.default_rng(4)
+k_new = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
+v_new = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
+tables = np.asarray(meta.block_tables)
+slots = [int(tables[s, p // BS]) * BS + p % BS if s < len(seqs) else 0
+         for s, p in zip(np.asarray(meta.token_seq), np.asarray(positions))]
+meta = dataclasses.replace(meta, slot_mapping=jnp.asarray(slots, jnp.int32))
+sinks = _sinks(KVH * G, seed=9)
+kb, vb = write_kv(k_cache, v_cache, k_new, v_new, meta.slot_mapping)
+# max_kernel_tokens: every token of this 31-token step through the GPU kernel (exact for any token)
+impls = [REFERENCE, AttentionImpl(kernel="gpu", interpret=True, max_kernel_tokens=64)] + ([AttentionImpl(kernel="cpu")] if cpu.available() else [])
+report = {"devices": jax.device_count()}
+for tp in (2, 4):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    for impl in impls:
+        for name, feats in [("softcap", dict(logit_softcap=CAP)), ("sinks", dict(sinks=sinks)),
+                            ("both", dict(logit_softcap=CAP, sinks=sinks))]:
+            want = dense_from_cache(q, kb, vb, meta, positions, scale=D**-0.5, sliding_window=None, **feats)
+            kc, vc = (k_cache, v_cache) if impl.layout == "blocks" else blocks_to_heads(k_cache, v_cache)
+            spec = jax.sharding.NamedSharding(mesh, cache_spec(impl.layout))
+            kc, vc = jax.device_put(kc, spec), jax.device_put(vc, spec)
+            cap = feats.get("logit_softcap")
+            step = jax.jit(lambda q, k, v, kc, vc, meta, pos, sinks: write_and_attend(
+                impl, q, k, v, kc, vc, meta, pos, block_size=BS, scale=D**-0.5, cache_dtype=jnp.float32,
+                mesh=mesh, logit_softcap=cap, sinks=sinks))
+            _, _, out = step(q, k_new, v_new, kc, vc, meta, positions, feats.get("sinks"))
+            report[f"{impl.kernel}-{tp}-{name}"] = float(np.max(np.abs(np.asarray(out) - want)))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_tensor_parallel_splits_sinks_with_their_heads():
+    """write_and_attend with a mesh of 2 and 4 virtual CPU devices (a child
+    process: the device count is fixed when JAX starts), each device on its
+    kv heads, their query heads and those heads' sinks (all different): the
+    one-device dense result for the reference kernel over the blocks layout,
+    the GPU kernel's adapter (interpreted; sink layers take the reference over
+    the heads layout) and the C++ kernel."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=root
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    report = json.loads(lines[-1][len("REPORT ") :])
+    assert report.pop("devices") == 4
+    kernels = {"reference", "gpu"} | ({"cpu"} if cpu_kernel.available() else set())
+    assert {key.split("-")[0] for key in report} == kernels and len(report) == len(kernels) * 2 * 3
+    for key, err in report.items():
+        assert err < 3e-5, (key, err)

@@ -13,7 +13,16 @@
   float32;
 - ``"auto"`` (default): ``"pallas"`` on ``gpu`` and ``tpu`` when the shapes
   fit; on the CPU ``"cpu"`` when it builds and the cache is float32; else
-  ``"reference"`` (bfloat16 caches on the CPU, sliding-window models on GPU, ...).
+  ``"reference"`` (bfloat16 caches on the CPU, head dims Triton cannot tile, ...).
+
+The choice is per model and depends on shapes only. A layer's attention
+features (sliding window, logit soft-cap, attention sinks) are arguments of
+each call, so one model may mix them (Gemma 2: every other layer slides;
+gpt-oss: sinks on every layer, a window on half): where the shipped kernel a
+call would take lacks one of its features (``pallas_attention.KERNEL_FEATURES``),
+that call runs the reference kernel over the same ``heads`` cache instead,
+and the model's other layers keep the fast kernel. The C++ and reference
+kernels compute every feature.
 
 Per compiled program (the token bucket ``T`` is static) with the Pallas
 backend:
@@ -22,18 +31,21 @@ backend:
   every decode step runs in, call the shipped GPU paged kernel one token per
   kernel row (exact for any token; a decode step reads each context once);
   bigger (prefill) programs run the reference kernel over the ``heads``
-  layout. The GPU kernel has no sliding window: such models stay on the
+  layout. The GPU kernel soft-caps; sliding-window and sink layers run the
   reference.
 - **TPU**: the same split with the TPU paged kernel for the decode-sized
   programs; bigger programs run the ragged TPU kernel (mixed prefill and
-  decode, sliding windows) when its shape rules hold (head_dim a multiple
-  of 128), else the reference over the ``heads`` layout.
+  decode, sliding windows, soft-capping) when its shape rules hold (head_dim
+  a multiple of 128), else the reference over the ``heads`` layout.
+  Sliding-window layers take the ragged kernel in decode-sized programs too
+  (the paged kernel has no window); sink layers run the reference.
 
 ``write_and_attend`` is what a model layer calls: it writes the step's keys
 and values, then attends, and with a tensor-parallel mesh runs both inside a
 ``shard_map`` over the ``tp`` axis, each device on its own kv heads (and
-their query heads) with its shard of the cache: no communication, and the
-Pallas kernels, which GSPMD cannot partition, see plain local arrays.
+their query heads, and those heads' sinks) with its shard of the cache: no
+communication, and the Pallas kernels, which GSPMD cannot partition, see
+plain local arrays.
 """
 
 from __future__ import annotations
@@ -90,8 +102,10 @@ def select_attention(
     head_dim: int,
     num_kv_heads: int,
     block_size: int,
-    sliding_window: int | None,
     cache_dtype,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: bool = False,
     tensor_parallel_size: int = 1,
     platform: str | None = None,
 ) -> tuple[AttentionImpl, str]:
@@ -99,8 +113,12 @@ def select_attention(
     ``platform`` (default ``jax.default_backend()``), and a one-line reason.
 
     ``num_kv_heads`` is the model's; each tensor-parallel device holds
-    ``num_kv_heads / tensor_parallel_size`` of them. Raises ``ValueError``
-    for an unknown name, and for ``"pallas"`` where no shipped kernel fits."""
+    ``num_kv_heads / tensor_parallel_size`` of them. ``sliding_window``
+    (the window of the model's sliding layers, if any), ``logit_softcap``
+    and ``sinks`` (whether any layer has them) do not change the choice
+    (module docstring): they only let the reason say which layers run the
+    reference. Raises ``ValueError`` for an unknown name, and for
+    ``"pallas"`` where no shipped kernel fits."""
     if requested not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
     platform = platform or jax.default_backend()
@@ -115,26 +133,42 @@ def select_attention(
         if requested == "cpu":
             raise ValueError(f"attention_backend='cpu' cannot run here: {why}")
         return REFERENCE, f"auto: reference ({why})"
+    features = pallas.layer_features(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks or None)
     if platform in ("gpu", "cuda", "rocm"):
-        why = pallas.gpu_kernel_unsupported(head_dim=head_dim, block_size=block_size, sliding_window=sliding_window)
+        why = pallas.gpu_kernel_unsupported(head_dim=head_dim, block_size=block_size)
         if why is None:
-            return AttentionImpl(kernel="gpu"), "GPU: shipped Pallas paged kernel for decode-sized programs"
+            reason = "GPU: shipped Pallas paged kernel for decode-sized programs"
+            return AttentionImpl(kernel="gpu"), reason + _reference_layers(features, pallas.KERNEL_FEATURES["gpu"])
     elif platform == "tpu":
-        why = None if sliding_window is None else f"the TPU paged kernel has no sliding window ({sliding_window})"
-        if why is None:
-            local_kv = max(1, num_kv_heads // max(1, tensor_parallel_size))
-            ragged_why = pallas.tpu_ragged_unsupported(
-                head_dim=head_dim, num_kv_heads=local_kv, cache_dtype=cache_dtype
-            )
-            reason = "TPU: shipped Pallas paged kernel for decode-sized programs, " + (
-                "ragged kernel for the others" if ragged_why is None else f"reference for the others ({ragged_why})"
-            )
-            return AttentionImpl(kernel="tpu", ragged=ragged_why is None), reason
+        local_kv = max(1, num_kv_heads // max(1, tensor_parallel_size))
+        ragged_why = pallas.tpu_ragged_unsupported(head_dim=head_dim, num_kv_heads=local_kv, cache_dtype=cache_dtype)
+        reason = "TPU: shipped Pallas paged kernel for decode-sized programs, " + (
+            "ragged kernel for the others" if ragged_why is None else f"reference for the others ({ragged_why})"
+        )
+        if ragged_why is None and "sliding_window" in features:
+            reason += "; sliding-window layers: ragged kernel for all programs"
+        served = pallas.KERNEL_FEATURES["tpu_ragged" if ragged_why is None else "tpu"]
+        return AttentionImpl(kernel="tpu", ragged=ragged_why is None), reason + _reference_layers(features, served)
     else:
         why = f"no Pallas paged-attention kernel for platform {platform!r}"
     if requested == "pallas":
         raise ValueError(f"attention_backend='pallas' cannot run here: {why}")
     return REFERENCE, f"auto: reference ({why})"
+
+
+_FEATURE_NAMES = {
+    "sliding_window": "a sliding window",
+    "logit_softcap": "logit soft-capping",
+    "sinks": "attention sinks",
+}
+
+
+def _reference_layers(features: frozenset[str], served: frozenset[str]) -> str:
+    """The reason's note on the layers that run the reference (features the kernel lacks)."""
+    missing = [
+        _FEATURE_NAMES[name] for name in ("sliding_window", "logit_softcap", "sinks") if name in features - served
+    ]
+    return f"; layers with {' or '.join(missing)}: reference" if missing else ""
 
 
 def attend(
@@ -149,24 +183,60 @@ def attend(
     scale: float,
     sliding_window: int | None = None,
     cache_dtype=None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One layer's attention over a per-layer cache in ``impl.layout``
-    (already holding this step's keys); ``[T, H, D]`` in ``q.dtype``."""
+    (already holding this step's keys); ``[T, H, D]`` in ``q.dtype``.
+
+    ``sliding_window``, ``logit_softcap`` (static) and ``sinks`` (float32
+    ``[H]``) are this layer's (``paged_attention``); a shipped Pallas kernel
+    serves the call only if it computes all of them (``KERNEL_FEATURES``),
+    else the reference kernel does, over the same cache."""
     if impl.kernel == "cpu":
         return cpu_kernel.paged_attention_cpu(
-            q, k_cache, v_cache, meta, positions, scale=scale, sliding_window=sliding_window
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            positions,
+            scale=scale,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
     T = q.shape[0]
     small = T <= impl.kernel_tokens(meta)
-    if impl.kernel == "gpu" and small and sliding_window is None:
+    features = pallas.layer_features(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
+
+    def serves(kernel: str) -> bool:
+        return features <= pallas.KERNEL_FEATURES[kernel]
+
+    if impl.kernel == "gpu" and small and serves("gpu"):
         return pallas.gpu_paged_attention(
-            q, k_cache, v_cache, meta, positions, scale=scale, cache_dtype=cache_dtype, interpret=impl.interpret
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            positions,
+            scale=scale,
+            cache_dtype=cache_dtype,
+            interpret=impl.interpret,
+            logit_softcap=logit_softcap,
         )
-    if impl.kernel == "tpu" and small and sliding_window is None:
+    if impl.kernel == "tpu" and small and serves("tpu"):
         return pallas.tpu_paged_attention(
-            q, k_cache, v_cache, meta, positions, scale=scale, cache_dtype=cache_dtype, interpret=impl.interpret
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            positions,
+            scale=scale,
+            cache_dtype=cache_dtype,
+            interpret=impl.interpret,
+            logit_softcap=logit_softcap,
         )
-    if impl.kernel == "tpu" and impl.ragged:
+    if impl.kernel == "tpu" and impl.ragged and serves("tpu_ragged"):
         return pallas.tpu_ragged_attention(
             q,
             k_cache,
@@ -177,6 +247,7 @@ def attend(
             sliding_window=sliding_window,
             cache_dtype=cache_dtype,
             interpret=impl.interpret,
+            logit_softcap=logit_softcap,
         )
     return paged_attention(
         q,
@@ -189,6 +260,8 @@ def attend(
         sliding_window=sliding_window,
         cache_dtype=cache_dtype,
         layout=impl.layout,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
     )
 
 
@@ -215,6 +288,8 @@ def write_and_attend(
     query_meta: AttentionMetadata | None = None,
     query_positions: jax.Array | None = None,
     query_rope: tuple[jax.Array, jax.Array] | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Write this step's ``k``/``v`` ``[T, KVH, D]`` into one layer's cache and
     attend with ``q`` ``[T, H, D]``; returns ``(k_cache, v_cache, out)``.
@@ -229,18 +304,24 @@ def write_and_attend(
     not yet rotated ``[H * D, Tq]``, and the kernel rotates it (see
     ``kernels.cpu.paged_attention_cpu_fm``); ``out`` is ``[Tq, H, D]`` as ever.
 
+    ``sliding_window``, ``logit_softcap`` (static Python values) and
+    ``sinks`` (float32 ``[H]``, a weight) are this layer's attention
+    features, all off by default (``paged_attention``): a model passes its
+    own per layer.
+
     With ``mesh`` (tensor parallelism), both run per device on its heads
     (``shard_map`` over ``tp``): the cache must be sharded on its kv-heads
-    axis (``cache_spec``), and ``q``/``k``/``v``/``out`` are split on their
-    heads axis (head ``h`` of device ``i`` uses kv head ``h // G`` of the
-    same device, since both are split in contiguous, equal runs)."""
+    axis (``cache_spec``), and ``q``/``k``/``v``/``out`` (and ``sinks``) are
+    split on their heads axis (head ``h`` of device ``i`` uses kv head
+    ``h // G`` of the same device, since both are split in contiguous, equal
+    runs)."""
 
     query_meta = meta if query_meta is None else query_meta
     query_positions = positions if query_positions is None else query_positions
     if query_rope is not None and (impl.kernel != "cpu" or mesh is not None):
         raise ValueError(f"query_rope needs the cpu kernel without a mesh, not {impl.kernel!r} (mesh {mesh})")
 
-    def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions):
+    def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions, sinks=None):
         k_cache, v_cache = write_kv(
             k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout
         )
@@ -254,6 +335,8 @@ def write_and_attend(
                 query_positions,
                 scale=scale,
                 sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
+                sinks=sinks,
             )
         else:
             out = attend(
@@ -267,21 +350,26 @@ def write_and_attend(
                 scale=scale,
                 sliding_window=sliding_window,
                 cache_dtype=cache_dtype,
+                logit_softcap=logit_softcap,
+                sinks=sinks,
             )
         return k_cache, v_cache, out
 
+    args: tuple = (q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
+    if sinks is not None:
+        args += (sinks,)
     if mesh is None:
-        return local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
+        return local(*args)
     heads = P(None, TP_AXIS, None)
     cache = cache_spec(impl.layout)
     sharded = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache, cache, P(), P(), P()),
+        in_specs=(heads, heads, heads, cache, cache, P(), P(), P()) + ((P(TP_AXIS),) if sinks is not None else ()),
         out_specs=(cache, cache, heads),
         check_vma=False,
     )
-    return sharded(q, k, v, k_cache, v_cache, meta, query_meta, query_positions)
+    return sharded(*args)
 
 
 __all__ = [

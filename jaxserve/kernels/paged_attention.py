@@ -22,6 +22,15 @@ the query heads into ``[kv_heads, group]``. Scores, the running max, the
 normaliser and the accumulator are float32; the matmuls run in the cache
 dtype with float32 accumulation.
 
+Two per-layer features of the scores, both off by default (and then absent
+from the traced program): ``logit_softcap`` (Gemma 2) turns each scaled score
+``s`` into ``cap * tanh(s / cap)`` before the mask and the softmax, and
+``sinks`` (gpt-oss), a float32 logit per query head, joins every row's
+softmax as one more column that takes probability mass and adds no value:
+the online softmax starts at max ``sink[h]`` and normaliser 1 instead of
+``-inf`` and 0, so a row that sees no key still gets zeros.
+:func:`dense_causal_attention` states both the way transformers computes them.
+
 Block-major decode: when every sequence of the step has exactly one token
 (and the metadata says so, see ``AttentionMetadata.block_major``), the
 layer's whole cache is used as a matmul operand in place: each physical
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import cast
 
 import jax
@@ -129,6 +139,20 @@ def visible_keys(
     return limit, lower
 
 
+def check_features(logit_softcap: float | None, sinks: jax.Array | None, num_heads: int) -> None:
+    """Raise ``ValueError`` for a soft-cap that is not a positive number or
+    sinks that are not one logit per query head (``[num_heads]``)."""
+    if logit_softcap is not None and not (isinstance(logit_softcap, numbers.Real) and logit_softcap > 0):
+        raise ValueError(f"logit_softcap must be a positive Python float or None, got {logit_softcap!r}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must hold one logit per query head, [{num_heads}], got {list(sinks.shape)}")
+
+
+def soft_cap(s: jax.Array, logit_softcap: float | None) -> jax.Array:
+    """``cap * tanh(s / cap)`` (identity for ``None``): Gemma 2's attention logit soft-capping."""
+    return s if logit_softcap is None else logit_softcap * jnp.tanh(s / logit_softcap)
+
+
 def default_chunk_tokens(
     num_tokens: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int, backend: str | None = None
 ) -> int:
@@ -166,6 +190,8 @@ def paged_attention(
     query_tile: int | tuple[int, ...] | None = None,
     straggler_group: int = 32,
     layout: str = "blocks",
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of ``q`` ``[T, heads, head_dim]`` over the paged cache.
 
@@ -203,6 +229,9 @@ def paged_attention(
 
     ``layout="heads"``: per-layer caches in the Pallas kernels' layout (module
     docstring); gathering kernel only.
+
+    ``logit_softcap`` (static) and ``sinks`` (float32 ``[heads]``, traced):
+    the module docstring's score features; every path applies them.
     """
     T, H, D = q.shape
     if layout == "heads":
@@ -216,6 +245,8 @@ def paged_attention(
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     G = H // kvh
+    check_features(logit_softcap, sinks, H)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, G)
     cdtype = logical_dtype(k_cache, cache_dtype)
     block_tables = meta.block_tables
     token_seq = meta.token_seq
@@ -246,6 +277,8 @@ def paged_attention(
             cache_dtype=cache_dtype,
             query_tile=query_tile,
             straggler_group=straggler_group,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
         major = functools.partial(
             _block_major_decode,
@@ -257,6 +290,8 @@ def paged_attention(
             lower=lower,
             block_size=block_size,
             cdtype=cdtype,
+            logit_softcap=logit_softcap,
+            sink=sink,
         )
         out = jax.lax.cond(meta.block_major, major, lambda: gathered().reshape(T, kvh, G, D).astype(jnp.float32))
         return out.reshape(T, H, D).astype(q.dtype)
@@ -270,6 +305,8 @@ def paged_attention(
         chunk_tokens=chunk_tokens,
         cdtype=cdtype,
         layout=layout,
+        logit_softcap=logit_softcap,
+        sink=sink,
     )
 
     def per_token(_):
@@ -337,7 +374,17 @@ def paged_attention(
 
 
 def _block_major_decode(
-    *, qs, k_cache, v_cache, meta: AttentionMetadata, limit, lower, block_size: int, cdtype
+    *,
+    qs,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    limit,
+    lower,
+    block_size: int,
+    cdtype,
+    logit_softcap: float | None = None,
+    sink: jax.Array | None = None,
 ) -> jax.Array:
     """Decode attention that reads the layer's whole cache in place, block by block.
 
@@ -349,8 +396,9 @@ def _block_major_decode(
     sequence. Unowned blocks get the padding row's empty context and drop
     out. The cache arrays are matmul operands as they are: no gathered copy
     of the context is made, which halves the memory traffic of a step that
-    uses most of the cache. ``qs`` ``[T, kvh, G, D]`` (scaled); returns
-    float32 ``[T, kvh, G, D]``.
+    uses most of the cache. ``qs`` ``[T, kvh, G, D]`` (scaled); ``sink``
+    ``[kvh, G]`` joins each row's merge as a block of normaliser 1 and no
+    value; returns float32 ``[T, kvh, G, D]``.
     """
     T, kvh, G, D = qs.shape
     rows = meta.block_tables.shape[0]  # S + 1; the last row is padding
@@ -363,7 +411,7 @@ def _block_major_decode(
     qb = qs[row_token[owner]]  # [NB, kvh, G, D]
     k = from_storage(k_cache, cdtype)  # [NB, kvh, D, BS]
     v = from_storage(v_cache, cdtype)  # [NB, kvh, BS, D]
-    s = jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32)
+    s = soft_cap(jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32), logit_softcap)
     kpos = cast(jax.Array, meta.block_index)[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)[None, :]
     valid = kpos < row_limit[owner][:, None]
     if lower is not None:
@@ -380,8 +428,12 @@ def _block_major_decode(
     m_r, l_r, o_r = m[bt], l[bt], o[bt]  # [S+1, M, kvh, G(, D)]
     seen = l_r > 0.0
     m_max = jnp.max(jnp.where(seen, m_r, _NEG), axis=1)
+    if sink is not None:
+        m_max = jnp.maximum(m_max, sink)
     w = jnp.where(seen, jnp.exp(m_r - m_max[:, None]), 0.0)
     l_tot = jnp.sum(w * l_r, axis=1)
+    if sink is not None:
+        l_tot = l_tot + jnp.exp(sink - m_max)
     o_tot = jnp.sum(w[..., None] * o_r, axis=1) / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None]
     return o_tot[token_seq]
 
@@ -399,13 +451,17 @@ def _flash_rows(
     chunk_tokens: int | None,
     cdtype,
     layout: str = "blocks",
+    logit_softcap: float | None = None,
+    sink: jax.Array | None = None,
 ) -> jax.Array:
     """Online-softmax attention of ``R`` rows, each with its own block table.
 
     ``qr`` ``[R, kvh, Q, G, D]`` (scaled, cache dtype): ``Q`` query tokens per
     row sharing the row's keys; ``bt_rows`` ``[R, M]``; ``limit``/``lower``
-    ``[R, Q]``: key positions ``lower <= kpos < limit`` are visible. Returns
-    float32 ``[R, kvh, Q, G, D]`` (zeros where nothing is visible).
+    ``[R, Q]``: key positions ``lower <= kpos < limit`` are visible. Scores
+    are soft-capped with ``logit_softcap``; ``sink`` ``[kvh, G]`` starts each
+    row's max and normaliser. Returns float32 ``[R, kvh, Q, G, D]`` (zeros
+    where nothing is visible).
     """
     R, kvh, Q, G, D = qr.shape
     M = bt_rows.shape[1]
@@ -446,6 +502,7 @@ def _flash_rows(
             k = jnp.moveaxis(gather(k_cache, cols), 1, 3).reshape(R, kvh, D, C)
             v = jnp.moveaxis(gather(v_cache, cols), 1, 2).reshape(R, kvh, C, D)
         s = jnp.einsum("rkqd,rkdc->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
+        s = soft_cap(s, logit_softcap)
         kpos = c * C + kpos_in_chunk
         valid = kpos[None, None, :] < limit[:, :, None]
         if lower is not None:
@@ -462,11 +519,12 @@ def _flash_rows(
         acc = acc * alpha[..., None] + pv.reshape(R, kvh, Q, G, D)
         return m_new, l, acc
 
-    init = (
-        jnp.full((R, kvh, Q, G), _NEG, jnp.float32),
-        jnp.zeros((R, kvh, Q, G), jnp.float32),
-        jnp.zeros((R, kvh, Q, G, D), jnp.float32),
-    )
+    if sink is None:
+        m0, l0 = jnp.full((R, kvh, Q, G), _NEG, jnp.float32), jnp.zeros((R, kvh, Q, G), jnp.float32)
+    else:  # the sink column, exp(sink - sink) = 1, before any key
+        m0 = jnp.broadcast_to(sink[None, :, None, :], (R, kvh, Q, G))
+        l0 = jnp.ones((R, kvh, Q, G), jnp.float32)
+    init = (m0, l0, jnp.zeros((R, kvh, Q, G, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(start, stop, body, init)
     return acc / jnp.where(l == 0.0, 1.0, l)[..., None]
 
@@ -479,26 +537,40 @@ def dense_causal_attention(
     scale: float,
     q_positions: jax.Array | None = None,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Dense reference for one sequence, float32 throughout.
 
     ``k``/``v`` ``[K, kv_heads, head_dim]`` are the sequence's keys at
     positions ``0..K-1``; ``q`` ``[T, heads, head_dim]`` sits at
     ``q_positions`` (default: the last ``T`` positions, ``K-T..K-1``).
+
+    The features as transformers' eager attention computes them: scores
+    ``q @ k * scale``, soft-capped (``cap * tanh(s / cap)``, Gemma 2) before
+    the mask; ``sinks`` ``[heads]`` appended as a last column of every row,
+    the softmax taken over it and the column dropped (gpt-oss). A row that
+    sees no key gets zeros (the paged kernels' padding rows).
     """
     T, H, D = q.shape
     K, kvh, _ = k.shape
     G = H // kvh
+    check_features(logit_softcap, sinks, H)
     if q_positions is None:
         q_positions = jnp.arange(K - T, K)
     qf = q.astype(jnp.float32).reshape(T, kvh, G, D)
-    s = jnp.einsum("tkgd,ckd->tkgc", qf, k.astype(jnp.float32)) * scale
+    s = soft_cap(jnp.einsum("tkgd,ckd->tkgc", qf, k.astype(jnp.float32)) * scale, logit_softcap)
     kpos = jnp.arange(K)
     mask = kpos[None, :] <= q_positions[:, None]
     if sliding_window is not None:
         mask = mask & (kpos[None, :] > q_positions[:, None] - sliding_window)
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:
+        column = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, G, 1), (T, kvh, G, 1))
+        p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :K]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(jnp.any(mask, axis=-1)[:, None, None, None], p, 0.0)
     out = jnp.einsum("tkgc,ckd->tkgd", p, v.astype(jnp.float32))
     return out.reshape(T, H, D)
 
@@ -512,6 +584,8 @@ def make_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size
 __all__ = [
     "paged_attention",
     "visible_keys",
+    "check_features",
+    "soft_cap",
     "write_kv",
     "dense_causal_attention",
     "default_chunk_tokens",

@@ -8,15 +8,18 @@ adapter below maps onto it:
 [B], *, block_h, pages_per_compute_block, k_splits, num_warps, num_stages,
 interpret, ...)``. One query token per batch row, attending to that row's
 keys at positions ``< lengths[b]``; grouped-query heads; a flash-decoding
-split of the pages into ``k_splits`` partitions merged at the end. No
-softmax scale (the adapter scales ``q``), no sliding window, no causal mask
-within a row. Runs in interpret mode on the CPU (``interpret=True``).
+split of the pages into ``k_splits`` partitions merged at the end; logit
+soft-capping (``attn_logits_soft_cap``, applied to the scores of the
+adapter's scaled ``q``). No softmax scale (the adapter scales ``q``), no
+sliding window, no attention sinks, no causal mask within a row. Runs in
+interpret mode on the CPU (``interpret=True``).
 JAX 0.11 marks the module deprecated (a warning at import), same API.
 
 ``tpu/paged_attention`` (Mosaic): ``paged_attention(q [B, H, D], k_pages,
 v_pages [KVH, P, PS, D], lengths [B], page_indices [B, pages], *,
-pages_per_compute_block, megacore_mode, inline_seq_dim, ...)``: the same
-semantics, no ``interpret`` argument; on the CPU it runs in the TPU
+pages_per_compute_block, attn_logits_soft_cap, megacore_mode, inline_seq_dim,
+...)``: the same semantics (soft-capping; no sliding window, no sinks), no
+``interpret`` argument; on the CPU it runs in the TPU
 interpret mode of ``jax.experimental.pallas.tpu.force_tpu_interpret_mode``.
 It casts every key and value block it loads to bfloat16 (its
 ``_maybe_dequantize`` defaults to that dtype) whatever the cache's dtype:
@@ -26,10 +29,11 @@ default matmul precision does the same to float32 in XLA).
 ``tpu/ragged_paged_attention`` (Mosaic): ``ragged_paged_attention(q [T, H,
 D], kv_pages [P, PS, 2 * KVH, D] (keys and values interleaved per head),
 kv_lens [S], page_indices [S, pages], cu_q_lens [S + 1], num_seqs [1], *,
-sm_scale, sliding_window, ...)``: mixed prefill and decode in one call,
-sequence ``s`` owning the tokens ``cu_q_lens[s]:cu_q_lens[s + 1]``, which sit
-at the *last* positions of its ``kv_lens[s]`` keys (causal within the
-chunk); sliding windows. It does **not** run in JAX 0.10.2's TPU interpret
+sm_scale, sliding_window, soft_cap, ...)``: mixed prefill and decode in one
+call, sequence ``s`` owning the tokens ``cu_q_lens[s]:cu_q_lens[s + 1]``,
+which sit at the *last* positions of its ``kv_lens[s]`` keys (causal within
+the chunk); sliding windows and soft-capping (after ``sm_scale``, before
+the mask, as Gemma 2's); no sinks. It does **not** run in JAX 0.10.2's TPU interpret
 mode: the interpreter handles only indexing transforms of a ref
 (``jax/_src/pallas/mosaic/interpret/utils.py``, ``to_range``: "assume only
 NDIndexer transforms") and the kernel reshapes its VMEM buffer
@@ -62,6 +66,12 @@ use here: ``gpu/decode_attention.py`` (decode over contiguous K/V),
 ``gpu/attention.py`` and ``gpu/attention_mgpu.py`` (dense flash attention),
 ``tpu/flash_attention.py`` and ``tpu/splash_attention``.
 
+None of the three has attention sinks (gpt-oss): a learned logit per query
+head that joins each row's softmax, which would need each row's softmax
+statistics, and the kernels return only the normalised output. Which
+features each kernel computes is ``KERNEL_FEATURES``; a layer that needs
+another runs the reference kernel for that call (``backends.attend``).
+
 Which adapter runs for which step is ``backends.py``'s business.
 """
 
@@ -83,6 +93,19 @@ GPU_KEYS_PER_ITERATION = 128
 GPU_MAX_K_SPLITS = 16
 #: the GPU kernel's query-head block (it requires a multiple of 16)
 GPU_BLOCK_H = 16
+
+#: the per-layer attention features (``layer_features``) each shipped kernel computes
+KERNEL_FEATURES: dict[str, frozenset[str]] = {
+    "gpu": frozenset({"logit_softcap"}),
+    "tpu": frozenset({"logit_softcap"}),
+    "tpu_ragged": frozenset({"logit_softcap", "sliding_window"}),
+}
+
+
+def layer_features(*, sliding_window: int | None, logit_softcap: float | None, sinks: object) -> frozenset[str]:
+    """The names of the features one layer's attention call uses (``sinks``: the array or ``None``)."""
+    used = {"sliding_window": sliding_window, "logit_softcap": logit_softcap, "sinks": sinks}
+    return frozenset(name for name, value in used.items() if value is not None and value is not False)
 
 
 def _is_pow2(n: int) -> bool:
@@ -108,13 +131,12 @@ def _scaled_query(q: jax.Array, scale: float, cdtype) -> jax.Array:
     return (q.astype(jnp.float32) * scale).astype(cdtype)
 
 
-def gpu_kernel_unsupported(*, head_dim: int, block_size: int, sliding_window: int | None) -> str | None:
+def gpu_kernel_unsupported(*, head_dim: int, block_size: int) -> str | None:
     """Why the shipped GPU kernel cannot serve these shapes (None: it can).
 
     Triton wants power-of-two tensor shapes and dot operands of at least 16
-    in every dimension; the kernel has no sliding-window mask."""
-    if sliding_window is not None:
-        return f"the GPU paged-attention kernel has no sliding window (model window {sliding_window})"
+    in every dimension. (Layers whose features it lacks, see
+    ``KERNEL_FEATURES``, run the reference per call: not a reason here.)"""
     if not _is_pow2(head_dim) or head_dim < 16:
         return f"the GPU paged-attention kernel needs a power-of-two head_dim >= 16, got {head_dim}"
     if not _is_pow2(block_size) or block_size > GPU_KEYS_PER_ITERATION:
@@ -153,6 +175,7 @@ def gpu_paged_attention(
     scale: float,
     cache_dtype=None,
     interpret: bool = False,
+    logit_softcap: float | None = None,
     max_k_splits: int = GPU_MAX_K_SPLITS,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -160,7 +183,8 @@ def gpu_paged_attention(
     """Attention of ``q`` ``[T, H, D]`` through the shipped GPU kernel, one
     kernel batch row per token (module docstring). ``k_cache``/``v_cache``:
     one layer in the ``heads`` layout ``[KVH, P, BS, D]``, already holding
-    this step's keys. Returns ``[T, H, D]`` in ``q.dtype``; zeros for tokens
+    this step's keys. ``logit_softcap``: the kernel's own soft-cap of the
+    (scaled) scores. Returns ``[T, H, D]`` in ``q.dtype``; zeros for tokens
     that see no key."""
     T, H, D = q.shape
     kvh, _, block_size, _ = k_cache.shape
@@ -181,6 +205,7 @@ def gpu_paged_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
+        attn_logits_soft_cap=logit_softcap,
     )
     return jnp.where((limit > 0)[:, None, None], out.astype(jnp.float32), 0.0).astype(q.dtype)
 
@@ -204,6 +229,7 @@ def tpu_paged_attention(
     cache_dtype=None,
     interpret: bool = False,
     pages_per_compute_block: int | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """``gpu_paged_attention``'s contract through the shipped TPU paged kernel
     (``interpret``: the TPU interpret mode, for CPU tests). Lengths are
@@ -227,6 +253,7 @@ def tpu_paged_attention(
             jnp.maximum(limit, 1),
             _pad_tables(tables, width),
             pages_per_compute_block=ppcb,
+            attn_logits_soft_cap=logit_softcap,
         )
     return jnp.where((limit > 0)[:, None, None], out.astype(jnp.float32), 0.0).astype(q.dtype)
 
@@ -301,6 +328,7 @@ def tpu_ragged_attention(
     cache_dtype=None,
     interpret: bool = False,
     kernel: Callable | None = None,
+    logit_softcap: float | None = None,
 ) -> jax.Array:
     """Attention of a whole step (prefill, decode or both) through the shipped
     ragged TPU kernel, or through ``kernel`` with its signature (the module's
@@ -330,7 +358,14 @@ def tpu_ragged_attention(
     else:
         kv_pages = combine_kv_pages(k, v)
     run = kernel or _shipped_ragged_kernel(interpret)
-    out = run(_scaled_query(q, scale, cdtype), kv_pages, sm_scale=1.0, sliding_window=sliding_window, **inputs)
+    out = run(
+        _scaled_query(q, scale, cdtype),
+        kv_pages,
+        sm_scale=1.0,
+        sliding_window=sliding_window,
+        soft_cap=logit_softcap,
+        **inputs,
+    )
     out = out.astype(jnp.float32)
     if out.shape[0] < T:  # the reference returns the real tokens only
         out = jnp.pad(out, ((0, T - out.shape[0]), (0, 0), (0, 0)))
@@ -340,10 +375,12 @@ def tpu_ragged_attention(
 
 __all__ = [
     "GPU_BLOCK_H",
+    "KERNEL_FEATURES",
     "combine_kv_pages",
     "gpu_kernel_unsupported",
     "gpu_paged_attention",
     "gpu_split",
+    "layer_features",
     "per_token_tables",
     "ragged_inputs",
     "tpu_paged_attention",

@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.paged_attention import visible_keys
+from jaxserve.kernels.paged_attention import check_features, visible_keys
 from jaxserve.presets import cache_dir
 
 log = structlog.get_logger(__name__)
@@ -189,17 +189,21 @@ def paged_attention_cpu(
     *,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``paged_attention``'s result (``[T, H, D]`` in ``q.dtype``) from the C++
     kernel, for one layer's float32 cache in the ``blocks`` layout (see
-    :func:`unsupported`; call :func:`available` first)."""
+    :func:`unsupported`; call :func:`available` first). ``logit_softcap`` and
+    ``sinks`` (float32 ``[H]``) as in ``paged_attention``."""
     T, H, D = q.shape
     kvh = k_cache.shape[1]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     qs = (q.astype(jnp.float32) * scale).reshape(T, kvh, H // kvh, D)
+    sink_logits, softcap = _features(logit_softcap, sinks, H)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qs.shape, jnp.float32))(
-        qs, k_cache, v_cache, *_paging(meta, positions, sliding_window)
+        qs, k_cache, v_cache, *_paging(meta, positions, sliding_window), sink_logits, logit_softcap=softcap
     )
     return out.reshape(T, H, D).astype(q.dtype)
 
@@ -213,6 +217,14 @@ def _paging(meta: AttentionMetadata, positions: jax.Array, sliding_window: int |
     return meta.block_tables.astype(i32), meta.token_seq.astype(i32), limit.astype(i32), lower.astype(i32)
 
 
+def _features(logit_softcap: float | None, sinks: jax.Array | None, num_heads: int) -> tuple[jax.Array, np.float32]:
+    """The kernel's sinks buffer (``[H]``, or ``[0]`` for none) and its
+    ``logit_softcap`` attribute (0 for none)."""
+    check_features(logit_softcap, sinks, num_heads)
+    buffer = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    return buffer, np.float32(logit_softcap or 0.0)
+
+
 def paged_attention_cpu_fm(
     q_fm: jax.Array,
     cos: jax.Array,
@@ -224,6 +236,8 @@ def paged_attention_cpu_fm(
     *,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`paged_attention_cpu` of the queries ``q_fm`` as the fused
     projection leaves them: feature-major ``[H * D, T]`` (head-major rows)
@@ -240,6 +254,7 @@ def paged_attention_cpu_fm(
         )
     H = HD // D
     f32 = jnp.float32
+    sink_logits, softcap = _features(logit_softcap, sinks, H)
     out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), f32))(
         q_fm.astype(f32),
         cos.astype(f32),
@@ -247,7 +262,9 @@ def paged_attention_cpu_fm(
         k_cache,
         v_cache,
         *_paging(meta, positions, sliding_window),
+        sink_logits,
         scale=np.float32(scale),
+        logit_softcap=softcap,
     )
     return out.reshape(T, H, D)
 

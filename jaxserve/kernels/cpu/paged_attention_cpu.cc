@@ -18,10 +18,20 @@
 //   seq     i32 [T]              the row of each token
 //   limit   i32 [T]              keys at positions < limit are visible
 //   lower   i32 [T]              ... and at positions >= lower (sliding window; 0 without)
+//   sinks   f32 [KVH * G] or [0] a logit per query head joining each row's softmax (gpt-oss); [0]: none
+//   logit_softcap (attribute)    > 0: each score s becomes cap * tanh(s / cap) (Gemma 2); 0: off
 //   out     f32 [T, KVH, G, D]   zeros where nothing is visible
+// A sink is an extra softmax column with no value: the pair's online softmax
+// starts from max sink[h] and normaliser 1 rather than -inf and 0 (set once
+// per pair, outside the loops). The soft-cap is a template parameter of the
+// attention loops (AttendOne), so the path without it has no cap code and
+// no branch on it: its arithmetic is unchanged, and
+// benchmarks/attention_kernel_ab.py finds its outputs bitwise the same as
+// before the features and its time within noise.
 // Each (token, kv head) pair is computed by one thread in one fixed order,
 // so a token's result never depends on the rest of the batch or on threads.
-// In the 64 x 64 case the pair's query heads share each key and value load
+// In the 64-key-block case with head dim 64, 128 or 256 (the unrolled loops)
+// the pair's query heads share each key and value load
 // three or two at a time where the host has 32 vector registers (AVX-512), and the
 // keys of a block no query can see yet (a prompt's last, partly written
 // block) are not scored; neither changes any head's order of operations.
@@ -49,10 +59,11 @@ namespace {
 
 constexpr float kNeg = -1e30f;
 constexpr int64_t kPrefetchBytes = 512;  // of the next block's keys and of its values
-// In the 64 x 64 case, while a block's key (value) rows are read, the row
-// this many ahead is requested into L2; past the keys' end that is the
-// first value rows, past the values' end the next block's first key rows.
-// A block of one kv head is two 16 KB runs at a random place: the hardware
+// In the unrolled case, while a block's key (value) rows are read, the
+// 256-byte row this many ahead is requested into L2; past the keys' end that
+// is the first value rows, past the values' end the next block's first key
+// rows (in the order the loops read them: ValueRow).
+// A block of one kv head (head dim 64) is two 16 KB runs at a random place: the hardware
 // prefetcher stops at every 4 KB page and starts each run cold, and decode
 // attention (each key read once) ran at half the machine's read bandwidth.
 // Into L2 rather than L1: requests into L1 this far ahead measured slower
@@ -62,6 +73,14 @@ constexpr int64_t kAheadRows = 32;
 // The 256-byte row at p (64 floats), requested into L2.
 inline void PrefetchRow(const float* p) {
   for (int i = 0; i < 64; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
+
+// Row p (256 bytes) of a [64 keys][kD dims] value block in the order
+// Values reads it: dims 0-63 of every key, then dims 64-127, ...
+template <int64_t kD>
+inline const float* ValueRow(const float* vb, int64_t p) {
+  if constexpr (kD == 64) return vb + p * 64;  // the same thing, spelt as the loops had it before wider heads
+  return vb + (p % 64) * kD + (p / 64) * 64;
 }
 
 #if defined(__AVX512F__)
@@ -84,7 +103,7 @@ inline V8 Load8(const float* p) {
   return v;
 }
 
-// The vector of the 64 x 64 case's score and value loops: sixteen floats
+// The vector of the unrolled score and value loops: sixteen floats
 // where the host has AVX-512 (half the instructions of eight), else V8. The
 // lane count only splits keys (scores) or dimensions (values) differently;
 // every sum is the same chain of operations, so the results are the same.
@@ -105,7 +124,7 @@ inline VW LoadW(const float* p) {
 // is a call per element): Cephes' range reduction and degree-6 polynomial,
 // about 1 ulp in float, inputs clamped to [-87, 88] (masked keys are zeroed
 // separately, so the clamp never decides a weight).
-inline float VecExp(float x) {
+[[gnu::always_inline]] inline float VecExp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -122,20 +141,44 @@ inline float VecExp(float x) {
   return y * scale;
 }
 
+// tanh for the logit soft-cap, written to vectorise like VecExp (glibc's
+// tanhf is a call per element, and the cap runs on every visible score).
+// Below |x| = 0.625 the odd polynomial x + x^3 P(x^2) with Cephes' tanhf
+// coefficients: no cancellation near 0, where most scaled scores over a
+// cap of 20-50 fall, so relative accuracy is kept there. Above it
+// 1 - 2 / (exp(2|x|) + 1) with VecExp: 0.55 and more, so the subtraction
+// loses at most a bit; the clamp in VecExp makes it exactly 1 past 44.
+// Checked against double-precision tanh on [-50, 50] (steps of 2.5e-5):
+// at most 1.25 float ulps off (7.4e-8 absolute), far inside the 3e-5 the
+// tests hold the kernel to against the pure-JAX kernel
+// (tests/test_kernels_cpu.py::test_features_match_the_pure_jax_kernel).
+[[gnu::always_inline]] inline float VecTanh(float x) {
+  const float z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float small = x + x * z * p;
+  const float a = std::fabs(x);
+  const float big = 1.0f - 2.0f / (VecExp(2.0f * a) + 1.0f);
+  return a < 0.625f ? small : std::copysign(big, x);
+}
+
 // Scores of NR query rows (1-3) against one 64-key block (keys transposed:
-// kb is [64 dims][64 keys]), for its first NK keys (64, or 32 when only
+// kb is [kD dims][64 keys]), for its first NK keys (64, or 32 when only
 // those can be visible). The rows share every key load; each row's sums run
 // over d in the same order as for one row alone, so a row's scores do not
 // depend on which rows it was grouped with.
-template <int NK, int NR>
+template <int NK, int NR, int64_t kD>
 inline void Scores64(const float* kb, const float* vb, const float* const* qs, float* const* scs) {
   constexpr int NC = NK / kW;
   VW a[NR][NC] = {};
-  for (int64_t d = 0; d < 64; ++d) {
+  for (int64_t d = 0; d < kD; ++d) {
     float x[NR];
     for (int r = 0; r < NR; ++r) x[r] = qs[r][d];
     const float* krow = kb + d * 64;
-    PrefetchRow(d + kAheadRows < 64 ? krow + kAheadRows * 64 : vb + (d + kAheadRows - 64) * 64);
+    PrefetchRow(d + kAheadRows < kD ? krow + kAheadRows * 64 : ValueRow<kD>(vb, d + kAheadRows - kD));
     for (int i = 0; i < NC; ++i) {
       const VW k = LoadW(krow + kW * i);
       for (int r = 0; r < NR; ++r) a[r][i] += x[r] * k;
@@ -146,13 +189,23 @@ inline void Scores64(const float* kb, const float* vb, const float* const* qs, f
   }
 }
 
-// Masks a row's block scores to keys [c0, c1) and folds them into its online
-// softmax: returns the rescale factor of the row's accumulator and leaves
-// the weights (0 outside [c0, c1)) in sc.
-template <int64_t kBS>
-inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m, float* l) {
+// Soft-caps (kCap) and masks a row's block scores to keys [c0, c1) and
+// folds them into its online softmax: returns the rescale factor of the
+// row's accumulator and leaves the weights (0 outside [c0, c1)) in sc.
+// Always inlined, as are VecExp and VecTanh: with the soft-capped and
+// wider-head copies of the loops GCC 12 stopped inlining them by itself
+// (unit growth limits): a call per head and block, and a scalar call of
+// VecExp per score, that the plain 64 x 64 path did not make before them
+// (seen in the disassembly).
+template <int64_t kBS, bool kCap>
+[[gnu::always_inline]] inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m, float* l, float cap) {
   // (keys past c1 may not have been computed: Block64's half-block case)
-  for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
+  if constexpr (kCap) {
+    const float inv = 1.0f / cap;
+    for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? cap * VecTanh(sc[c] * inv) : kNeg;
+  } else {
+    for (int64_t c = 0; c < BS; ++c) sc[c] = (c >= c0 && c < c1) ? sc[c] : kNeg;
+  }
   float mx = *m;
   if constexpr (kBS == 64) {  // eight lanes of running maxima, not one 64-long chain
     V8 vm = Load8(sc);
@@ -176,67 +229,73 @@ inline float SoftmaxStep(float* sc, int64_t BS, int64_t c0, int64_t c1, float* m
   return alpha;
 }
 
-// NR acc rows (64 dims) rescaled by their alpha and accumulated with their
-// weights over keys [c0, c1) of a [64 keys][64 dims] value block; the rows
-// share each value load, and each row's order of operations is that of one
-// row alone. nk: the next block's keys (this kv head's), to request ahead;
-// or null.
-template <int NR>
+// NR acc rows (kD dims) rescaled by their alpha and accumulated with their
+// weights over keys [c0, c1) of a [64 keys][kD dims] value block, 64 dims at
+// a time (the register tile of the head-dim-64 case, so wider heads do not
+// spill it); the rows share each value load, and each row's order of
+// operations is that of one row alone. nk: the next block's keys (this kv
+// head's), to request ahead; or null.
+template <int NR, int64_t kD>
 inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, const float* const* ps,
                      const float* alphas, float* const* accs) {
   constexpr int NV = 64 / kW;
-  VW o[NR][NV];
-  for (int r = 0; r < NR; ++r) {
-    for (int i = 0; i < NV; ++i) o[r][i] = alphas[r] * LoadW(accs[r] + kW * i);
-  }
-  for (int64_t c = c0; c < c1; ++c) {
-    float w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = ps[r][c];
-    const float* vrow = vb + c * 64;
-    if (c + kAheadRows < 64) {
-      PrefetchRow(vrow + kAheadRows * 64);
-    } else if (nk != nullptr) {
-      PrefetchRow(nk + (c + kAheadRows - 64) * 64);
+  for (int64_t j = 0; j < kD; j += 64) {
+    VW o[NR][NV];
+    for (int r = 0; r < NR; ++r) {
+      for (int i = 0; i < NV; ++i) o[r][i] = alphas[r] * LoadW(accs[r] + j + kW * i);
     }
-    for (int i = 0; i < NV; ++i) {
-      const VW v = LoadW(vrow + kW * i);
-      for (int r = 0; r < NR; ++r) o[r][i] += w[r] * v;
+    for (int64_t c = c0; c < c1; ++c) {
+      float w[NR];
+      for (int r = 0; r < NR; ++r) w[r] = ps[r][c];
+      const float* vrow = vb + c * kD + j;
+      const int64_t ahead = j + c + kAheadRows;  // ValueRow's order: row j + c is this one
+      if (ahead < kD) {
+        PrefetchRow(ValueRow<kD>(vb, ahead));
+      } else if (nk != nullptr) {
+        PrefetchRow(nk + (ahead - kD) * 64);
+      }
+      for (int i = 0; i < NV; ++i) {
+        const VW v = LoadW(vrow + kW * i);
+        for (int r = 0; r < NR; ++r) o[r][i] += w[r] * v;
+      }
     }
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int i = 0; i < NV; ++i) std::memcpy(accs[r] + kW * i, &o[r][i], sizeof(VW));
+    for (int r = 0; r < NR; ++r) {
+      for (int i = 0; i < NV; ++i) std::memcpy(accs[r] + j + kW * i, &o[r][i], sizeof(VW));
+    }
   }
 }
 
-// One block for query rows g0 .. g0 + NR - 1 of the 64 x 64 case.
-template <int NR>
+// One 64-key block for query rows g0 .. g0 + NR - 1 of head dim kD.
+template <int NR, int64_t kD, bool kCap>
 inline void Block64(const float* kb, const float* vb, const float* nk, const float* q, int64_t g0, int64_t c0, int64_t c1,
-                    float* scores, float* acc, float* m, float* l) {
+                    float* scores, float* acc, float* m, float* l, float cap) {
   const float* qs[NR];
   float* scs[NR];
   float* accs[NR];
   for (int r = 0; r < NR; ++r) {
-    qs[r] = q + (g0 + r) * 64;
+    qs[r] = q + (g0 + r) * kD;
     scs[r] = scores + (g0 + r) * 64;
-    accs[r] = acc + (g0 + r) * 64;
+    accs[r] = acc + (g0 + r) * kD;
   }
   if (c1 <= 32) {
-    Scores64<32, NR>(kb, vb, qs, scs);
+    Scores64<32, NR, kD>(kb, vb, qs, scs);
   } else {
-    Scores64<64, NR>(kb, vb, qs, scs);
+    Scores64<64, NR, kD>(kb, vb, qs, scs);
   }
   float alphas[NR];
-  for (int r = 0; r < NR; ++r) alphas[r] = SoftmaxStep<64>(scs[r], 64, c0, c1, m + g0 + r, l + g0 + r);
-  Values64<NR>(vb, nk, c0, c1, scs, alphas, accs);
+  for (int r = 0; r < NR; ++r) alphas[r] = SoftmaxStep<64, kCap>(scs[r], 64, c0, c1, m + g0 + r, l + g0 + r, cap);
+  Values64<NR, kD>(vb, nk, c0, c1, scs, alphas, accs);
 }
 
 // One (token, kv head) pair: online softmax over the visible blocks.
-// kBS/kD > 0 fix the block size and head dim at compile time (the common
-// 64 x 64 case, fully unrolled); 0 reads them from the shapes.
-template <int64_t kBS, int64_t kD>
+// kBS/kD > 0 fix the block size and head dim at compile time (blocks of 64
+// keys and head dims of 64, 128 or 256, fully unrolled); 0 reads them from
+// the shapes. kCap: soft-cap the scores at cap. sink: the pair's G query
+// heads' sink logits, or null.
+template <int64_t kBS, int64_t kD, bool kCap>
 void AttendOne(const Shapes& s, const float* q, const float* k_cache, const float* v_cache,
-               const int32_t* tables, int32_t row, int32_t limit, int32_t lower, float* out,
-               float* scores, float* acc, float* m, float* l) {
+               const int32_t* tables, int32_t row, int32_t limit, int32_t lower, float cap, const float* sink,
+               float* out, float* scores, float* acc, float* m, float* l) {
   const int64_t G = s.G;
   const int64_t D = kD ? kD : s.D;
   const int64_t BS = kBS ? kBS : s.BS;
@@ -244,8 +303,13 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
   lower = std::max<int32_t>(lower, 0);
   if (row < 0 || row >= s.R || limit <= lower) return;
   std::fill(acc, acc + G * D, 0.0f);
-  std::fill(m, m + G, kNeg);
-  std::fill(l, l + G, 0.0f);
+  if (sink != nullptr) {  // the sink column: exp(sink - sink) = 1 before any key
+    for (int64_t g = 0; g < G; ++g) m[g] = sink[g];
+    std::fill(l, l + G, 1.0f);
+  } else {
+    std::fill(m, m + G, kNeg);
+    std::fill(l, l + G, 0.0f);
+  }
   const int64_t first = lower / BS, last = (static_cast<int64_t>(limit) - 1) / BS;
   for (int64_t j = first; j <= last && j < s.M; ++j) {
     const int32_t block = tables[row * s.M + j];
@@ -257,7 +321,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
     // The next block lies elsewhere in memory (blocks are allocated in any
     // order): ask for its first cache lines now, so they are not a stall per
-    // page; in the 64 x 64 case the rows after them are asked for as this
+    // page; in the unrolled case the rows after them are asked for as this
     // block's are read (kAheadRows). (Prefetching every line of both blocks
     // at once cost more than it saved: 256 instructions a block, mostly for
     // lines a prefill chunk's earlier tokens had already brought in;
@@ -275,7 +339,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
         }
       }
     }
-    if constexpr (kBS == 64 && kD == 64) {
+    if constexpr (kBS == 64 && kD > 0) {
       // With 32 vector registers (AVX-512), query heads go in threes (when
       // G is a multiple of 3: SmolLM2's 9 over 3) or pairs: each key and
       // value row is loaded once for the group (three rows hold 12
@@ -284,11 +348,11 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       int64_t g = 0;
       if constexpr (kGroupHeads) {
         if (G % 3 == 0) {
-          for (; g + 2 < G; g += 3) Block64<3>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+          for (; g + 2 < G; g += 3) Block64<3, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
         }
-        for (; g + 1 < G; g += 2) Block64<2>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+        for (; g + 1 < G; g += 2) Block64<2, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
       }
-      for (; g < G; ++g) Block64<1>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l);
+      for (; g < G; ++g) Block64<1, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -300,7 +364,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
         const float* __restrict krow = kb + d * BS;
         for (int64_t c = 0; c < BS; ++c) sc[c] += qd * krow[c];
       }
-      const float alpha = SoftmaxStep<0>(sc, BS, c0, c1, m + g, l + g);
+      const float alpha = SoftmaxStep<0, kCap>(sc, BS, c0, c1, m + g, l + g, cap);
       float* __restrict ag = acc + g * D;
       for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
       for (int64_t c = c0; c < c1; ++c) {
@@ -316,6 +380,22 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
   }
 }
 
+using AttendFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int32_t, int32_t,
+                         int32_t, float, const float*, float*, float*, float*, float*, float*);
+
+// The AttendOne for these shapes: the unrolled loops for blocks of 64 keys
+// and head dims of 64 (llama-56m, SmolLM2, gpt-oss), 128 (Qwen3, Llama 3) or
+// 256 (Gemma), the generic ones otherwise.
+template <bool kCap>
+AttendFn PickAttend(const Shapes& s) {
+  if (s.BS == 64) {
+    if (s.D == 64) return AttendOne<64, 64, kCap>;
+    if (s.D == 128) return AttendOne<64, 128, kCap>;
+    if (s.D == 256) return AttendOne<64, 256, kCap>;
+  }
+  return AttendOne<0, 0, kCap>;
+}
+
 // Work shared by the calling thread and the pool's tasks (run_on_pool.h).
 struct Job {
   Shapes s;
@@ -323,6 +403,8 @@ struct Job {
   const int32_t *tables, *seq, *limit, *lower;
   float* out;
   int64_t items, chunk;
+  float softcap = 0.0f;             // > 0: soft-cap the scores at it
+  const float* sinks = nullptr;     // [KVH * G] sink logits, or null
   // Feature-major queries (``q`` is then [KVH * G * D, T], not rotated and not
   // scaled): each thread rotates (cos/sin [T, D]) and scales a tile of
   // tokens' queries at a time (LoadQueries) before attending with them.
@@ -362,11 +444,11 @@ struct Job {
     std::vector<float> scores(s.G * s.BS), acc(GD), m(s.G), l(s.G);
     std::vector<float> qtile(feature_major ? kTile * s.KVH * GD : 0);
     int64_t finished = 0;
+    const AttendFn attend = softcap > 0.0f ? PickAttend<true>(s) : PickAttend<false>(s);
     for (;;) {
       const int64_t start = next.fetch_add(chunk);
       if (start >= items) break;
       const int64_t stop = std::min(items, start + chunk);
-      const auto attend = (s.BS == 64 && s.D == 64) ? AttendOne<64, 64> : AttendOne<0, 0>;
       int64_t tile0 = -1, tile_n = 0;
       for (int64_t it = start; it < stop; ++it) {
         const int64_t t = it / s.KVH, h = it % s.KVH;
@@ -380,8 +462,9 @@ struct Job {
           qi = qtile.data() + ((t - tile0) * s.KVH + h) * GD;
         }
         // this kv head's slice of the block: the caches are [NB, KVH, ...]
-        attend(s, qi, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t],
-                  out + it * GD, scores.data(), acc.data(), m.data(), l.data());
+        attend(s, qi, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t], softcap,
+               sinks == nullptr ? nullptr : sinks + h * s.G, out + it * GD, scores.data(), acc.data(), m.data(),
+               l.data());
       }
       finished += stop - start;
     }
@@ -402,7 +485,8 @@ void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
 }
 
 ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buffer<ffi::F32>& v_cache,
-                       ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower) {
+                       ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
+                       ffi::Buffer<ffi::F32>& sinks, float softcap) {
   const auto kd = k_cache.dimensions(), vd = v_cache.dimensions();
   if (kd[1] != s.KVH || kd[2] != s.D || vd[0] != s.NB || vd[1] != s.KVH || vd[2] != s.BS || vd[3] != s.D) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: cache shapes do not match q");
@@ -410,13 +494,19 @@ ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buf
   if (seq.element_count() != s.T || limit.element_count() != s.T || lower.element_count() != s.T) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: seq, limit and lower need one entry per token");
   }
+  if (sinks.element_count() != 0 && sinks.element_count() != s.KVH * s.G) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: sinks need one logit per query head, or none");
+  }
+  if (!(softcap >= 0.0f) || std::isinf(softcap)) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: logit_softcap must be finite and >= 0 (0: off)");
+  }
   return ffi::Error::Success();
 }
 
 std::shared_ptr<Job> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_cache,
                             ffi::Buffer<ffi::F32>& v_cache, ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq,
                             ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
-                            ffi::ResultBuffer<ffi::F32>& out) {
+                            ffi::Buffer<ffi::F32>& sinks, float softcap, ffi::ResultBuffer<ffi::F32>& out) {
   auto job = std::make_shared<Job>();
   job->s = s;
   job->q = q.typed_data();
@@ -427,20 +517,23 @@ std::shared_ptr<Job> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buff
   job->limit = limit.typed_data();
   job->lower = lower.typed_data();
   job->out = out->typed_data();
+  job->softcap = softcap;
+  job->sinks = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
   return job;
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
                               ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
-                              ffi::Buffer<ffi::S32> lower, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float logit_softcap,
+                              ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
   }
   Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
-  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, out);
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
+  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
   RunJob(pool, job);
   return ffi::Error::Success();
 }
@@ -454,7 +547,8 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> k_cache,
                                 ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> tables,
                                 ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
-                                ffi::Buffer<ffi::S32> lower, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                                ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
+                                float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
   const auto od = out->dimensions();
   if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
@@ -467,8 +561,8 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (cos.element_count() != s.T * s.D || sin.element_count() != s.T * s.D) {
     return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
   }
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower); e.failure()) return e;
-  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, out);
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
+  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
   job->feature_major = true;
   job->cos = cos.typed_data();
   job->sin = sin.typed_data();
@@ -489,6 +583,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Attr<float>("logit_softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFm, PagedAttentionFmImpl,
@@ -503,5 +599,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFm, PagedAttentionFmImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Attr<float>("scale")
+                                  .Attr<float>("logit_softcap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
