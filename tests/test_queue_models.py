@@ -135,6 +135,114 @@ async def test_two_workers_serve_two_models_by_name(prefix, client, tmp_path):
         assert not any(x.get("key") == "k-gamma" for x in read_jsonl(log))
 
 
+async def _ask_each(client, models: dict[str, str], n: int = 4) -> None:
+    """``n`` interactive and ``n`` batch jobs naming each model (and, under
+    "", naming none): every one answered ok by the model it names."""
+    keys = {
+        (asked, i, qc): await client.publish(
+            {"prompt": PROMPT, "max_tokens": 2, **({"model": asked} if asked else {})}, queue=qc
+        )
+        for asked in models
+        for i in range(n)
+        for qc in ("interactive", "batch")
+    }
+    for (asked, _, qc), key in keys.items():
+        r = await client.wait(key, timeout=60)
+        assert r.ok and r.served_model == models[asked], (asked, qc, r.raw)
+
+
+async def test_two_models_started_the_plain_way_each_serve_their_own_jobs(harness, prefix, client):
+    """``jaxserve worker --model tiny`` and the same preset ``--served-model-name
+    smol``, neither told which is the default: the first takes the default
+    queues, the second its own, and every job is answered by the model it
+    names. A job naming tiny while tiny's worker is stopped waits for tiny
+    (smol neither takes nor answers it); a restarted tiny serves it."""
+    tiny = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, drain_timeout=0.5)
+    smol = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
+    await _ask_each(client, {"tiny": "tiny", "smol": "smol", "": "tiny"})
+    assert smol.stats["invalid"] == tiny.stats["invalid"] == 0
+    assert tiny.routes is not None and tiny.routes.default and tiny.routes.default_model == "tiny"
+    assert smol.routes is not None and not smol.routes.default and smol.routes.default_model == "tiny"
+
+    await tiny.shutdown(drain_timeout=0.5)
+    stray = await client.publish({"prompt": PROMPT, "max_tokens": 2, "model": "tiny"})
+    await _ask_each(client, {"smol": "smol"}, n=2)  # smol keeps serving its own
+    depths = await client.queue_depths()
+    assert depths[f"{prefix}.interactive"] == {"messages": 1, "consumers": 0}  # waiting for tiny
+    assert smol.stats["received"] == 2 * 4 + 2 * 2
+    again = await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
+    assert again.routes is not None and again.routes.default
+    waited = await client.wait(stray, timeout=60)
+    assert waited.ok and waited.served_model == "tiny"
+
+
+async def test_the_default_is_whoever_started_first_and_old_routes_are_moved(harness, prefix, client):
+    """The other order, on a prefix where tiny's names were bound to the
+    default queues before the default was claimed (a worker of the
+    previous release): smol starts first and becomes the default; tiny,
+    started after, takes its names off the default queues, so smol never
+    sees a job naming tiny."""
+    from jaxserve.wire.topology import Topology, declare_topology
+    from jaxserve.worker.routing import ModelRoutes, declare_model_routes
+
+    topo = Topology(prefix=prefix)
+    conn = await aio_pika.connect(AMQP_URL)
+    try:
+        await declare_topology(conn, topo)
+        await declare_model_routes(conn, ModelRoutes(topo, served="tiny", default=True))
+    finally:
+        await conn.close()
+    smol = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
+    tiny = await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
+    await _ask_each(client, {"tiny": "tiny", "smol": "smol", "": "smol"})
+    assert smol.routes is not None and smol.routes.default
+    assert tiny.routes is not None and not tiny.routes.default and tiny.routes.default_model == "smol"
+    assert (smol.stats["received"], tiny.stats["received"]) == (16, 8)  # smol: its own and those naming none
+    assert smol.stats["invalid"] == tiny.stats["invalid"] == 0
+
+
+async def test_a_model_started_after_the_default_is_gone_takes_the_default(harness, prefix, client):
+    """tiny served and stopped, then smol started plainly (a user trying one
+    model, then another): smol takes the default over, so jobs naming no
+    model are served, and tiny's name leaves the default queues, so a job
+    naming tiny is refused unknown_model at once instead of reaching smol.
+    Two models starting at the same moment never both become the default."""
+    tiny = await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
+    await _ask_each(client, {"": "tiny"}, n=1)
+    await tiny.shutdown(drain_timeout=0.5)
+    smol = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
+    await _ask_each(client, {"": "smol", "smol": "smol"}, n=2)
+    refused = await client.submit(PROMPT, model="tiny", timeout=30)
+    assert refused.error is not None and refused.error.code == "unknown_model", refused.raw
+    assert "no worker routes" in refused.error.message and smol.stats["invalid"] == 0
+    assert smol.routes is not None and smol.routes.default
+
+    await smol.shutdown(drain_timeout=0.5)
+    together = await asyncio.gather(
+        *(harness.start(EchoEngine(model_name=name), model_routes=True) for name in ("alpha", "beta", "gamma"))
+    )
+    assert sum(w.routes.default for w in together) == 1
+    await _ask_each(client, {name: name for name in ("alpha", "beta", "gamma")}, n=1)
+
+
+async def test_default_model_naming_this_model_while_another_runs_is_one_error(harness, prefix):
+    from jaxserve.worker.routing import DefaultModelConflict
+
+    await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
+    with pytest.raises(DefaultModelConflict, match="--default-model 'smol' names this worker's model, but 1 worker"):
+        await harness.start(EchoEngine(model_name="smol"), model_routes=True, default_model="smol")
+
+
+async def test_a_job_naming_another_model_that_strays_here_is_refused_not_answered(harness, prefix, client):
+    """The engine's own name is not one of a worker's names when it is served
+    under another: a job naming tiny published straight to smol's queue is
+    unknown_model, never an ok answer from smol."""
+    await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
+    stray = await client.publish({"prompt": PROMPT, "model": "tiny"}, queue=f"{prefix}.interactive")
+    r = await client.wait(stray, timeout=60)
+    assert r.error is not None and r.error.code == "unknown_model" and "'smol'" in r.error.message
+
+
 async def test_an_overloaded_job_goes_to_its_fallback_and_one_without_is_refused(prefix, client, tmp_path):
     """alpha's engine is stalled and its admission budget holds one prompt:
     once the first job holds it, every further alpha job is overloaded. The

@@ -95,8 +95,9 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     "--default-model",
     default=None,
     metavar="NAME",
-    help="The deployment's default model, which jobs without `model` reach (default: this worker's). A worker "
-    "whose names do not include it consumes its model's own queues, PREFIX.interactive.MODEL and PREFIX.batch.MODEL.",
+    help="The deployment's default model, which jobs without `model` reach (default: the one the broker records, "
+    "set by the first worker started on the prefix to its own model; this flag moves it). A worker whose names do "
+    "not include it consumes its model's own queues, PREFIX.interactive.MODEL and PREFIX.batch.MODEL.",
 )
 @click.option(
     "--model-routes/--no-model-routes",

@@ -12,7 +12,9 @@ With the default prefix ``jaxserve`` the topology is::
     jaxserve.dead          quorum queue bound to jaxserve.dlx
     jaxserve.results       quorum queue: replies of jobs without reply_to
     jaxserve.control       fanout exchange for cancel messages
-    jaxserve.models        direct exchange routing jobs by model (issue 28)
+    jaxserve.models        direct exchange routing jobs by model
+    jaxserve.default-model fanout exchange naming the default model (nothing is published to it)
+    jaxserve.default-model.alive  a queue each running worker of the default model consumes
 
 Routing by model. The two job queues above are the *default model's*: a job
 without ``model`` goes there through the default exchange, exactly as in a
@@ -26,6 +28,13 @@ with routing key ``<class>.<model>`` and ``mandatory``: a model nobody binds
 comes back as basic.return, so the producer answers ``unknown_model`` at
 once instead of leaving the job in a queue no worker reads. The declaring
 side lives in :mod:`jaxserve.worker.routing`.
+
+Which model is the default is the broker's record, not each worker's
+guess: the first worker to start on a prefix (or one told
+``--default-model``) declares ``jaxserve.default-model`` with its name in
+the exchange's ``alternate-exchange`` argument, and the default model's
+running workers each consume ``jaxserve.default-model.alive``
+(``jaxserve.worker.routing.claim_default`` explains the three names).
 
 The arguments are stable on purpose: RabbitMQ refuses (406) to redeclare a
 queue with different arguments. Change optional arguments of an existing
@@ -129,13 +138,41 @@ class Topology:
         """The direct exchange that routes jobs naming a model."""
         return f"{self.prefix}.models"
 
+    @property
+    def default_model(self) -> str:
+        """The exchange whose ``alternate-exchange`` argument names the
+        default model (``jaxserve.worker.routing.claim_default``)."""
+        return f"{self.prefix}.default-model"
+
+    @property
+    def default_model_alive(self) -> str:
+        """The queue each running worker of the default model consumes."""
+        return f"{self.prefix}.default-model.alive"
+
+    @property
+    def default_model_lock(self) -> str:
+        """The exclusive queue a starting worker holds while it decides."""
+        return f"{self.prefix}.default-model.lock"
+
     def reserved_names(self) -> frozenset[str]:
         """The worker's own queues and exchanges: a job's ``reply_to`` must
         not name any of them (a reply there would be consumed as a job, show
         up as a dead letter or reach every worker as a control message).
         Other models' job queues (``<interactive>.<q(M)>``) are refused by
         :func:`jaxserve.wire.job.check_reply_to` from this set's names."""
-        return frozenset({self.interactive, self.batch, self.dead, self.dlx, self.control, self.models})
+        return frozenset(
+            {
+                self.interactive,
+                self.batch,
+                self.dead,
+                self.dlx,
+                self.control,
+                self.models,
+                self.default_model,
+                self.default_model_alive,
+                self.default_model_lock,
+            }
+        )
 
     def model_queue(self, queue_class: str, model: str | None) -> str:
         """The ``queue_class`` queue of a model that is not the default:
@@ -201,6 +238,16 @@ class Topology:
                     BATCH: f"{self.batch}.<q(model)>",
                 },
                 "default_model_queues": {INTERACTIVE: self.interactive, BATCH: self.batch},
+                "default_model": {
+                    "exchange": self.default_model,
+                    "type": "fanout",
+                    "durable": True,
+                    "argument": "alternate-exchange",
+                    "holds": "the default model's name, set by the first worker (or --default-model)",
+                    "alive_queue": self.default_model_alive,
+                    "lock_queue": self.default_model_lock,
+                    "declared_by": "jaxserve.worker.routing.claim_default",
+                },
                 "mandatory": True,
                 "unroutable": "unknown_model",
             },
@@ -258,9 +305,9 @@ async def delete_topology(connection: Any, topo: Topology) -> None:
     """Delete every queue and exchange of ``topo`` (tests, teardown)."""
     channel = await connection.channel()
     try:
-        for name in topo.queue_arguments():
+        for name in (*topo.queue_arguments(), topo.default_model_alive):
             await channel.queue_delete(name)
-        for exch in (topo.dlx, topo.control, topo.models):
+        for exch in (topo.dlx, topo.control, topo.models, topo.default_model):
             await channel.exchange_delete(exch)
     finally:
         if not channel.is_closed:

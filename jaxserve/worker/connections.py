@@ -92,11 +92,13 @@ class Connections:
         w.publisher = await self._publisher(self.cfg.worker_id)
         w.interactive_publisher = await self._publisher(f"{self.cfg.worker_id} interactive")
         control = await self._open("control")
-        w.routes = model_routes(w)
         if self.cfg.declare:
             await declare_topology(control, self.topo)
+            w.routes = await model_routes(w, control)  # reads (or takes) the default model's claim
             if w.routes is not None:  # this model's queues and names on the models exchange
                 await declare_model_routes(control, w.routes)
+        else:
+            w.routes = await model_routes(w)
         ctl = await control.channel()
         self.channels["control"] = ctl
         ctl_ex = await ctl.declare_exchange(self.topo.control, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -122,6 +124,7 @@ class Connections:
             interactive=w.job_queue(INTERACTIVE),
             batch=w.job_queue(BATCH),
             models=None if w.routes is None else list(w.routes.names),
+            default_model=None if w.routes is None else w.routes.default_model,
             prefetch=w.prefetch,
             heartbeat=self.cfg.heartbeat,
         )

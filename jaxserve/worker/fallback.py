@@ -1,6 +1,6 @@
 """What a worker serves under which names, and what a job that would be
 answered ``overloaded`` gets instead when it asked for something else
-(issue 28; ``docs/protocol.md``, "Routing by model" and "Fallbacks and
+(``docs/protocol.md``, "Routing by model" and "Fallbacks and
 degraded answers").
 
 Routes: :func:`model_routes` turns the worker's settings into the
@@ -56,26 +56,41 @@ MODEL = "model"
 MAX_TOKENS = "max_tokens"
 
 
-def model_routes(w: Worker) -> routing.ModelRoutes | None:
+async def model_routes(w: Worker, connection: Any = None) -> routing.ModelRoutes | None:
     """The routes this worker declares and consumes; None when routing is
     off or the engine has no name to route by (it then consumes the
-    single-model queues, as before routing)."""
+    single-model queues, as before routing). Whether it serves the default
+    model is the broker's claim (``routing.claim_default``), read and, if
+    nobody holds it, taken over ``connection``; without one (a worker that
+    declares nothing) ``--default-model`` alone decides, unset meaning
+    this worker."""
     cfg = w.cfg
     served = w.served_model_name
     if not cfg.model_routes or not served:
         return None
-    names = (served, *cfg.model_aliases)
-    default = cfg.default_model is None or cfg.default_model in names
-    return routing.ModelRoutes(w.topo, served=served, aliases=tuple(cfg.model_aliases), default=default)
+    names = tuple(dict.fromkeys((served, *cfg.model_aliases)))
+    if connection is None:
+        default = cfg.default_model is None or cfg.default_model in names
+        name = cfg.default_model if cfg.default_model is not None else (served if default else None)
+    else:
+        claim = await routing.claim_default(cfg.amqp_url, connection, w.topo, names, explicit=cfg.default_model)
+        default, name = claim.ours, claim.name
+        if claim.alive is not None:
+            w.connections.channels["default-model"] = claim.alive  # its consumer says this model runs
+        if not default:
+            log.info("default_model_elsewhere", default_model=name, served=served)
+    return routing.ModelRoutes(
+        w.topo, served=served, aliases=tuple(cfg.model_aliases), default=default, default_model=name
+    )
 
 
 def default_model(w: Worker) -> str | None:
     """The name the deployment's default model answers to, for
     ``routing.find_fallback`` (a fallback that names it is found on the
     single-model queues)."""
-    if w.cfg.default_model is not None:
-        return w.cfg.default_model
-    return w.served_model_name if w.routes is not None and w.routes.default else None
+    if w.routes is not None and w.routes.default_model is not None:
+        return w.routes.default_model
+    return w.cfg.default_model
 
 
 def requested_model(run: JobRun) -> str | None:

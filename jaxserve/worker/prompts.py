@@ -38,15 +38,20 @@ def prepare_prompt(
     """The job's prompt (or chat messages through the template) as token ids.
 
     The job's model (``model``, when given, instead of the job's own: the
-    fallback a re-routed copy is to be served as) must be the served name,
-    one of ``aliases`` or the engine's model name (with or without its folder)."""
+    fallback a re-routed copy is to be served as) must be the served name or
+    one of ``aliases``; the engine's model name (with or without its folder)
+    only when the served name is that name. A worker serving the ``tiny``
+    preset as ``smol`` is not ``tiny``: another worker may serve that name,
+    and a job naming it that strays here is refused, never answered by the
+    wrong model (``tests/test_queue_models.py``)."""
     name = engine.model_name
     requested = job.model if model is None else model
-    if (
-        requested is not None
-        and name is not None
-        and requested not in (served, *aliases, name, os.path.basename(str(name).rstrip("/")))
-    ):
+    own = {served, *aliases}
+    if name is not None:
+        base = os.path.basename(str(name).rstrip("/"))
+        if served is None or served in (name, base):
+            own |= {name, base}
+    if requested is not None and name is not None and requested not in own:
         raise RequestError("unknown_model", f"model {requested!r} is not served here; this worker serves {served!r}")
     max_len = engine.max_model_len or NO_LIMIT
     tok = engine.tokenizer

@@ -1,17 +1,26 @@
-"""Routing by model on the worker's side (issue 28): which queues a worker
-serving a model consumes, how it makes its names routable, and the re-route
-of a job to one of its ``fallback_models``.
+"""Routing by model on the worker's side: which queues a worker serving a
+model consumes, how it makes its names routable, and the re-route of a job
+to one of its ``fallback_models``.
 
 The worker calls it through :mod:`jaxserve.worker.fallback` (its routes,
 and the admission step that re-routes an overloaded job), as follows.
 
 At start, after ``declare_topology``::
 
-    routes = ModelRoutes(topo, served="smollm2-135m", aliases=("chat",), default=True)
+    default = await claim_default(amqp_url, connection, topo, ("smollm2-135m", "chat"), explicit=None)
+    routes = ModelRoutes(topo, served="smollm2-135m", aliases=("chat",), default=default.ours,
+                         default_model=default.name)
     await declare_model_routes(connection, routes)
     for queue_class, queue in routes.queues().items():   # consume these
         ...
 
+* The default model is the broker's record (:func:`claim_default`): the
+  first worker on a prefix claims it for its served name, ``--default-model``
+  sets it, every later worker reads it, and a worker of another model
+  takes it over once the default model's workers are all gone. Two models
+  started the plain way therefore never both take the default queues,
+  where each would answer half of the other's jobs ``unknown_model``
+  (``tests/test_queue_models.py``).
 * ``default=True``: the worker serves the deployment's default model and
   consumes ``<prefix>.interactive`` / ``<prefix>.batch`` (the single-model
   names, unchanged); jobs without ``model`` reach it there.
@@ -19,10 +28,14 @@ At start, after ``declare_topology``::
   ``<prefix>.batch.<q(served)>`` (:func:`jaxserve.wire.topology.queue_safe`).
 * Either way its job queues are bound to the direct exchange
   ``<prefix>.models`` under ``<class>.<name>`` for the served name and each
-  alias, so a job naming any of them reaches it and a job naming a model
-  nobody binds is returned to its producer (``mandatory``), which answers
-  ``unknown_model`` at once (:class:`jaxserve.client.UnknownModel`).
-  A worker must accept every name in ``routes.names`` as its own model.
+  alias (and its names are unbound from the queues it does not consume, so
+  a model that was the default before, or was started before the claim
+  existed, leaves no route behind to queues another model reads), so a job
+  naming any of them reaches only this model's queue, and a job naming a
+  model nobody binds is returned to its producer (``mandatory``), which
+  answers ``unknown_model`` at once (:class:`jaxserve.client.UnknownModel`).
+  A worker must accept every name in ``routes.names`` as its own model, and
+  no other (``prompts.prepare_prompt``).
 
 When admission would answer a job ``overloaded`` and the job has
 ``fallback_models`` (``Job.fallback_models``) and was not re-routed before
@@ -47,12 +60,18 @@ Tests: tests/test_routing.py (against the real broker).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import structlog
 
 from jaxserve.wire.republish import copy_message
 from jaxserve.wire.topology import QUEUE_CLASSES, Topology, route_key
+
+log = structlog.get_logger("jaxserve.worker")
 
 #: header naming the model a re-routed job was first sent to ("" for the default model)
 REROUTED_FROM = "x-jaxserve-rerouted-from"
@@ -79,6 +98,8 @@ class ModelRoutes:
     served: str
     aliases: tuple[str, ...] = ()
     default: bool = False
+    #: the deployment's default model as the claim names it (None: unknown)
+    default_model: str | None = None
 
     def __post_init__(self) -> None:
         for name in self.names:
@@ -101,12 +122,229 @@ class ModelRoutes:
         """(queue, routing key) pairs on the models exchange."""
         return [(self.queue(qc), route_key(qc, name)) for qc in QUEUE_CLASSES for name in self.names]
 
+    def stale_bindings(self) -> list[tuple[str, str]]:
+        """The same names on the queues this worker does not consume: its
+        model's own queues when it is the default, the default queues when
+        it is not. Left bound, a direct exchange would copy its jobs there
+        too, where another model (or nobody) reads them."""
+        other = dataclasses.replace(self, default=not self.default)
+        return other.bindings()
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultModel:
+    """What the claim says: ``name``, the deployment's default model (None
+    when it could not be read), whether it is one of this worker's names
+    (``ours``), and the model it was taken over from (``previous``: its
+    workers were all gone). ``alive``: the channel whose consumer tells
+    later workers that a worker of the default model runs; keep it open
+    while serving."""
+
+    name: str | None
+    ours: bool
+    previous: str | None = None
+    alive: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+
+class DefaultModelConflict(RuntimeError):
+    """``--default-model`` names this worker's model while workers of
+    another default model are running on the prefix."""
+
+
+_CURRENT = re.compile(r"but current is '(.*)'")
+
+
+async def _declare_claim(connection: Any, topo: Topology, name: str) -> str | None:
+    """Declare the claim holding ``name``: None when it holds it now (it
+    did, or did not exist); else the name it holds (406), "" if unreadable."""
+    import aio_pika
+    import aiormq.exceptions
+
+    channel = await connection.channel()
+    try:
+        await channel.declare_exchange(
+            topo.default_model, aio_pika.ExchangeType.FANOUT, durable=True, arguments={"alternate-exchange": name}
+        )
+        return None
+    except aiormq.exceptions.ChannelPreconditionFailed as exc:
+        found = _CURRENT.search(str(exc))
+        return found.group(1) if found else ""
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def _replace_claim(connection: Any, topo: Topology, name: str) -> None:
+    channel = await connection.channel()
+    try:
+        await channel.exchange_delete(topo.default_model)
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    await _declare_claim(connection, topo, name)
+
+
+async def _alive(connection: Any, topo: Topology) -> int:
+    """Workers of the default model running now: the consumers of
+    ``<prefix>.default-model.alive`` (0 when it does not exist)."""
+    import aiormq.exceptions
+
+    channel = await connection.channel()
+    try:
+        queue = await channel.declare_queue(topo.default_model_alive, passive=True)
+        return int(queue.declaration_result.consumer_count or 0)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return 0
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def _lock(connection: Any, topo: Topology, timeout_s: float) -> bool:
+    """Hold ``<prefix>.default-model.lock`` (an exclusive queue: one
+    connection at a time, released when that connection closes, however
+    the worker ends). False when another worker kept it ``timeout_s``."""
+    import aiormq.exceptions
+
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while True:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(topo.default_model_lock, exclusive=True)
+            return True
+        except aiormq.exceptions.ChannelLockedResource:
+            if loop.time() >= until:
+                return False
+        await asyncio.sleep(0.2)
+
+
+async def claim_default(
+    amqp_url: Any,
+    connection: Any,
+    topo: Topology,
+    names: Sequence[str],
+    explicit: str | None = None,
+    *,
+    lock_timeout_s: float = 30.0,
+) -> DefaultModel:
+    """Read the default model's claim, and take it when nobody holds it,
+    or its model's workers are all gone, or ``explicit`` says so.
+
+    Three names on the broker, each for what RabbitMQ guarantees about it:
+
+    * ``<prefix>.default-model``, an exchange nothing is published to,
+      holds the name in its ``alternate-exchange`` argument. RabbitMQ keeps
+      an exchange's arguments as first declared and refuses (406) a
+      declare with another value: the name survives restarts, and a
+      declare tells "it holds mine" from "it holds another".
+    * ``<prefix>.default-model.alive``, a queue nobody publishes to, has
+      one consumer per running worker of the default model (on its robust
+      control connection: a crash or a lost connection removes it). No
+      consumer: the default model's workers are gone, and the next worker
+      of another model takes the default over, so a user who stops one
+      model and starts another is served without a flag, while a restarted
+      worker of the default model takes its place back.
+    * ``<prefix>.default-model.lock``, an exclusive queue on a connection
+      of its own (``amqp_url``), orders the workers deciding at once: the
+      decision and the alive consumer happen while it is held, so two
+      workers starting together never both become the default.
+
+    Without ``explicit`` the worker tries each of its ``names`` (the claim
+    may hold an alias). ``explicit`` (``--default-model``) sets the claim
+    when it holds another name whose workers are gone, or when this worker
+    is not that model; naming this worker's model while another default
+    model's workers run raises :class:`DefaultModelConflict`. Taking over
+    from a gone model unbinds its name from the default queues, so its jobs
+    are refused ``unknown_model`` by their producers until it starts
+    again, instead of reaching the new default model. ``connection`` is
+    the worker's robust control connection (the alive consumer's)."""
+    import aio_pika
+
+    lock = await aio_pika.connect(amqp_url)
+    try:
+        if not await _lock(lock, topo, lock_timeout_s):
+            log.warning("default_model_lock_timeout", lock=topo.default_model_lock, waited_s=lock_timeout_s)
+        held = ""
+        if explicit is not None:
+            current = await _declare_claim(lock, topo, explicit)
+            if current is not None:
+                running = await _alive(lock, topo)
+                if running and explicit in names:
+                    raise DefaultModelConflict(
+                        f"--default-model {explicit!r} names this worker's model, but {running} worker(s) of the "
+                        f"default model {current!r} run on prefix {topo.prefix!r}; stop them first, or start this "
+                        "worker without --default-model"
+                    )
+                if not running:
+                    await _replace_claim(lock, topo, explicit)
+                    log.warning("default_model_moved", previous=current or None, default_model=explicit)
+                    await _unbind_default(lock, topo, current, keep=names)
+                    current = None
+            claim = DefaultModel(explicit if current is None else (current or None), explicit in names)
+        else:
+            claim = DefaultModel(None, False)
+            for name in names:
+                current = await _declare_claim(lock, topo, name)
+                if current is None:
+                    claim = DefaultModel(name, True)
+                    break
+                held = current
+            if not claim.ours and not await _alive(lock, topo):
+                await _replace_claim(lock, topo, names[0])
+                log.warning("default_model_moved", previous=held or None, default_model=names[0])
+                await _unbind_default(lock, topo, held, keep=names)
+                claim = DefaultModel(names[0], True, previous=held or None)
+            elif not claim.ours:
+                claim = DefaultModel(held or None, False)
+        if claim.ours:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(topo.default_model_alive, durable=False)
+            await queue.consume(_ignore, no_ack=True)
+            claim = dataclasses.replace(claim, alive=channel)
+        return claim
+    finally:
+        await lock.close()
+
+
+async def _ignore(_message: Any) -> None:
+    """Nothing is published to the alive queue; its consumer is the point."""
+
+
+async def _unbind_default(connection: Any, topo: Topology, name: str, keep: Sequence[str]) -> None:
+    """Take a gone default model's name off the default queues."""
+    if name and name not in keep:
+        await _unbind(connection, topo, [(topo.model_queue(qc, None), route_key(qc, name)) for qc in QUEUE_CLASSES])
+
+
+async def _unbind(connection: Any, topo: Topology, pairs: Iterable[tuple[str, str]]) -> None:
+    """Remove these bindings where they exist (an unbind of a missing
+    binding is a no-op; a missing queue closes the channel, so each queue
+    gets a channel of its own)."""
+    import aiormq.exceptions
+
+    by_queue: dict[str, list[str]] = {}
+    for queue_name, key in pairs:
+        by_queue.setdefault(queue_name, []).append(key)
+    for queue_name, keys in by_queue.items():
+        channel = await connection.channel()
+        try:
+            queue = await channel.declare_queue(queue_name, passive=True)
+            for key in keys:
+                await queue.unbind(topo.models, routing_key=key)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            pass
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+
 
 async def declare_model_routes(connection: Any, routes: ModelRoutes) -> None:
     """Declare the models exchange, this model's job queues (the same
     arguments as the default ones; a 406 raises ``TopologyMismatch``) and
-    its bindings. Idempotent. The default model's queues come from
-    ``declare_topology``, which must run first."""
+    its bindings, and remove its names from the queues it does not consume
+    (:meth:`ModelRoutes.stale_bindings`). Idempotent. The default model's
+    queues come from ``declare_topology``, which must run first."""
     import aio_pika
     import aiormq.exceptions
 
@@ -127,6 +365,7 @@ async def declare_model_routes(connection: Any, routes: ModelRoutes) -> None:
     finally:
         if not channel.is_closed:
             await channel.close()
+    await _unbind(connection, topo, routes.stale_bindings())
 
 
 async def remove_model_routes(connection: Any, routes: ModelRoutes) -> None:
@@ -260,9 +499,12 @@ async def reroute(
 __all__ = [
     "REROUTED_FROM",
     "SERVE_AS",
+    "DefaultModel",
+    "DefaultModelConflict",
     "Fallback",
     "ModelRoutes",
     "RerouteError",
+    "claim_default",
     "declare_model_routes",
     "fallback_queue",
     "find_fallback",
