@@ -196,7 +196,11 @@ def test_overloaded_and_full_queue_are_429_with_retry_after(stalled):
 
 def test_metrics_and_json_logs_count_requests_by_route_model_and_status(keyed):
     team_a = _sdk(keyed.gateway, "sk-team-a-0001")
-    team_a.chat.completions.create(model="echo", messages=[{"role": "user", "content": "count me"}], max_tokens=2)
+    team_a.chat.completions.create(
+        model="echo", messages=[{"role": "user", "content": "count me"}], max_tokens=2, user="end-user-77"
+    )
+    with pytest.raises(openai.AuthenticationError):
+        _sdk(keyed.gateway, "sk-nobody-0000").chat.completions.create(model="echo", messages=[], max_tokens=1)
     with urllib.request.urlopen(keyed.gateway.url + "/metrics", timeout=10) as resp:
         scraped = resp.read().decode()
     ok = 'jaxserve_gateway_requests_total{model_name="echo",route="/v1/chat/completions",status="200"}'
@@ -208,8 +212,10 @@ def test_metrics_and_json_logs_count_requests_by_route_model_and_status(keyed):
     lines = keyed.gateway.log.read_text().splitlines()
     assert lines and all(json.loads(x)["event"] for x in lines)  # JSON, one object a line, as the worker's
     requests = [json.loads(x) for x in lines if '"gateway_request"' in x]
-    assert {"route", "status", "model", "tenant", "duration_ms"} <= set(requests[-1])
-    assert any(r["status"] == 401 and r["tenant"] is None for r in requests)
+    assert {"route", "status", "model", "tenant", "user", "duration_ms"} <= set(requests[-1])
+    ok_line = next(r for r in reversed(requests) if r["status"] == 200)
+    assert ok_line["user"] == "end-user-77" and ok_line["tenant"] == "team-a"
+    assert requests[-1]["status"] == 401 and requests[-1]["tenant"] is None
 
 
 def test_openai_batch_limits(keyed):

@@ -120,6 +120,7 @@ def api(route: str, handler: Handler, *, auth: bool = True) -> Callable[[Request
                 status=response.status_code,
                 model=model or None,
                 tenant=principal.tenant if principal is not None else None,
+                user=getattr(request.state, "user", None),
                 duration_ms=round(1000 * (time.monotonic() - started), 1),
             )
         return response

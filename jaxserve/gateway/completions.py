@@ -62,6 +62,8 @@ class Completions:
         job = job_body(body, endpoint, principal, priority)
         model = job["model"]
         request.state.model = model
+        if isinstance(body.get("user"), str):
+            request.state.user = body["user"][:256]  # OpenAI's end-user id: logged, never part of the job
         key = self._key(request, principal)
         validate(job, key)
         await self._check_worker(model, queue)
