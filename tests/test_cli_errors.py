@@ -132,6 +132,20 @@ def test_worker_with_an_unknown_preset_name(tmp_path):
 
 
 # ------------------------------------------------------------ metrics port
+@pytest.mark.parametrize(
+    "arg, needles",
+    [
+        ("foo=1", ["--engine-arg foo: not a setting of the engine; accepted:", "max_num_seqs", "attention_backend"]),
+        ("max_num_seqs=abc", ["--engine-arg max_num_seqs='abc': expected an integer"]),
+        ("attention_backend=bogus", ["attention_backend='bogus': expected one of auto, reference, pallas, cpu"]),
+    ],
+)
+def test_worker_with_a_bad_engine_arg_is_one_line_naming_it(tmp_path, arg, needles):
+    proc = jaxserve(tmp_path, "worker", "--amqp-url", AMQP_URL, "--prefix", "jaxserve-cli-test", "--engine-arg", arg)
+    err = assert_one_line_error(proc, *needles)
+    assert err.startswith("Error: ") and len(err.strip().splitlines()) == 1, err
+
+
 def test_worker_metrics_port_in_use(tmp_path):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -159,6 +159,7 @@ def worker_errors(amqp_url: str, log_format: str = "console") -> Iterator[None]:
     ``Error: ...``."""
     from jaxserve.metrics import MetricsPortInUse
     from jaxserve.wire.topology import TopologyMismatch
+    from jaxserve.worker.factory import EngineArgError
     from jaxserve.worker.routing import DefaultModelConflict
 
     try:
@@ -169,7 +170,7 @@ def worker_errors(amqp_url: str, log_format: str = "console") -> Iterator[None]:
                 raise click.ClickException(
                     f"{exc.strerror}; pick another --metrics-port or stop what holds it"
                 ) from None
-            except (TopologyMismatch, DefaultModelConflict) as exc:
+            except (TopologyMismatch, DefaultModelConflict, EngineArgError) as exc:
                 raise click.ClickException(str(exc)) from None
     except click.ClickException as exc:
         if log_format != "json":

@@ -272,7 +272,7 @@ def worker(
     from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
     from jaxserve.wire.topology import Topology
     from jaxserve.worker.admission import AdmissionConfig
-    from jaxserve.worker.factory import build_from_path, load_factory, parse_engine_args
+    from jaxserve.worker.factory import EngineArgError, build_from_path, check_engine_args
     from jaxserve.worker.limits import LimitsFileError, load_limits
     from jaxserve.worker.logs import configure_logging
     from jaxserve.worker.store import make_store
@@ -281,6 +281,25 @@ def worker(
     try:
         limits = None if limits_path is None else load_limits(limits_path)
     except LimitsFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    flags = dict(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        kv_cache_memory=kv_cache_memory,
+        memory_fraction=memory_fraction,
+        dtype=dtype,
+        quantization=quantization,
+        interactive_reserved_seqs=interactive_reserved_seqs,
+        policy=policy,
+        interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
+    )
+    given = {k: v for k, v in flags.items() if v is not None}
+    if model is not None:
+        given = {"model": model, **given}
+    try:  # a bad --engine or --engine-arg is one line now, before anything starts
+        kwargs = check_engine_args(engine_path, engine_arg, given)
+    except (EngineArgError, ImportError, AttributeError, TypeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     # model None: --price-* values price whatever this worker serves; a file names its models
     prices = prices_from_options(None, **price_kwargs)
@@ -298,23 +317,6 @@ def worker(
         if metrics_port is not None:
             check_port_free(metrics_port)
         check_broker(amqp_url)
-    load_factory(engine_path)  # a bad --engine is one line now, before anything starts
-    kwargs = parse_engine_args(engine_arg)
-    if model is not None:
-        kwargs["model"] = model
-    flags = dict(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory,
-        memory_fraction=memory_fraction,
-        dtype=dtype,
-        quantization=quantization,
-        interactive_reserved_seqs=interactive_reserved_seqs,
-        policy=policy,
-        interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
-    )
-    kwargs.update({k: v for k, v in flags.items() if v is not None})
     topo = Topology(
         prefix=prefix,
         delivery_limit=delivery_limit,

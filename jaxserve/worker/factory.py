@@ -1,10 +1,25 @@
-"""Engine factories for ``jaxserve worker --engine MODULE:CALLABLE``."""
+"""Engine factories for ``jaxserve worker --engine MODULE:CALLABLE``, and
+the check of ``--engine-arg KEY=VALUE`` against the one it names.
+
+An engine argument is checked in the command, before anything is built: a
+misspelt name or a value of the wrong kind used to surface as a traceback
+from the engine's process, inside the worker's (``tests/test_cli_errors.py``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
+
+
+class EngineArgError(ValueError):
+    """An ``--engine-arg`` the engine factory cannot take; the message names
+    the argument and what it accepts."""
 
 
 def load_factory(path: str) -> Callable[..., Any]:
@@ -50,6 +65,59 @@ def parse_engine_args(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
+def _expected(tp: Any, value: Any) -> str | None:
+    """None when ``value`` fits the annotation ``tp``; else what it accepts."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        wants = [_expected(a, value) for a in options]
+        return None if any(w is None for w in wants) else " or ".join(w for w in wants if w)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        return None if value in allowed else "one of " + ", ".join(str(a) for a in allowed)
+    if tp is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if tp is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if tp is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    return None
+
+
+def check_engine_args(path: str, items: tuple[str, ...] | list[str], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments for the factory at ``path``: ``--engine-arg``
+    ``items`` (``KEY=VALUE``) parsed, over ``given`` (the command's own
+    flags, which win), each checked against what the factory takes. The default
+    factory takes ``EngineArgs`` fields, checked by name and by type (a text
+    field keeps the text as written: ``model=123`` is the folder ``123``);
+    another factory, by its signature. Raises :class:`EngineArgError`."""
+    parsed = parse_engine_args(items)
+    raw = {k.replace("-", "_"): v for k, _, v in (item.partition("=") for item in items)}
+    factory = load_factory(path)
+    if factory is build_engine:
+        from jaxserve.engine.args import EngineArgs
+
+        hints = typing.get_type_hints(EngineArgs)
+        names = sorted(f.name for f in dataclasses.fields(EngineArgs))
+        for key, value in parsed.items():
+            if key not in hints:
+                raise EngineArgError(f"--engine-arg {key}: not a setting of the engine; accepted: {', '.join(names)}")
+            if hints[key] is str or typing.get_args(hints[key]) == (str, type(None)):
+                parsed[key] = raw[key]  # text as written
+                continue
+            wants = _expected(hints[key], value)
+            if wants is not None:
+                raise EngineArgError(f"--engine-arg {key}={raw[key]!r}: expected {wants}")
+    else:
+        try:
+            inspect.signature(factory).bind(**{**given, **parsed})
+        except TypeError as exc:
+            params = [p for p in inspect.signature(factory).parameters.values() if p.kind is not p.VAR_KEYWORD]
+            accepted = ", ".join(p.name for p in params) or "none"
+            raise EngineArgError(f"--engine-arg for {path}: {exc}; accepted: {accepted}") from None
+    return {**parsed, **given}
+
+
 def build_engine(model: str | None = None, **kwargs: Any) -> Any:
     """The real engine: ``Engine(EngineArgs.for_profile("serve", model=...,
     **kwargs))`` where the keywords are ``jaxserve.engine.args.EngineArgs``
@@ -63,4 +131,8 @@ def build_engine(model: str | None = None, **kwargs: Any) -> Any:
 
     if model is not None:
         kwargs["model"] = model
-    return Engine.from_args(EngineArgs.for_profile("serve", **kwargs))
+    try:
+        args = EngineArgs.for_profile("serve", **kwargs)
+    except (TypeError, ValueError) as exc:  # a setting EngineArgs refuses: the user's, one line
+        raise EngineArgError(f"engine settings: {exc}") from None
+    return Engine.from_args(args)
