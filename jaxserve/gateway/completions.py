@@ -53,6 +53,7 @@ class Completions:
     events: RecentEvents
     timeout_s: float = 600.0
     queue_full_retry_s: float = 2.0
+    _lingering: set[asyncio.Future[Result]] = dataclasses.field(default_factory=set)
 
     async def handle(self, request: Request, endpoint: Endpoint, principal: Principal) -> Response:
         received = time.monotonic()
@@ -97,6 +98,11 @@ class Completions:
         if await self.view.consumers_now(queue) == 0:  # the snapshot may be old: ask the broker now
             raise no_worker(model, queue)
 
+    def _forget(self, waiter: asyncio.Future[Result]) -> None:
+        self._lingering.discard(waiter)
+        if not waiter.cancelled():
+            waiter.exception()  # a wait that timed out: retrieved, not reported as lost
+
     def _refusal(self, exc: BaseException, key: str, model: str) -> ApiError:
         if isinstance(exc, UnknownModel | JobError):
             return from_result(exc.result)
@@ -119,6 +125,10 @@ class Completions:
             if not waiter.done():
                 self.metrics.disconnects.labels(_route(endpoint), model).inc()
                 await _cancel(self.client, key, "disconnect")
+                # the waiter stays to take the job's `cancelled` answer, so the
+                # client forgets the key (its wait ends when the answer comes)
+                self._lingering.add(waiter)
+                waiter.add_done_callback(self._forget)
                 raise ApiError(499, "the client closed the request", "invalid_request_error", None, "client_closed")
             try:
                 result = waiter.result()
@@ -126,8 +136,9 @@ class Completions:
                 await _cancel(self.client, key, "timeout")
                 raise ApiError(504, f"no answer within {self.timeout_s:g}s", "timeout", None, "timeout") from None
         finally:
-            for t in (waiter, gone):
-                t.cancel()
+            gone.cancel()
+            if waiter not in self._lingering:
+                waiter.cancel()
         if not result.ok:
             raise from_result(result)
         return result
