@@ -143,7 +143,7 @@ def _model_card(gw: Gateway, name: str, root: str) -> dict[str, Any]:
 
 
 async def _served(gw: Gateway, who: Principal) -> dict[str, Any]:
-    snap = await gw.view.fresh(max_age_s=2.0)
+    snap = await gw.view.fresh(max_age_s=2 * gw.view.interval_s)  # the poller keeps it this fresh
     out = {}
     for name, model in snap.models.items():
         if who.models is not None and name not in who.models:
