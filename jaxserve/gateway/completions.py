@@ -115,7 +115,10 @@ class Completions:
     async def _submit(self, request: Request, job: dict[str, Any], key: str, endpoint: Endpoint, queue: str) -> Result:
         model = job["model"]
         try:
-            await self.client.publish(job, key=key, queue=queue, expiration=self.timeout_s)
+            # no AMQP expiration: a job past --request-timeout is cancelled
+            # instead (workers remember a cancel for a job not yet delivered),
+            # so no per-message TTL rides on every job
+            await self.client.publish(job, key=key, queue=queue)
         except (UnknownModel, QueueFull, NoRoute) as exc:
             raise self._refusal(exc, key, model) from None
         waiter = asyncio.ensure_future(self.client.wait(key, self.timeout_s + 5.0))
@@ -162,7 +165,6 @@ class Completions:
                 queue=queue,
                 key=key,
                 timeout=self.timeout_s,
-                expiration=self.timeout_s,
                 priority=job.get("priority"),
                 **params,
             )
