@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -81,9 +82,12 @@ class Completions:
         its tenant (a retried request is answered from the workers' store),
         else a new one."""
         given = request.headers.get("idempotency-key")
-        if given:
-            return f"gw:{principal.tenant}:{given[:200]}"
-        return "gw-" + uuid.uuid4().hex
+        if not given:
+            return "gw-" + uuid.uuid4().hex
+        key = f"gw:{principal.tenant}:{given}"
+        if len(key.encode()) > 255:  # AMQP's message_id is a short string
+            key = "gw:" + hashlib.sha256(key.encode()).hexdigest()
+        return key
 
     async def _check_worker(self, model: str, queue_class: str) -> None:
         """503 when the model is routed but no worker consumes its queue now
