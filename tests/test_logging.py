@@ -179,3 +179,56 @@ def test_a_real_process_logs_only_json(tmp_path):
     assert "error when creating transport" in " ".join(events)  # aiormq's record, as JSON
     assert "amqp_connect_failed" in events and "asyncio says so" in events
     assert events.count("jax warns") == 1 and events.count("done") == 1
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_forced_broker_disconnect_is_one_warning_per_connection(tmp_path, fmt):
+    """The broker closes each of a worker's connections (CONNECTION_FORCED,
+    as ``rabbitmqctl close_connection`` does; only this worker's, so tests
+    beside it keep theirs). Each lost connection is one
+    ``amqp_connection_lost`` warning with the broker's reason, then an info
+    line once it is back; nothing from aiormq or aio-pika, no traceback."""
+    import asyncio
+    import re
+    import time
+
+    from jaxserve.client import Client
+    from queue_support import (
+        AMQP_URL,
+        delete_prefix,
+        rabbitmqctl,
+        start_worker_process,
+        stop_process,
+        unique_prefix,
+        wait_log,
+    )
+
+    prefix, log = unique_prefix(), tmp_path / "worker.log"
+    proc = start_worker_process(prefix, log, "--store", "memory", "--engine-thread", "--log-format", fmt)
+    try:
+        wait_log(log, "worker_consuming", timeout=90)
+        worker_id = re.search(r"worker_id[\"=:\s]+\"?([\w.-]+)", log.read_text()).group(1)
+        before = len(log.read_text().splitlines())
+        listed = rabbitmqctl("list_connections", "pid", "client_properties")
+        pids = [line.split("\t")[0] for line in listed.splitlines() if worker_id in line]
+        assert len(pids) == 5, listed  # control, interactive, batch and two reply publishers
+        for pid in pids:
+            rabbitmqctl("close_connection", pid, "test: forced close")
+        end = time.monotonic() + 60
+        while log.read_text().count("amqp_reconnected") < len(pids) and time.monotonic() < end:
+            time.sleep(0.25)
+        with Client(AMQP_URL, prefix=prefix) as client:  # and it serves as before
+            assert client.submit("after the cut", max_tokens=2, timeout=30).ok
+    finally:
+        stop_process(proc)
+        asyncio.run(delete_prefix(prefix))
+    added = log.read_text().splitlines()[before:]
+    text = "\n".join(added)
+    assert "Traceback" not in text and "aiormq" not in text and "aio_pika" not in text, text
+    lost = [line for line in added if "amqp_connection_lost" in line]
+    assert len(lost) == len(pids) and all("CONNECTION_FORCED - test: forced close" in x for x in lost), text
+    assert text.count("amqp_reconnected") == len(pids), text
+    if fmt == "json":
+        events = [json.loads(line) for line in added]
+        loud = [e for e in events if e["level"] in ("warning", "error")]
+        assert loud == [e for e in events if e["event"] == "amqp_connection_lost"], loud

@@ -135,7 +135,7 @@ class Connections:
             metrics = self.w.metrics
             if metrics is not None:
                 metrics.reconnects.labels(metrics.model_name, name).inc()
-            log.warning("amqp_reconnected", connection=name)
+            log.info("amqp_reconnected", connection=name)  # the loss was the warning
 
         return cb
 

@@ -8,6 +8,16 @@ lines, one object per line.
 The worker calls :func:`bind_worker_context` once it knows its id and model;
 from then on every line carries ``worker_id`` and ``model``, whichever logger
 or thread wrote it.
+
+A broker that drops the worker's connections (``CONNECTION_FORCED``, a
+restart) is reported by the worker itself, one ``amqp_connection_lost``
+warning per connection with the broker's reason
+(``jaxserve.worker.connections``); what aiormq and aio-pika log about the
+same event (an error per connection, tracebacks of their reader task,
+failing close callbacks, every reconnect attempt) says nothing more and
+drowned the console in about 240 lines, so :class:`AmqpReconnectNoise`
+drops it (``tests/test_logging.py``). Console tracebacks never print local
+variables: they may hold job text or secrets.
 """
 
 from __future__ import annotations
@@ -57,6 +67,31 @@ def _add_process_context(_logger: Any, _method: str, event_dict: dict[str, Any])
     return event_dict
 
 
+class AmqpReconnectNoise(logging.Filter):
+    """Drops aiormq's and aio-pika's records of a connection going away or
+    coming back (matched on their format strings, which name the event);
+    keeps every other record of theirs."""
+
+    _EVENTS = {
+        "aiormq.connection": (
+            "Unexpected connection close from remote",
+            "Cancelling cause reader exited abnormally",
+        ),
+        "aio_pika.robust_connection": ("Connection attempt to ", "Connection to %s closed. Reconnecting"),
+    }
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        starts = self._EVENTS.get(record.name)
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if starts is not None and msg.startswith(starts):
+            return False
+        if record.name == "aio_pika.tools" and msg.startswith("Callback %r error"):
+            # a robust channel's close callback failing because its connection is already gone
+            first = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            return "._on_close of" not in repr(first)
+        return True
+
+
 def _stdlib_level(level: int) -> int:
     """Libraries log at WARNING and above unless the worker is debugging."""
     return level if level <= logging.DEBUG or level >= logging.WARNING else logging.WARNING
@@ -85,7 +120,12 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
         final: list[Any] = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
         isatty = getattr(out, "isatty", None)
-        final = [structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))]
+        tracebacks = (
+            structlog.dev.RichTracebackFormatter(show_locals=False)
+            if structlog.dev.rich is not None
+            else structlog.dev.plain_traceback
+        )
+        final = [structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()), exception_formatter=tracebacks)]
 
     # structlog's loggers: filtered at ``lvl`` before any processing, written
     # with one write() per line (the stdlib handler below writes whole lines
@@ -105,6 +145,7 @@ def configure_logging(fmt: str = "console", level: str = "info", stream: TextIO 
     handler = logging.StreamHandler(out)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(formatter)
+    handler.addFilter(AmqpReconnectNoise())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
