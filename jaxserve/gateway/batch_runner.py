@@ -289,7 +289,18 @@ class BatchRunner:
             stop = asyncio.create_task(self.cancel.wait())
             expiry = asyncio.create_task(asyncio.sleep(max(0.0, float(self.record["expires_at"]) - time.time())))
             finished = asyncio.create_task(all_done.wait())
-            await asyncio.wait({stop, expiry, finished}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                done, _ = await asyncio.wait({stop, expiry, finished, publisher}, return_when=asyncio.FIRST_COMPLETED)
+                failure = publisher.exception() if publisher in done and not publisher.cancelled() else None
+                if failure is not None:
+                    # the broker refused what retrying cannot cure (no queue under
+                    # the prefix yet): this run ends, the adoption loop starts
+                    # another in a few seconds, which resumes from the work file
+                    for t in (stop, expiry, finished):
+                        t.cancel()
+                    raise failure
+                if done - {publisher}:
+                    break
             publisher.cancel()
             for t in (stop, expiry, finished):
                 t.cancel()
