@@ -110,10 +110,17 @@ class BrokerView:
         self.management_url = management_url.rstrip("/") if management_url else None
         self.use_rabbitmqctl = shutil.which("rabbitmqctl") is not None if use_rabbitmqctl is None else use_rabbitmqctl
         self.interval_s = interval_s
+        #: how often the bindings and the listing are read: every look from
+        #: the management API (an HTTP call); rabbitmqctl starts an Erlang VM
+        #: (half a CPU-second), so at most every 30 s, the depths and
+        #: consumers coming from passive declares every look
+        self.listing_every_s = interval_s if self.management_url else max(30.0, interval_s)
         self.snapshot = BrokerSnapshot()
         self._conn: aio_pika.abc.AbstractRobustConnection | None = None
-        self._refreshed = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._listing: tuple[list[tuple[str, str]], dict[str, QueueStats]] = ([], {})
+        self._listed_at: float | None = None
+        self._listing_error: str | None = None
 
     @property
     def source(self) -> str:
@@ -144,22 +151,29 @@ class BrokerView:
 
     async def refresh(self) -> BrokerSnapshot:
         async with self._lock:
-            snap = BrokerSnapshot(taken_at=time.monotonic(), source=self.source)
-            try:
-                if self.management_url:
-                    bindings, queues = await asyncio.to_thread(self._from_management)
-                elif self.use_rabbitmqctl:
-                    bindings, queues = await self._from_rabbitmqctl()
-                else:
-                    bindings, queues = [], {}
-            except Exception as exc:  # noqa: BLE001 - a failed look keeps serving the last one, and says why
-                snap.error = f"{self.source}: {exc}"
-                bindings, queues = [], {}
-                log.warning("gateway_broker_view_failed", error=snap.error)
+            now = time.monotonic()
+            if self._listed_at is None or now - self._listed_at >= self.listing_every_s:
+                await self._list(now)
+            bindings, queues = self._listing
+            snap = BrokerSnapshot(taken_at=now, source=self.source, error=self._listing_error)
             snap.models = self._models(bindings)
             snap.queues = await self._from_amqp(snap.models, queues)
             self.snapshot = snap
             return snap
+
+    async def _list(self, now: float) -> None:
+        """Read the bindings and the queue listing; a failed read keeps the
+        last one (and says why in the snapshot's ``error``)."""
+        try:
+            if self.management_url:
+                self._listing = await asyncio.to_thread(self._from_management)
+            elif self.use_rabbitmqctl:
+                self._listing = await self._from_rabbitmqctl()
+            self._listing_error = None
+        except Exception as exc:  # noqa: BLE001 - the last listing keeps serving
+            self._listing_error = f"{self.source}: {exc}"
+            log.warning("gateway_broker_view_failed", error=self._listing_error)
+        self._listed_at = now
 
     # ------------------------------------------------------------ sources
     def _models(self, bindings: list[tuple[str, str]]) -> dict[str, ServedModel]:
