@@ -371,13 +371,23 @@ class _QuietHandler(WSGIRequestHandler):
 
 def make_app(metrics: EngineMetrics) -> Callable:
     """The WSGI app: ``/healthz``, ``/readyz``, and Prometheus' exposition
-    (``/metrics``, any other path) for ``metrics.registry``."""
+    at ``/metrics`` for ``metrics.registry``; any other path is 404 (a
+    scraper or probe pointed at a wrong path should fail, not read metrics
+    back as if it were right; ``tests/test_metrics.py``)."""
     exposition = make_wsgi_app(metrics.registry)
     probes = {"/healthz": metrics.liveness, "/readyz": metrics.readiness}
 
     def app(environ: dict, start_response: Callable) -> Iterable[bytes]:
-        probe = probes.get(environ.get("PATH_INFO", ""))
+        path = environ.get("PATH_INFO", "")
+        probe = probes.get(path)
         if probe is None:
+            if path != "/metrics":
+                body = f"not found: {path}; try /metrics, /healthz or /readyz\n".encode()
+                start_response(
+                    "404 Not Found",
+                    [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
+                )
+                return [body]
             return exposition(environ, start_response)
         ok, reason = probe()
         body = (reason + "\n").encode()

@@ -252,4 +252,30 @@ def test_generate_chat_on_a_model_without_a_chat_template(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert not (folder / "chat_template.jinja").exists()
     proc = jaxserve(tmp_path, "generate", "--model", str(folder), "--chat", "--max-tokens", "2", "hi")
-    assert_one_line_error(proc, "no chat template")
+    err = assert_one_line_error(proc, f"--chat: {folder} has no chat template", "drop --chat")
+    assert "chat_template=" not in err  # a keyword of the Python API, not an option of the command
+
+
+def test_generate_chat_on_a_gguf_file_without_a_chat_template_names_the_file(tmp_path, monkeypatch):
+    """The model is read from a folder derived under the cache; the error
+    names the file the user gave, not that folder."""
+    pytest.importorskip("gguf")
+    from test_gguf import hf_weights, spm_vocab, write_llama_gguf
+
+    monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))  # the derived folder goes there
+    vocab = spm_vocab()
+    path = write_llama_gguf(tmp_path / "plain.gguf", vocab, hf_weights(len(vocab["tokens"]), seed=1, tied=True))
+    proc = jaxserve(tmp_path, "generate", "--model", str(path), "--chat", "--max-tokens", "2", "hi")
+    err = assert_one_line_error(proc, f"--chat: {path} has no chat template", "drop --chat")
+    assert "chat_template=" not in err and str(tmp_path / "cache") not in err
+
+
+def test_every_worker_option_says_what_it_is_for():
+    from jaxserve.cli.worker_command import worker
+
+    silent = [p.opts[0] for p in worker.params if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert silent == [], f"options without help: {silent}"
+    from click.testing import CliRunner
+
+    shown = CliRunner().invoke(worker, ["--help"], terminal_width=200)
+    assert shown.exit_code == 0 and "reject-publish" in shown.output and "JAXSERVE_REDIS_URL" in shown.output

@@ -51,3 +51,35 @@ def test_latencies_by_queue_class_and_per_token_itl():
     assert 'jaxserve_broker_wait_seconds_sum{model_name="m",queue="batch"} 1.5' in text
     assert 'jaxserve_request_queue_time_seconds_sum{model_name="m",queue="batch"} 0.25' in text
     assert 'jaxserve_request_decode_time_seconds_sum{model_name="m",queue="batch"} 1.5' in text
+
+
+def test_the_metrics_server_answers_its_three_paths_and_404_elsewhere():
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from jaxserve.metrics import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = serve(EngineMetrics("m"), port, addr="127.0.0.1")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            assert r.status == 200 and b"jaxserve_process_resident_memory_bytes" in r.read()
+        with urllib.request.urlopen(f"{base}/healthz", timeout=5) as r:
+            assert r.status == 200
+        try:  # no readiness check registered: not ready, and not the metrics either
+            urllib.request.urlopen(f"{base}/readyz", timeout=5)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503 and b"no readiness check" in exc.read()
+        for path in ("/", "/metric", "/metrics/extra", "/anything"):
+            try:
+                urllib.request.urlopen(f"{base}{path}", timeout=5)
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 404 and b"try /metrics" in exc.read(), path
+            else:
+                raise AssertionError(f"{path} was answered")
+    finally:
+        server.shutdown()

@@ -65,7 +65,14 @@ def generate(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )
     if chat:
-        with user_errors():  # a model without a chat template: one line, not a traceback
+        if getattr(llm.engine.tokenizer, "chat_templates", None) == {}:
+            # named as the user gave it (a .gguf file, not the folder derived from it), with the fix
+            # the command offers (tests/test_cli_errors.py)
+            raise click.ClickException(
+                f"--chat: {model} has no chat template (none in its tokenizer_config.json or GGUF metadata, no "
+                "chat_template.jinja beside it); drop --chat to send PROMPT as plain text"
+            )
+        with user_errors():  # a template that fails to render: one line, not a traceback
             prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     (out,) = llm.generate([prompt], params)
     if out.error is not None:

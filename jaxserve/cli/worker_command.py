@@ -156,7 +156,14 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     envvar="JAXSERVE_STATE_DIR",
     help="Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).",
 )
-@click.option("--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@click.option(
+    "--redis-url",
+    envvar="JAXSERVE_REDIS_URL",
+    default="redis://127.0.0.1:6379/0",
+    show_default=True,
+    help="Redis for --store redis: results, claims, cancels and tenant limits shared by every worker on it "
+    "(env JAXSERVE_REDIS_URL).",
+)
 @click.option("--heartbeat", type=int, default=30, show_default=True, help="AMQP heartbeat timeout (s).")
 @click.option("--interactive-prefetch", type=int, default=None, help="Default: engine max_num_seqs.")
 @click.option("--batch-prefetch", type=int, default=None, help="Default: max_num_seqs - interactive_reserved_seqs.")
@@ -168,12 +175,30 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     help="SIGTERM: seconds to finish in-flight jobs before requeueing them.",
 )
 @click.option("--delivery-limit", type=int, default=10, show_default=True, help="x-delivery-limit of the job queues.")
-@click.option("--interactive-max-length", type=int, default=10_000, show_default=True)
-@click.option("--batch-max-length", type=int, default=1_000_000, show_default=True)
+@click.option(
+    "--interactive-max-length",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="x-max-length of the interactive queue: jobs waiting beyond it are refused at publish (reject-publish).",
+)
+@click.option(
+    "--batch-max-length",
+    type=click.IntRange(min=1),
+    default=1_000_000,
+    show_default=True,
+    help="x-max-length of the batch queue: jobs waiting beyond it are refused at publish (reject-publish).",
+)
 @click.option(
     "--interactive-ttl-ms", type=int, default=120_000, show_default=True, help="x-message-ttl of the interactive queue."
 )
-@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True)
+@click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=1 << 20,
+    show_default=True,
+    help="Largest job body accepted; a larger one is answered invalid_request.",
+)
 @click.option(
     "--claim-lease",
     type=float,
@@ -211,8 +236,20 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     "work to release the GIL), or on a thread of the worker's process.",
 )
 @click.option("--declare/--no-declare", default=True, show_default=True, help="Declare the topology at start.")
-@click.option("--log-format", type=click.Choice(["console", "json"]), default="console", show_default=True)
-@click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--log-format",
+    type=click.Choice(["console", "json"]),
+    default="console",
+    show_default=True,
+    help="json: one JSON object per line on stderr, whichever library wrote it (for log collectors).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error", "critical"], case_sensitive=False),
+    default="info",
+    show_default=True,
+    help="Lowest level logged (info: one line per job start and end; libraries log warnings and above unless debug).",
+)
 @click.option(
     "--log-text/--no-log-text",
     default=False,

@@ -29,7 +29,15 @@ def served_name(configured: str | None, engine: EngineInfo | None) -> str | None
     if configured:
         return configured
     name = None if engine is None else engine.model_name
-    return None if name is None else os.path.basename(str(name).rstrip("/"))
+    return None if name is None else _base(name)
+
+
+def _base(name: Any) -> str:
+    """A model path's name: the folder's, or a ``.gguf`` file's without the
+    extension (``SmolLM2-135M-Instruct-Q8_0.gguf`` is served as
+    ``SmolLM2-135M-Instruct-Q8_0``, as a folder of that name would be)."""
+    base = os.path.basename(str(name).rstrip("/"))
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") and len(base) > 5 else base
 
 
 def prepare_prompt(
@@ -48,14 +56,15 @@ def prepare_prompt(
     requested = job.model if model is None else model
     own = {served, *aliases}
     if name is not None:
-        base = os.path.basename(str(name).rstrip("/"))
+        base = _base(name)
         if served is None or served in (name, base):
-            own |= {name, base}
+            own |= {name, base, os.path.basename(str(name).rstrip("/"))}
     if requested is not None and name is not None and requested not in own:
         raise RequestError("unknown_model", f"model {requested!r} is not served here; this worker serves {served!r}")
     max_len = engine.max_model_len or NO_LIMIT
     tok = engine.tokenizer
     if job.messages is not None:
+        _need_chat_template(engine, served, "messages")
         try:
             if hasattr(tok, "encode_chat"):
                 # the template writes its own BOS: no post-processor specials
@@ -81,12 +90,23 @@ def prepare_prompt(
     return ids
 
 
-def prepare_labels(engine: EngineInfo, job: Any) -> tuple[list[int], list[list[int]], Any]:
+def _need_chat_template(engine: EngineInfo, served: str | None, field: str) -> None:
+    """A model without a chat template cannot take ``field``: say so, and
+    what the job can send instead (the library's own message names its
+    derived folder and a Python keyword no job can give)."""
+    if getattr(engine.tokenizer, "chat_templates", None) == {}:
+        instead = "`prompt` instead of `messages`" if field == "messages" else '`label_prompt: "plain"` with a `prompt`'
+        raise RequestError("invalid_request", f"{field}: model {served!r} has no chat template; send {instead}")
+
+
+def prepare_labels(engine: EngineInfo, job: Any, served: str | None = None) -> tuple[list[int], list[list[int]], Any]:
     """The prompt and each label's tokens in the job's label form, and the
     content-free request to calibrate against when the job asks for one
     (``jaxserve.tokenizer.labels``: labels tokenized with the text they
     follow, the chat form, few-shot turns)."""
     tok = engine.tokenizer
+    if job.label_prompt == "chat":
+        _need_chat_template(engine, served or served_name(None, engine), "label_prompt")
     request = label_prompts.LabelRequest(
         labels=tuple(job.labels),
         prompt=job.prompt,

@@ -228,7 +228,7 @@ async def prompt(run: JobRun, p: Prepared) -> bool:
         model = requested_model(run)  # a re-routed copy is served as the fallback it names
         p.prompt_ids = prompts.prepare_prompt(w.engine_info, w.served_model_name, job, w.cfg.model_aliases, model)
         if job.labels is not None:
-            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine_info, job)
+            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine_info, job, w.served_model_name)
     except RequestError as err:
         w.stats["invalid"] += 1
         log.info("job_invalid", key=run.key, code=err.code, reason=err.message)
