@@ -69,6 +69,9 @@ async def test_replicas_share_batches_and_a_cancel_through_either_stops_it(harne
         )
         seen = await _poll(sdk_b, batch.id, lambda x: x.request_counts.completed >= 12)  # A runs it, B sees it
         assert seen.status == "in_progress" and seen.request_counts.total == 120
+        with pytest.raises(openai.ConflictError) as info:  # a running batch's input stays
+            await asyncio.to_thread(sdk_b.files.delete, upload.id)
+        assert info.value.code == "file_in_use"
         cancelling = await asyncio.to_thread(sdk_b.batches.cancel, batch.id)
         assert cancelling.status == "cancelling"
         done = await _poll(sdk_a, batch.id, lambda x: x.status in ("cancelled", "completed", "failed", "expired"))

@@ -203,7 +203,19 @@ async def file_content(request: Request, gw: Gateway, who: Principal) -> Respons
 
 
 async def delete_file(request: Request, gw: Gateway, who: Principal) -> Response:
-    return JSONResponse(await gw.files.delete(request.path_params["file_id"], who.tenant))
+    file_id = request.path_params["file_id"]
+    await gw.files.get(file_id, who.tenant)
+    for batch in await gw.store.open_batches():  # a batch resumed after a restart reads its input again
+        if batch["input_file_id"] == file_id:
+            raise ApiError(
+                409,
+                f"File {file_id} is the input of batch {batch['id']}, which is {batch['status']}; delete it once "
+                "the batch has ended (or cancel the batch)",
+                "invalid_request_error",
+                "file_id",
+                "file_in_use",
+            )
+    return JSONResponse(await gw.files.delete(file_id, who.tenant))
 
 
 async def create_batch(request: Request, gw: Gateway, who: Principal) -> Response:
