@@ -226,11 +226,18 @@ async def test_a_model_started_after_the_default_is_gone_takes_the_default(harne
 
 
 async def test_default_model_naming_this_model_while_another_runs_is_one_error(harness, prefix):
+    from jaxserve.wire.topology import Topology
     from jaxserve.worker.routing import DefaultModelConflict
+    from jaxserve.worker.worker import Worker, WorkerConfig
 
     await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
-    with pytest.raises(DefaultModelConflict, match="--default-model 'smol' names this worker's model, but 1 worker"):
-        await harness.start(EchoEngine(model_name="smol"), model_routes=True, default_model="smol")
+    cfg = WorkerConfig(amqp_url=AMQP_URL, topology=Topology(prefix=prefix), model_routes=True, default_model="smol")
+    smol = Worker(lambda: EchoEngine(model_name="smol"), cfg)
+    try:
+        with pytest.raises(DefaultModelConflict, match="--default-model 'smol' names this worker's model, but 1 "):
+            await smol.start()
+    finally:
+        await smol.shutdown(drain_timeout=0.0)
 
 
 async def test_a_job_naming_another_model_that_strays_here_is_refused_not_answered(harness, prefix, client):
