@@ -32,7 +32,11 @@ keys:
     models: [echo]
   sk-robots-0002:
     tenant: robots
+  sk-metered-0003:
+    tenant: metered
 """
+# the workers' tenant limits: "metered" may send one request, then one every 10 s
+LIMITS = "tenants:\n  metered: {requests_per_s: 0.1, burst: 1}\n"
 
 
 def _sdk(gateway: GatewayProcess, key: str = "none") -> openai.OpenAI:
@@ -62,7 +66,17 @@ def keyed(tmp_path_factory):
     prefix = unique_prefix()
     folder = tmp_path_factory.mktemp("gateway-keys")
     (folder / "keys.yaml").write_text(KEYS)
-    worker = start_worker_process(prefix, folder / "worker.log", "--store", "memory", "--drain-timeout", "1")
+    (folder / "limits.yaml").write_text(LIMITS)
+    worker = start_worker_process(
+        prefix,
+        folder / "worker.log",
+        "--store",
+        "memory",
+        "--drain-timeout",
+        "1",
+        "--limits",
+        str(folder / "limits.yaml"),
+    )
     gateway = None
     try:
         wait_log(folder / "worker.log", "worker_consuming")
@@ -251,3 +265,13 @@ def test_idempotency_key_answers_a_retry_from_the_workers_store(keyed):
     with pytest.raises(openai.ConflictError) as info:  # the same key for another request
         robots.completions.create(model="echo", prompt="other question", max_tokens=3, extra_headers=headers)
     assert info.value.code == "idempotency_key_reused"
+
+
+def test_a_tenant_over_its_limits_is_429_with_retry_after(keyed):
+    metered = _sdk(keyed.gateway, "sk-metered-0003")
+    metered.completions.create(model="echo", prompt="first", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as info:
+        metered.completions.create(model="echo", prompt="second", max_tokens=2)
+    assert info.value.code == "rate_limit_exceeded" and info.value.type == "requests"
+    assert 1 <= int(info.value.response.headers["retry-after"]) <= 10  # the bucket's refill, rounded up
+    _sdk(keyed.gateway, "sk-robots-0002").completions.create(model="echo", prompt="others pass", max_tokens=2)
