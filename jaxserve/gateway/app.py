@@ -262,7 +262,9 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     gw: Gateway | None = getattr(request.app.state, "gateway", None)
     conn = gw.client._pub_conn if gw is not None else None
-    ok = conn is not None and not conn.is_closed
+    # a robust connection stays open while it reconnects: its `connected` event says whether it is up now
+    connected = getattr(conn, "connected", None)
+    ok = conn is not None and not conn.is_closed and (connected is None or connected.is_set())
     return PlainTextResponse("ok\n" if ok else "broker unavailable\n", status_code=200 if ok else 503)
 
 
