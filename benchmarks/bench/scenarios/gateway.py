@@ -146,7 +146,24 @@ class Stack:
                 self.gateway.kill()
         self.gateway_log.close()
         self.worker.stop()
-        self.qc.delete_topology(self.prefix)
+        asyncio.run(_drop_prefix(self.qc.AMQP_URL, self.prefix, self.qc.leftover_queues(self.prefix)))
+
+
+async def _drop_prefix(amqp_url: str, prefix: str, leftovers: list[str]) -> None:
+    """Every queue and exchange of the prefix: the topology (the models
+    exchange and the default model's record included) and the reply queues."""
+    import aio_pika
+
+    from jaxserve.wire.topology import Topology, delete_topology
+
+    conn = await aio_pika.connect(amqp_url)
+    try:
+        await delete_topology(conn, Topology(prefix=prefix))
+        channel = await conn.channel()
+        for name in leftovers:
+            await channel.queue_delete(name)
+    finally:
+        await conn.close()
 
 
 def _messages(rnd: int, i: int) -> list[dict[str, str]]:
