@@ -1,6 +1,12 @@
 """Tiny random Hugging Face checkpoints for model tests, written with transformers' own
 classes and ``save_pretrained`` (float32, seeded).
 
+Every builder takes the folder, a seed and config overrides (``vocab_size=``
+for the GGUF tests, whose converter needs SmolLM2's tokenizer and its
+vocabulary size). :data:`FAMILIES` maps a name to each family's builder; the
+parity tests (``test_model_parity.py``, ``test_family_engine_parity.py``,
+``test_family_gguf.py``) cover every entry.
+
 Every parameter is re-drawn (norm weights around 1, biases non-zero) so that
 biases and norms really take part in the parity checks.
 """
@@ -28,7 +34,11 @@ TINY = dict(
 )
 
 
-def _randomize(model: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+#: the matrices' standard deviation (``std=`` raises it where a test needs peaked logits)
+STD = 0.15
+
+
+def _randomize(model: torch.nn.Module, seed: int, std: float = STD) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -47,24 +57,28 @@ def _save(model, folder: str, **kw) -> str:
     return folder
 
 
-def llama2(folder: str, *, tied: bool = False, seed: int = 0, max_shard_size: str | None = None) -> str:
+def llama2(
+    folder: str, *, std: float = STD, tied: bool = False, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**TINY, tie_word_embeddings=tied, rope_theta=10000.0, attn_implementation="eager")
+    cfg = LlamaConfig(
+        **{**TINY, **overrides}, tie_word_embeddings=tied, rope_theta=10000.0, attn_implementation="eager"
+    )
     m = LlamaForCausalLM(cfg)
-    _randomize(m, seed)
+    _randomize(m, seed, std)
     kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     return _save(m, folder, **kw)
 
 
-def llama3(folder: str, *, seed: int = 1, tied: bool = True, bias: bool = True) -> str:
+def llama3(folder: str, *, std: float = STD, seed: int = 1, tied: bool = True, bias: bool = True, **overrides) -> str:
     """Llama 3 style: llama3 rope scaling, large theta, tied embeddings, attention and MLP biases."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        **TINY,
+        **{**TINY, **overrides},
         tie_word_embeddings=tied,
         attention_bias=bias,
         mlp_bias=bias,
@@ -79,48 +93,54 @@ def llama3(folder: str, *, seed: int = 1, tied: bool = True, bias: bool = True) 
         attn_implementation="eager",
     )
     m = LlamaForCausalLM(cfg)
-    _randomize(m, seed)
+    _randomize(m, seed, std)
     return _save(m, folder)
 
 
-def mistral(folder: str, *, seed: int = 2, sliding_window: int | None = 24) -> str:
+def mistral(folder: str, *, std: float = STD, seed: int = 2, sliding_window: int | None = 24, **overrides) -> str:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(seed)
-    cfg = MistralConfig(**TINY, sliding_window=sliding_window, tie_word_embeddings=False, attn_implementation="eager")
+    cfg = MistralConfig(
+        **{**TINY, **overrides}, sliding_window=sliding_window, tie_word_embeddings=False, attn_implementation="eager"
+    )
     m = MistralForCausalLM(cfg)
-    _randomize(m, seed)
+    _randomize(m, seed, std)
     return _save(m, folder)
 
 
-def qwen2(folder: str, *, seed: int = 3, tied: bool = True) -> str:
+def qwen2(folder: str, *, std: float = STD, seed: int = 3, tied: bool = True, **overrides) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(**TINY, tie_word_embeddings=tied, rope_theta=1000000.0, attn_implementation="eager")
+    cfg = Qwen2Config(
+        **{**TINY, **overrides}, tie_word_embeddings=tied, rope_theta=1000000.0, attn_implementation="eager"
+    )
     m = Qwen2ForCausalLM(cfg)
-    _randomize(m, seed)
+    _randomize(m, seed, std)
     return _save(m, folder)
 
 
-def qwen3(folder: str, *, seed: int = 4, tied: bool = False) -> str:
+def qwen3(folder: str, *, std: float = STD, seed: int = 4, tied: bool = False, **overrides) -> str:
     """Qwen3 with q/k norms, head_dim apart from hidden / heads, and a
-    sliding window on its first layer only (the second attends to all)."""
+    sliding window on its first and last layers (the middle one attends to all)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        **{**TINY, "num_hidden_layers": 3},
-        head_dim=24,
-        tie_word_embeddings=tied,
-        rope_theta=1000000.0,
+    window = dict(
         use_sliding_window=True,
         sliding_window=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    cfg = Qwen3Config(
+        **{**TINY, "num_hidden_layers": 3, **window, **overrides},
+        head_dim=24,
+        tie_word_embeddings=tied,
+        rope_theta=1000000.0,
         attn_implementation="eager",
     )
     m = Qwen3ForCausalLM(cfg)
-    _randomize(m, seed)
+    _randomize(m, seed, std)
     return _save(m, folder)
 
 

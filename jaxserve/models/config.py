@@ -64,6 +64,10 @@ class RopeConfig:
 
     ``rope_type`` is one of ``default``, ``linear``, ``llama3``. ``factor`` is
     used by ``linear`` and ``llama3``; the other three fields by ``llama3`` only.
+    ``freq_factors``: each frequency divided by its factor after that (a
+    GGUF file's ``rope_freqs`` tensor, which is how llama.cpp stores Llama
+    3.1's scaling; written to the derived ``config.json`` as
+    ``rope_freq_factors``).
     """
 
     rope_type: str = "default"
@@ -72,6 +76,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +353,8 @@ def read_rope(
         kw["low_freq_factor"] = float(scaling["low_freq_factor"])
         kw["high_freq_factor"] = float(scaling["high_freq_factor"])
         kw["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if d.get("rope_freq_factors") is not None:
+        kw["freq_factors"] = tuple(float(f) for f in d["rope_freq_factors"])
     return RopeConfig(**kw)
 
 

@@ -171,7 +171,8 @@ class GGUFCheckpoint:
         types = {name: t.tensor_type.name for name, t in self._tensors.items()}
         embed = self._tensors.get("token_embd.weight")
         rows = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
-        return self.spec.config(GGUFMetadata(self.metadata, types, self.path, rows))
+        read = lambda name: np.asarray(self._tensors[name].data, np.float32)  # noqa: E731 - F32 settings tensors
+        return self.spec.config(GGUFMetadata(self.metadata, types, self.path, rows, read))
 
     # -- the interface the loader uses (same as its safetensors source) ------
     def close(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from jaxserve.models.errors import ModelLoadError
 
 #: Bump when the derived files change for the same GGUF file.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 GGUF_LINK = "model.gguf"
 _FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", GGUF_LINK)
 

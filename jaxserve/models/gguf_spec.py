@@ -37,6 +37,9 @@ LLAMA_LAYER_NAMES: dict[str, str] = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
 }
 #: q/k norms (Qwen3, Gemma 3, OLMo 2)
 QK_NORM_NAMES: dict[str, str] = {
@@ -56,9 +59,16 @@ class GGUFMetadata:
     name after the ``{arch}.`` prefix; ``key`` refuses a missing one."""
 
     def __init__(
-        self, metadata: Mapping[str, Any], tensor_types: Mapping[str, str], path: str, embed_rows: int | None = None
+        self,
+        metadata: Mapping[str, Any],
+        tensor_types: Mapping[str, str],
+        path: str,
+        embed_rows: int | None = None,
+        read_tensor: Callable[[str], np.ndarray] | None = None,
     ) -> None:
         self.metadata = metadata
+        #: a tensor's values by GGUF name (settings llama.cpp stores as tensors: rope_freqs)
+        self.read_tensor = read_tensor
         self.arch = str(metadata.get("general.architecture"))
         self.tensor_types = tensor_types
         self.path = path
@@ -75,6 +85,11 @@ class GGUFMetadata:
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensor_types
+
+    def tensor(self, name: str) -> np.ndarray:
+        if self.read_tensor is None or not self.has_tensor(name):
+            raise ModelLoadError(f"{self.path}: tensor {name} is missing")
+        return self.read_tensor(name)
 
     def per_layer(self, name: str, default: Any = None) -> list[Any]:
         """A per-layer setting, stored either as one value or as an array."""

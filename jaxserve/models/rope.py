@@ -21,13 +21,17 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Inverse frequencies, float32 ``[head_dim // 2]``, with linear or llama3 scaling."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv = (np.float32(1.0) / np.power(np.float32(rope.theta), exponents)).astype(np.float32)
-    if rope.rope_type == "default":
-        return inv
     if rope.rope_type == "linear":
-        return (inv / np.float32(rope.factor)).astype(np.float32)
-    if rope.rope_type == "llama3":
-        return _llama3_scale(inv, rope)
-    raise ValueError(f"unsupported rope type {rope.rope_type!r}")
+        inv = (inv / np.float32(rope.factor)).astype(np.float32)
+    elif rope.rope_type == "llama3":
+        inv = _llama3_scale(inv, rope)
+    elif rope.rope_type != "default":
+        raise ValueError(f"unsupported rope type {rope.rope_type!r}")
+    if rope.freq_factors is not None:
+        if len(rope.freq_factors) != len(inv):
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for {len(inv)} frequencies")
+        inv = (inv / np.asarray(rope.freq_factors, np.float32)).astype(np.float32)
+    return inv
 
 
 def _llama3_scale(inv: np.ndarray, rope: RopeConfig) -> np.ndarray:

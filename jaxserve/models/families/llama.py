@@ -13,7 +13,6 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from jaxserve.models.config import ModelConfig, read_base
-from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
 from jaxserve.models.weights import llama_weights
@@ -28,15 +27,12 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    if meta.has_tensor("rope_freqs.weight"):
-        raise ModelLoadError(
-            f"{meta.path}: tensor rope_freqs.weight (per-frequency rope factors, as Llama 3.1+ files carry) "
-            "is not supported"
-        )
     config = base_config(meta, ARCHITECTURE)
     full_rotary(meta, config["head_dim"])
+    if meta.has_tensor("rope_freqs.weight"):  # Llama 3.1's scaling, as llama.cpp stores it
+        config["rope_freq_factors"] = [float(f) for f in meta.tensor("rope_freqs.weight").reshape(-1)]
     config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
-    config["mlp_bias"] = False
+    config["mlp_bias"] = meta.has_tensor("blk.0.ffn_gate.bias")
     return config
 
 
