@@ -51,6 +51,21 @@ from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, Requ
 log = structlog.get_logger(__name__)
 
 
+def stop_token_ids(tokenizer, cfg) -> tuple[int, ...]:
+    """The tokens that end generation: the tokenizer's and the config's eos
+    ids, and every end-of-turn token of the model's family that its
+    vocabulary has (``<end_of_turn>``, ``<|im_end|>``: a chat template ends a
+    turn with one, and a model that ends its answer there must stop)."""
+    from jaxserve.models.registry import family
+
+    ids = set(tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+    for token in family(cfg.family).end_of_turn:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            ids.add(token_id)
+    return tuple(sorted(ids))
+
+
 class Engine:
     """Continuous batching over a paged KV cache.
 
@@ -76,7 +91,7 @@ class Engine:
         cfg = loaded.config
         self.model_config = cfg
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.eos_token_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)))
+        self.eos_token_ids = stop_token_ids(self.tokenizer, cfg)
         self.max_model_len = args.resolve_max_model_len(cfg.max_position_embeddings)
         self.max_num_seqs = args.max_num_seqs
         self.interactive_reserved_seqs = args.interactive_reserved_seqs

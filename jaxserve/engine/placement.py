@@ -46,7 +46,9 @@ def place_model(model, args: EngineArgs, cache_dtype):
         head_dim=cfg.head_dim,
         num_kv_heads=cfg.num_key_value_heads,
         block_size=args.block_size,
-        sliding_window=cfg.effective_sliding_window,
+        sliding_window=next((w for w in cfg.layer_windows if w is not None), None),
+        logit_softcap=cfg.attn_logit_softcap,
+        sinks=cfg.attention_sinks,
         cache_dtype=cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
