@@ -170,6 +170,10 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
             gguf_file = single_gguf_in(path)
             if gguf_file is not None:
                 return gguf_model_folder(gguf_file, cache_dir())
+            raise UnknownModelError(
+                f"{raw!r} is a folder but not a model: it has no config.json and no .gguf file "
+                "(a Hugging Face model folder holds config.json, model.safetensors and tokenizer.json)"
+            )
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         from jaxserve.models.gguf_folder import gguf_model_folder
@@ -177,6 +181,11 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
         return gguf_model_folder(path, cache_dir())
     if path.is_file() and path.suffix == ".json":
         return materialize_preset(path)
+    if path.is_file():
+        raise UnknownModelError(
+            f"{raw!r} is a file but not a model: pass a .gguf file, a Hugging Face model folder "
+            "(config.json, model.safetensors, tokenizer.json) or a preset name"
+        )
     preset = _preset_file(raw)
     if preset is not None:
         return materialize_preset(preset)

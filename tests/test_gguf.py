@@ -594,3 +594,43 @@ def test_smollm_pre_tokenizer_splits_every_digit():
     whole = tokenizer_from_gguf(dict(meta, **{"tokenizer.ggml.pre": "default"})).tokenizer
     assert split.encode("a 12").tokens == ["a", "Ġ", "1", "2"]
     assert whole.encode("a 12").tokens == ["a", "Ġ", "12"]  # "1 2" is the first merge
+
+
+@pytest.mark.parametrize("keep", [100, 0.5, -100])
+def test_a_truncated_file_says_so_in_one_line(tmp_path, cache, keep):
+    """Cut in the header, in the middle of the tensors, or 100 bytes short."""
+    from jaxserve.presets import resolve_model
+
+    vocab = gpt2_vocab("default", size=300)
+    whole = write_llama_gguf(tmp_path / "whole.gguf", vocab, hf_weights(len(vocab["tokens"]), seed=2, tied=True))
+    data = Path(whole).read_bytes()
+    cut = int(len(data) * keep) if isinstance(keep, float) else keep % len(data)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:cut])
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(short)
+    line = _one_line(info.value)
+    assert "short.gguf is truncated or corrupt" in line and f"({cut} bytes" in line
+
+
+def test_a_file_that_is_not_gguf_says_so(tmp_path, cache):
+    from jaxserve.presets import resolve_model
+
+    path = tmp_path / "notes.gguf"
+    path.write_text("these are notes, not weights\n")
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(path)
+    assert "notes.gguf is not a GGUF file" in _one_line(info.value)
+
+
+def test_paths_that_exist_but_are_not_models_say_so(tmp_path, cache):
+    from jaxserve.presets import UnknownModelError, resolve_model
+
+    (tmp_path / "readme.txt").write_text("hello\n")
+    with pytest.raises(UnknownModelError) as info:
+        resolve_model(tmp_path)
+    line = _one_line(info.value)
+    assert "is a folder but not a model" in line and "no config.json and no .gguf file" in line
+    with pytest.raises(UnknownModelError) as info:
+        resolve_model(tmp_path / "readme.txt")
+    assert "readme.txt' is a file but not a model" in _one_line(info.value)

@@ -219,6 +219,7 @@ def test_llama_56m_loads_with_transformers(llama56m):
 def test_resolve_existing_folder(tmp_path):
     folder = tmp_path / "my-model"
     folder.mkdir()
+    (folder / "config.json").write_text("{}")
     assert resolve_model(folder) == folder
     assert resolve_model(str(folder)) == folder
     assert isinstance(resolve_model(str(folder)), Path)

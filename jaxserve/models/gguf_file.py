@@ -138,16 +138,25 @@ def read_metadata(reader: Any) -> dict[str, Any]:
 
 
 def open_reader(path: str | os.PathLike[str]) -> Any:
-    """A ``gguf.GGUFReader`` over ``path``; a broken file is a one-line ModelLoadError."""
+    """A ``gguf.GGUFReader`` over ``path``; a file that is not GGUF, or one cut
+    short or corrupt, is a one-line ModelLoadError that says which."""
     import gguf
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError, struct errors, ...
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises ValueError, struct and numpy errors alike
+        size = os.path.getsize(path)
+        raise ModelLoadError(
+            f"GGUF file {path} is truncated or corrupt ({size} bytes; the reader stopped with: {exc})"
+        ) from exc
+    return reader
 
 
 class GGUFCheckpoint:
