@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 import structlog
 
-from jaxserve.batch import openai_format
+from jaxserve.batch import keys, openai_format
 from jaxserve.batch.inputs import BatchItem, InputOptions, read_items
 from jaxserve.batch.run import plan_publish, settled_custom_ids
 from jaxserve.client import AsyncClient, QueueFull, UnknownModel, retry_with_backoff
@@ -265,7 +265,10 @@ class BatchRunner:
                 return  # a duplicate (at-least-once, or a republished job answered from the store)
             result = msg.to_dict()
             for one in (item, *followers.pop(item.key, ())):
-                self._write(openai_format.output_line(one.custom_id, result, self.endpoint, model_of(one, result)))
+                line = openai_format.output_line(
+                    one.custom_id, result, self.endpoint, model_of(one, result), keys.line_id(one.custom_id, one.body)
+                )
+                self._write(line)
             ctx.events.add("answer", model_of(item, result), "batch")
             window.release()
             if not pending:
