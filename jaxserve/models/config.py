@@ -203,9 +203,16 @@ class ModelConfig:
         """The rope of layer ``i``; None for a layer without rope."""
         if self.rope_layers and not self.rope_layers[i]:
             return None
-        if self.local_rope is not None and self.layer_windows[i] is not None:
+        if self.local_rope is not None and self.is_sliding_layer(i):
             return self.local_rope
         return self.rope
+
+    def is_sliding_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a sliding (local) layer by its type, even
+        where its window cannot bind (a local layer keeps its own rope)."""
+        if self.layer_types:
+            return self.layer_types[i] == "sliding_attention"
+        return self.sliding_window is not None
 
     def is_moe_layer(self, i: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(i)

@@ -39,6 +39,16 @@ class Family:
     #: tokens that end an assistant turn in its chat template, besides the
     #: eos token (``<end_of_turn>``); each one in the vocabulary stops generation
     end_of_turn: tuple[str, ...] = ()
+    #: its chat templates have no system role: a leading system message a
+    #: template refuses is folded into the first user message as
+    #: ``system + "\n\n" + user`` (what Gemma 3's own template does) and
+    #: the messages rendered again (:meth:`jaxserve.tokenizer.Tokenizer.apply_chat_template`)
+    fold_system: bool = False
+    #: ``(prefix, older prefix)``: a checkpoint of an older layout names the
+    #: tensors under the first prefix with the second instead (Gemma 3's
+    #: multimodal files: ``language_model.model.`` for ``model.language_model.``);
+    #: the loader reads whichever the checkpoint has
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
 
 
 __all__ = ["Family"]

@@ -146,7 +146,43 @@ def open_tensor_source(folder: str) -> Any:
     return _TensorSource(folder)
 
 
-def _checkpoint_dtype(src: _TensorSource, name: str) -> jnp.dtype:
+class PrefixedSource:
+    """A tensor source that also answers a name under a checkpoint's older
+    prefix (:attr:`jaxserve.models.family.Family.checkpoint_prefixes`): a
+    name the checkpoint lacks is looked up with each matching prefix
+    swapped for its alternative."""
+
+    def __init__(self, src: Any, prefixes: tuple[tuple[str, str], ...]) -> None:
+        self._src = src
+        self._prefixes = prefixes
+        if hasattr(src, "raw_blocks"):  # a GGUF file's stored blocks, for the quantized loading
+            self.raw_blocks = lambda name: src.raw_blocks(self._name(name))
+
+    def _name(self, name: str) -> str:
+        if name in self._src:
+            return name
+        for prefix, older in self._prefixes:
+            if name.startswith(prefix) and older + name[len(prefix) :] in self._src:
+                return older + name[len(prefix) :]
+        return name
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self._src
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._src.shape(self._name(name))
+
+    def dtype_name(self, name: str) -> str:
+        return self._src.dtype_name(self._name(name))
+
+    def get(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+        return self._src.get(self._name(name), expected_shape)
+
+    def close(self) -> None:
+        self._src.close()
+
+
+def _checkpoint_dtype(src: Any, name: str) -> jnp.dtype:
     d = src.dtype_name(name).upper()
     if d == "BF16":
         return jnp.dtype(jnp.bfloat16)
@@ -165,8 +201,11 @@ def load_model(folder: str | os.PathLike, dtype: Any = None, quantization: str |
     config = ModelConfig.from_folder(folder)
     want = _resolve_dtype(dtype)
     src = open_tensor_source(folder)
+    prefixes = family(config.family).checkpoint_prefixes
+    if prefixes:
+        src = PrefixedSource(src, prefixes)
     try:
-        embed_name = "model.embed_tokens.weight"
+        embed_name = family(config.family).weights(config).top["embed"][0].name
         if embed_name not in src:
             raise ModelLoadError(f"missing tensor {embed_name} in checkpoint")
         if want is None:
@@ -213,7 +252,7 @@ def _fill(model: CausalLM, c: ModelConfig, src: Any, np_dtype: np.dtype, qkind: 
             return
         shape = tuple(param.shape)
         if qkind is not None and where.split()[-1] in quant.QUANTIZED_PARAMS:  # quantized as it is read
-            param.set_value(quant.load_param(src, parts, qkind))
+            param.set_value(quant.load_param(src, parts, qkind, shape))
             return
         arr = param_value(src, shape, parts, np_dtype)
         param.set_value(jnp.asarray(arr))

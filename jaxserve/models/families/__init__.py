@@ -7,7 +7,7 @@ checkpoint to ``tests/model_fixtures.py`` so the parity tests cover it.
 
 from __future__ import annotations
 
-from jaxserve.models.families import llama, mistral, qwen2, qwen3
+from jaxserve.models.families import gemma2, gemma3, llama, mistral, qwen2, qwen3
 from jaxserve.models.family import Family
 
 FAMILIES: list[Family] = [
@@ -15,6 +15,8 @@ FAMILIES: list[Family] = [
     mistral.FAMILY,
     qwen2.FAMILY,
     qwen3.FAMILY,
+    gemma2.FAMILY,
+    gemma3.FAMILY,
 ]
 
 __all__ = ["FAMILIES"]
