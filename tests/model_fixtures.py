@@ -144,6 +144,178 @@ def qwen3(folder: str, *, std: float = STD, seed: int = 4, tied: bool = False, *
     return _save(m, folder)
 
 
+def _gemma_norms(model: torch.nn.Module) -> None:
+    """Gemma stores a norm's weight minus one (it scales by ``1 + w``): shift
+    the re-drawn weights (around 1) to around 0, so each norm scales by about
+    1 as trained Gemma norms do, not by 2 (which makes the tiny model's
+    attention so peaked that bfloat16 rounding swamps its logits)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.sub_(1.0)
+
+
+def gemma2(folder: str, *, std: float = STD, seed: int = 20, **overrides) -> str:
+    """Gemma 2: three layers (sliding over 24 tokens, full, sliding: the
+    default pattern), head_dim 24 apart from hidden / heads, an attention
+    scale from query_pre_attn_scalar 40 (not head_dim), both soft-caps
+    binding (attention 5, final 6), tied embeddings."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(
+        **{
+            **TINY,
+            "num_hidden_layers": 3,
+            "head_dim": 24,
+            "query_pre_attn_scalar": 40,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 6.0,
+            "pad_token_id": 0,
+            **overrides,
+        },
+        attn_implementation="eager",
+    )
+    m = Gemma2ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    _gemma_norms(m)
+    return _save(m, folder)
+
+
+#: Gemma 3's rope: the global layers' base and linear scaling, the local layers' own base
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+def gemma3(folder: str, *, std: float = STD, seed: int = 21, **overrides) -> str:
+    """Gemma 3 (text): three layers, sliding (24 tokens), sliding, global (so
+    both rope tables are used: the global one scaled), q/k norms, head_dim 32,
+    query_pre_attn_scalar 20, the final soft-cap on (6), untied embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        **{
+            **TINY,
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 20,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {k: dict(v) for k, v in GEMMA3_ROPE.items()},
+            "final_logit_softcapping": 6.0,
+            "tie_word_embeddings": False,
+            "pad_token_id": 0,
+            **overrides,
+        },
+        attn_implementation="eager",
+    )
+    m = Gemma3ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    _gemma_norms(m)
+    return _save(m, folder)
+
+
+def longrope_factors(rotary: int) -> dict[str, list[float]]:
+    """LongRoPE factor lists for ``rotary`` rotated features, shaped like
+    Phi-3's: short ones near 1, long ones growing to about 15 over the
+    frequencies (so the two sets rotate visibly differently)."""
+    n = rotary // 2
+    return {
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 14.0 * i / max(n - 1, 1) for i in range(n)],
+    }
+
+
+def phi3(
+    folder: str,
+    *,
+    std: float = STD,
+    seed: int = 5,
+    original: int = 128,
+    sliding_window: int | None = 24,
+    tied: bool = False,
+    partial_rotary: float = 1.0,
+    **overrides,
+) -> str:
+    """Phi-3 style: fused qkv / gate_up, LongRoPE (original context 128 of
+    256: the shared parity tests' sequences all stay below it; the LongRoPE
+    tests pass a small ``original``) and a sliding window on every layer."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    rotary = int(kw["hidden_size"] // kw["num_attention_heads"] * partial_rotary)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary}
+    cfg = Phi3Config(
+        **kw,
+        rope_parameters={**rope, **longrope_factors(rotary)},
+        original_max_position_embeddings=original,
+        sliding_window=sliding_window,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = Phi3ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def phi4mini(folder: str, *, seed: int = 6, **overrides) -> str:
+    """Phi-4-mini style: LongRoPE on the first 3/4 of each head, tied embeddings, no window."""
+    kw = {"partial_rotary": 0.75, "tied": True, "sliding_window": None, **overrides}
+    return phi3(folder, seed=seed, **kw)
+
+
+def smollm3(
+    folder: str,
+    *,
+    std: float = STD,
+    seed: int = 7,
+    tied: bool = True,
+    no_rope_layers: list[int] | None = [1, 0, 1],  # noqa: B006 - never mutated
+    **overrides,
+) -> str:
+    """SmolLM3 with a NoPE middle layer between two rope layers; that layer
+    also slides (24 tokens), as transformers defaults ``layer_types`` when
+    ``use_sliding_window`` is set."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(seed)
+    window = dict(use_sliding_window=True, sliding_window=24)
+    cfg = SmolLM3Config(
+        **{**TINY, "num_hidden_layers": 3, **window, **overrides},
+        no_rope_layers=no_rope_layers,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = SmolLM3ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def olmo2(folder: str, *, std: float = STD, seed: int = 8, tied: bool = False, **overrides) -> str:
+    """OLMo 2: post-norms, q/k norms over all heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Olmo2Config(
+        **{**TINY, **overrides},
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = Olmo2ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
 def with_tokenizer(folder: str) -> str:
     """Copy the tiny preset's tokenizer files (512 tokens, = VOCAB) into a
     fixture folder, so the engine (which needs a tokenizer) can serve it."""
@@ -202,4 +374,6 @@ FAMILIES: dict[str, Callable[[str], str]] = {
     "mistral": mistral,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
 }
