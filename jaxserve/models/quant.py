@@ -66,7 +66,9 @@ def check_quantization(value: str | None) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A ``[O, I]`` linear weight in blocks of :data:`GROUP` input features.
+    """A ``[O, I]`` linear weight in blocks of :data:`GROUP` input features,
+    or a stack of them (a mixture of experts' ``[X, O, I]``: every leaf has
+    the leading ``X`` axis, and ``rows(j)`` is expert ``j``'s matrix).
 
     A JAX pytree (``q``, ``scale``, ``min`` are its leaves; ``kind`` is
     static), so it sits in an ``nnx.Param`` and goes through ``jit`` like a
@@ -78,10 +80,10 @@ class QuantizedWeight:
     kind: str = dataclasses.field(metadata=dict(static=True))
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The logical ``(O, I)`` of the float weight."""
-        O, n = self.q.shape
-        return (int(O), int(n) * (1 if self.kind == "q8_0" else 2))
+    def shape(self) -> tuple[int, ...]:
+        """The logical ``(O, I)`` (a stack: ``(X, O, I)``) of the float weight."""
+        *lead, n = self.q.shape
+        return (*(int(d) for d in lead), int(n) * (1 if self.kind == "q8_0" else 2))
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +91,8 @@ class QuantizedWeight:
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
 
     def rows(self, index) -> QuantizedWeight:
-        """The weight of the output rows ``index`` (a slice or an index array)."""
+        """The weight of the output rows ``index`` (a slice or an index
+        array); of a stack, the experts ``index`` (an int: one ``[O, I]``)."""
         return QuantizedWeight(
             self.q[index], self.scale[index], None if self.min is None else self.min[index], self.kind
         )
@@ -123,15 +126,15 @@ def _safe_inverse(d: np.ndarray) -> np.ndarray:
 
 
 def pack_nibbles(n: np.ndarray) -> np.ndarray:
-    """uint8 ``[O, G, 32]`` values 0-15 -> ``[O, G * 16]`` bytes in GGUF's order."""
+    """uint8 ``[..., O, G, 32]`` values 0-15 -> ``[..., O, G * 16]`` bytes in GGUF's order."""
     n = n.astype(np.uint8)
-    return (n[..., :16] | (n[..., 16:] << 4)).reshape(n.shape[0], -1)
+    return (n[..., :16] | (n[..., 16:] << 4)).reshape(*n.shape[:-2], -1)
 
 
 def unpack_nibbles(packed):
-    """``[O, G * 16]`` bytes -> ``[O, G, 32]`` values 0-15 (numpy or JAX arrays)."""
+    """``[..., O, G * 16]`` bytes -> ``[..., O, G, 32]`` values 0-15 (numpy or JAX arrays)."""
     xp = jnp if isinstance(packed, jax.Array) else np
-    b = packed.reshape(packed.shape[0], -1, 16)
+    b = packed.reshape(*packed.shape[:-1], -1, 16)
     return xp.concatenate([b & 0x0F, b >> 4], axis=-1)
 
 
@@ -139,7 +142,14 @@ def quantize(w: np.ndarray, kind: str) -> QuantizedWeight:
     """Quantize a float ``[O, I]`` weight on the host (numpy in, numpy leaves
     out; ``I`` a multiple of 32). Scales are rounded to float16 before the
     weights are divided by them, so dequantizing uses exactly the stored
-    scale. Peak extra memory is a few float32 copies of this one tensor."""
+    scale. Peak extra memory is a few float32 copies of this one tensor; a
+    stack ``[X, O, I]`` (or any ``[..., O, I]``) is quantized one matrix at
+    a time, so its peak is a few copies of one expert's matrix. Rows are
+    quantized independently of each other."""
+    w = np.asarray(w)
+    if w.ndim > 2:
+        pieces = [quantize(w[i], kind) for i in np.ndindex(*w.shape[:-2])]
+        return _stacked(pieces, w.shape[:-2])
     b = _blocks(w)
     if kind == "q8_0":
         d = _f16(np.abs(b).max(axis=-1) / 127.0)
@@ -163,82 +173,135 @@ def quantize(w: np.ndarray, kind: str) -> QuantizedWeight:
     raise ValueError(f"unknown quantized weight kind {kind!r}; one of {', '.join(KINDS)}")
 
 
+def _stacked(pieces: list[QuantizedWeight], lead: tuple[int, ...]) -> QuantizedWeight:
+    """Weights of one shape and kind stacked into one of ``lead + shape``."""
+
+    def stack(leaves: list[np.ndarray]) -> np.ndarray:
+        return np.stack(leaves).reshape(*lead, *leaves[0].shape)
+
+    first = pieces[0]
+    mins = None if first.min is None else stack([p.min for p in pieces])
+    return QuantizedWeight(stack([p.q for p in pieces]), stack([p.scale for p in pieces]), mins, first.kind)
+
+
 def dequantize(w: QuantizedWeight, dtype=jnp.float32):
-    """The float ``[O, I]`` weight (numpy for numpy leaves, JAX otherwise)."""
+    """The float ``[O, I]`` (a stack: ``[X, O, I]``) weight (numpy for numpy
+    leaves, JAX otherwise)."""
     xp = jnp if isinstance(w.q, jax.Array) else np
-    O, I = w.shape
+    shape = w.shape
     d = w.scale.astype(xp.float32)[..., None]
     if w.kind == "q8_0":
-        v = w.q.reshape(O, I // GROUP, GROUP).astype(xp.float32) * d
+        v = w.q.reshape(*shape[:-1], shape[-1] // GROUP, GROUP).astype(xp.float32) * d
     else:
         n = unpack_nibbles(w.q).astype(xp.float32)
         v = d * (n - 8.0) if w.kind == "q4_0" else d * n + w.min.astype(xp.float32)[..., None]
-    return v.reshape(O, I).astype(dtype)
+    return v.reshape(shape).astype(dtype)
 
 
 def from_gguf_blocks(qtype: str, blocks: np.ndarray, shape: tuple[int, ...]) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 ``[rows, bytes_per_row]``, as
     ``jaxserve.models.gguf_file.QuantizedBlocks`` holds them) as a
-    :class:`QuantizedWeight`: the scale, min and quant bytes of each block
-    split into their own arrays, values untouched."""
+    :class:`QuantizedWeight` of the logical ``shape`` (``[O, I]``, or a
+    stack ``[X, O, I]`` whose ``X * O`` rows the blocks hold in order):
+    the scale, min and quant bytes of each block split into their own
+    arrays, values untouched."""
     kind = GGUF_KINDS.get(qtype)
     if kind is None:
         raise ValueError(f"GGUF tensor type {qtype} is not taken as blocks; one of {', '.join(GGUF_KINDS)}")
-    O, I = int(shape[0]), int(shape[1])
+    lead, I = tuple(int(s) for s in shape[:-1]), int(shape[-1])
+    O = int(np.prod(lead))
     head = {"q8_0": 2, "q4_0": 2, "q4_1": 4}[kind]
     body = GROUP if kind == "q8_0" else GROUP // 2
     blocks = np.ascontiguousarray(blocks, np.uint8).reshape(O, I // GROUP, head + body)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "q4_1" else None
-    qbytes = np.ascontiguousarray(blocks[..., head:]).reshape(O, -1)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].reshape(*lead, -1)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].reshape(*lead, -1) if kind == "q4_1" else None
+    qbytes = np.ascontiguousarray(blocks[..., head:]).reshape(*lead, -1)
     q = qbytes.view(np.int8) if kind == "q8_0" else qbytes
     return QuantizedWeight(q, d, m, kind)
 
 
-def load_param(src: Any, parts: list[Any], kind: str) -> QuantizedWeight:
-    """One ``[O, I]`` parameter, quantized, from a checkpoint's tensors
-    (``jaxserve.models.weights.Part``: HF name, HF shape, the parameter
-    rows it fills, in row order). GGUF tensors already in blocks of the
-    width ``kind`` asks for (Q8_0 for int8; Q4_0 or Q4_1 for int4) are taken
-    as they are, never through float32 (a fused parameter concatenates its
-    parts' rows); any other tensor, a GGUF block of the other width
-    included, is read as float and quantized to ``kind``, one parameter at a
-    time: ``--quantization int8`` on a Q4_1 file gives int8 weights, as
-    asked, not the file's 4-bit ones. JAX arrays as leaves."""
+def load_param(src: Any, parts: list[Any], kind: str, shape: tuple[int, ...] | None = None) -> QuantizedWeight:
+    """One parameter of logical ``shape`` (``[O, I]``, or an expert stack
+    ``[X, O, I]``; None: ``[O, I]`` from the parts' rows), quantized, from a
+    checkpoint's tensors (``jaxserve.models.weights.Part``: HF name, HF
+    shape, the index of the parameter it fills: rows, an expert, or an
+    expert's rows). GGUF tensors already in blocks of the width ``kind``
+    asks for (Q8_0 for int8; Q4_0 or Q4_1 for int4) are taken as they are,
+    never through float32 (a fused parameter takes each part's blocks into
+    its rows, an expert stack each expert's or the whole stack's); any
+    other tensor, a GGUF block of the other width included, is read as float
+    and quantized to ``kind``: ``--quantization int8`` on a Q4_1 file gives
+    int8 weights, as asked, not the file's 4-bit ones. Rows quantize
+    independently, so each part is quantized on its own (peak memory: a few
+    float32 copies of one part, never of a whole expert stack) unless a
+    part splits rows (its index reaches the input axis). JAX arrays as
+    leaves."""
+    if shape is None:
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    shape = tuple(int(s) for s in shape)
     raw = getattr(src, "raw_blocks", None)
     bits = kind[:2]  # "q8" or "q4": the block width asked for
     as_stored = all(p.transform is None and GGUF_KINDS.get(src.dtype_name(p.name), "")[:2] == bits for p in parts)
     if raw is not None and as_stored:
-        pieces = [from_gguf_blocks(src.dtype_name(p.name), raw(p.name).blocks, p.shape) for p in parts]
-        if len({p.kind for p in pieces}) == 1:
-            if len(pieces) == 1:
-                return to_device(pieces[0])
-            cat = [np.concatenate([getattr(p, f) for p in pieces]) for f in ("q", "scale")]
-            mins = None if pieces[0].min is None else np.concatenate([p.min for p in pieces])
-            return to_device(QuantizedWeight(cat[0], cat[1], mins, pieces[0].kind))
-    rows = sum(p.shape[0] for p in parts)
-    arr = np.empty((rows, parts[0].shape[1]), np.float32)
+        pieces = [(p, from_gguf_blocks(src.dtype_name(p.name), raw(p.name).blocks, p.shape)) for p in parts]
+        if len({q.kind for _, q in pieces}) == 1:
+            return to_device(_assembled(pieces, shape, pieces[0][1].kind))
+    if all(_whole_rows(p.where, len(shape)) for p in parts):
+        pieces = []
+        for p in parts:
+            value = src.get(p.name, p.shape)
+            value = np.asarray(value if p.transform is None else p.transform(value), np.float32)
+            pieces.append((p, quantize(value, kind)))
+        return to_device(_assembled(pieces, shape, kind))
+    arr = np.empty(shape, np.float32)
     for p in parts:
         value = src.get(p.name, p.shape)
         arr[p.where] = value if p.transform is None else p.transform(value)
     return to_device(quantize(arr, kind))
 
 
+def _whole_rows(where: Any, ndim: int) -> bool:
+    """Whether the index ``where`` leaves the last (input) axis whole."""
+    index = where if isinstance(where, tuple) else (where,)
+    return len(index) < ndim or index[ndim - 1] == slice(None)
+
+
+def _assembled(pieces: list[tuple[Any, QuantizedWeight]], shape: tuple[int, ...], kind: str) -> QuantizedWeight:
+    """The weight of ``shape`` whose index ``part.where`` holds each piece (host numpy)."""
+    G = shape[-1] // GROUP
+    body = shape[-1] if kind == "q8_0" else shape[-1] // 2
+    q = np.empty((*shape[:-1], body), np.int8 if kind == "q8_0" else np.uint8)
+    scale = np.empty((*shape[:-1], G), np.float16)
+    mins = np.empty((*shape[:-1], G), np.float16) if kind == "q4_1" else None
+    if len(pieces) == 1 and pieces[0][0].where == slice(None) and pieces[0][1].q.shape == q.shape:
+        return pieces[0][1]
+    for part, piece in pieces:
+        q[part.where] = piece.q.reshape(q[part.where].shape)
+        scale[part.where] = piece.scale.reshape(scale[part.where].shape)
+        if mins is not None:
+            mins[part.where] = piece.min.reshape(mins[part.where].shape)
+    return QuantizedWeight(q, scale, mins, kind)
+
+
 #: the layer matrices of ``jaxserve.models.decoder`` that quantization stores as blocks
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")
+#: a mixture of experts' stacks (``[X, O, I]``, ``jaxserve.models.moe``), stored as blocks too
+EXPERT_STACKS = ("experts_gate_up", "experts_down")
 #: every parameter quantization stores as blocks (the MoE router stays float:
 #: it is small, and its top-k choice is what a rounding would change)
-QUANTIZED_PARAMS = frozenset({"embed", "lm_head", *MATRICES})
+QUANTIZED_PARAMS = frozenset({"embed", "lm_head", *MATRICES, *EXPERT_STACKS})
 
 
 def quantize_model(model: Any, kind: str) -> None:
     """Quantize a loaded float model's matrices (the embedding, ``lm_head``
-    and every layer's :data:`MATRICES`) in place, one at a time, with
+    and every layer's :data:`MATRICES` and :data:`EXPERT_STACKS`) in place, one at a time, with
     :func:`quantize`: what ``load_model(..., quantization=...)`` does as it
     reads a float checkpoint, for a model already in memory (benchmarks)."""
     params = [model.embed] + ([] if model.lm_head is None else [model.lm_head])
-    params += [getattr(layer, name) for layer in model.layers for name in MATRICES]
+    params += [getattr(layer, name) for layer in model.layers for name in MATRICES + EXPERT_STACKS]
     for p in params:
+        if p is None:  # a MoE layer has no dense MLP, a dense one no expert stacks
+            continue
         p.set_value(to_device(quantize(np.asarray(p[...], np.float32), kind)))
 
 
@@ -322,6 +385,7 @@ def reference_matmul(w: QuantizedWeight, x: np.ndarray) -> np.ndarray:
 
 
 __all__ = [
+    "EXPERT_STACKS",
     "GROUP",
     "KINDS",
     "QUANTIZATIONS",

@@ -47,7 +47,14 @@ log = structlog.get_logger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_attention_cpu.cc", "matmul_cpu.cc", "matvec_cpu.cc", "vocab_argmax_cpu.cc", "qmatmul_cpu.cc")
+    for name in (
+        "paged_attention_cpu.cc",
+        "matmul_cpu.cc",
+        "matvec_cpu.cc",
+        "vocab_argmax_cpu.cc",
+        "qmatmul_cpu.cc",
+        "moe_cpu.cc",
+    )
 )
 #: included by the sources; part of the library's cache key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("run_on_pool.h", "vec16.h"))
@@ -65,6 +72,9 @@ SYMBOL_ARGMAX = "JaxserveVocabArgmaxCpu"
 #: quantized weights (``jaxserve.models.quant``; ``qmatmul_cpu.cc``)
 TARGET_QMATMUL = "jaxserve_qmatmul_cpu"
 SYMBOL_QMATMUL = "JaxserveQmatmulCpu"
+#: a mixture of experts' layer, grouped by expert (``moe_cpu.cc``; ``jaxserve.models.moe``)
+TARGET_MOE = "jaxserve_moe_cpu"
+SYMBOL_MOE = "JaxserveMoeCpu"
 #: extra compiler flags (space-separated), appended to FLAGS and part of the
 #: cache key: tests build the portable loops with ``-mno-avx512vnni``
 EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
@@ -159,6 +169,7 @@ def available() -> bool:
                     (TARGET_MATVEC, SYMBOL_MATVEC),
                     (TARGET_ARGMAX, SYMBOL_ARGMAX),
                     (TARGET_QMATMUL, SYMBOL_QMATMUL),
+                    (TARGET_MOE, SYMBOL_MOE),
                 )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
@@ -375,6 +386,99 @@ def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     )
 
 
+#: :func:`moe_cpu`'s ``kind`` of a float32 stack (the quantized kinds are ``_QUANT_KINDS``')
+_MOE_F32 = 3
+_MOE_ACTIVATIONS = {"silu": 0, "swiglu_oss": 1}
+
+
+def _moe_kind(w) -> int | None:
+    """A stack's kind for :func:`moe_cpu`, None for one it does not read."""
+    if getattr(w, "kind", None) in _QUANT_KINDS:
+        return _QUANT_KINDS[w.kind]
+    if isinstance(w, jax.Array) and w.dtype == jnp.float32:
+        return _MOE_F32
+    return None
+
+
+def moe_serves(gate_up, down, x: jax.Array) -> bool:
+    """Whether :func:`moe_cpu` computes a MoE layer of these expert stacks
+    (``gate_up`` ``[X, 2I, E]``, ``down`` ``[X, E, I]``: float32 arrays, or
+    ``jaxserve.models.quant.QuantizedWeight`` stacks) for feature-major
+    ``x`` ``[E, T]``: any token count, one device's weights (availability
+    is :func:`available`)."""
+    kinds = (_moe_kind(gate_up), _moe_kind(down))
+    if None in kinds or (kinds[0] == _MOE_F32) != (kinds[1] == _MOE_F32):
+        return False
+    g, d = tuple(gate_up.shape), tuple(down.shape)
+    return (
+        len(g) == 3
+        and len(d) == 3
+        and g[1] % 2 == 0
+        and d == (g[0], g[2], g[1] // 2)
+        and x.ndim == 2
+        and x.shape[0] == g[2]
+        and jnp.issubdtype(x.dtype, jnp.floating)
+    )
+
+
+def moe_cpu(
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    gate_up,
+    down,
+    b_gate_up: jax.Array | None = None,
+    b_down: jax.Array | None = None,
+    *,
+    activation: str = "silu",
+    swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702,
+) -> jax.Array:
+    """A mixture of experts' MLP from the C++ kernel (``moe_cpu.cc``):
+    float32 ``[E, T]`` for feature-major ``x`` ``[E, T]``, each token
+    through its experts ``ids`` (int32 ``[T, k]``) weighted by ``weights``
+    (``[T, k]``) and added in that order, each expert computing its tokens
+    as one group. ``gate_up`` ``[X, 2I, E]`` (gate rows then up rows) and
+    ``down`` ``[X, E, I]``: float32 or ``QuantizedWeight`` stacks (the
+    inputs then quantized per token and block as ``qmatmul_cpu`` does);
+    optional biases ``[X, 2I]`` and ``[X, E]``; ``activation`` as
+    ``jaxserve.models.moe.expert_activation``. Call :func:`available` first."""
+    if not moe_serves(gate_up, down, x):
+        raise ValueError(
+            "moe_cpu takes float32 or quantized stacks gate_up [X, 2I, E] and down [X, E, I] and x [E, T], not "
+            f"{list(getattr(gate_up, 'shape', ()))}, {list(getattr(down, 'shape', ()))} and {list(x.shape)}"
+        )
+    if activation not in _MOE_ACTIVATIONS:
+        raise ValueError(f"moe_cpu: activation must be one of {', '.join(_MOE_ACTIVATIONS)}, not {activation!r}")
+
+    def buffers(w) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if _moe_kind(w) != _MOE_F32:  # a QuantizedWeight stack
+            return w.q, w.scale, w.scale if w.min is None else w.min
+        none = jnp.zeros((0,), jnp.float16)
+        return w, none, none
+
+    def bias(b: jax.Array | None) -> jax.Array:
+        return jnp.zeros((0,), jnp.float32) if b is None else b.astype(jnp.float32)
+
+    kind_gate_up, kind_down = _moe_kind(gate_up), _moe_kind(down)
+    assert kind_gate_up is not None and kind_down is not None  # moe_serves said so
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET_MOE, out)(
+        x.astype(jnp.float32),
+        ids.astype(jnp.int32),
+        weights.astype(jnp.float32),
+        *buffers(gate_up),
+        *buffers(down),
+        bias(b_gate_up),
+        bias(b_down),
+        kind_gate_up=np.int32(kind_gate_up),
+        kind_down=np.int32(kind_down),
+        activation=np.int32(_MOE_ACTIVATIONS[activation]),
+        limit=np.float32(swiglu_limit),
+        alpha=np.float32(swiglu_alpha),
+    )
+
+
 def vocab_argmax_serves(logits_t: jax.Array) -> bool:
     """Whether :func:`vocab_argmax_cpu` takes these logits: float32 ``[V, R]``,
     ``V, R >= 1`` (availability is :func:`available`)."""
@@ -399,6 +503,8 @@ __all__ = [
     "matmul_pays",
     "matvec_cpu",
     "matvec_pays",
+    "moe_cpu",
+    "moe_serves",
     "paged_attention_cpu",
     "paged_attention_cpu_fm",
     "qmatmul_cpu",

@@ -1,0 +1,661 @@
+// A mixture-of-experts MLP computed grouped by expert, as an XLA FFI custom
+// call (jaxserve.models.moe; the router's top-k choice is made in JAX).
+//
+//   x       f32 [E, T]      the layer's input, feature-major
+//   ids     s32 [T, k]      each token's experts, in routing order
+//   weights f32 [T, k]      their routing weights
+//   gate_up [X, 2I, E]      q8_0/q4_0/q4_1 blocks (q, scale, min as in
+//   down    [X, E, I]       qmatmul_cpu.cc; min unread but for q4_1) or f32
+//   b_gate_up f32 [X, 2I], b_down f32 [X, E]   (or [0]: no bias)
+//   out     f32 [E, T]
+//
+// Four steps, three of them on XLA's thread pool:
+//
+// 0. (calling thread) The T * k (token, expert) pairs are counted into
+//    groups by expert, stable by token, and the inputs quantized per token
+//    and block of 32 (quantized gate_up; as quant.quantize_activations and
+//    qmatmul_cpu.cc do), once for every expert that reads them.
+// 1. Items of (expert, 32 or more rows of the intermediate): the gate and
+//    up rows of the expert's tokens, the activation, and (quantized down)
+//    the activation quantized per pair and block of 32 intermediate rows.
+// 2. Items of (expert, 128 rows of the output): down over the same tokens,
+//    one float32 row of E per pair.
+// 3. Items of output rows: each token's k pair rows weighted and added in
+//    its routing order.
+//
+// So each expert's weights are read once per call, whatever its number of
+// tokens, an expert no token chose is never read, and a token's result is
+// a fixed function of its own inputs: a tile computes each (weight row,
+// token) the same way whatever else the group holds, and step 3 adds a
+// token's k rows in routing order (tests/test_moe.py: bitwise the same
+// alone or in a batch).
+//
+// The tile: 16 weight rows in the 16 lanes, tokens one at a time. Weights
+// are stored row by row ([out, in]), so each 64-byte chunk of 16 rows is
+// loaded as 16 vectors and transposed in registers (64 shuffles) into
+// vectors holding the same 4 input features of the 16 rows; each serves
+// every token of the group through one vpdpbusd against that token's 4
+// int8 inputs broadcast. A block's 8 vpdpbusd give its exact int32 dot for
+// the 16 rows, then acc = fma(float(dot), d * dx, acc) in block order: for
+// one (row, token) the same float arithmetic as qmatmul_cpu.cc's prefill
+// loop (tokens in lanes), so the grouped layer is the dense product applied
+// to each expert's rows. The alternative, tokens in lanes, pays only for
+// groups of 16 tokens or more: a decode step's groups hold 1 to a dozen
+// tokens (64 sequences, 8 of 128 experts each: about 4 per expert), where
+// the lanes would be mostly empty; rows in lanes keeps every lane busy at
+// any group size, and the transpose costs 4 shuffles per 64 weight bytes,
+// once per group, against the memory time of reading them at decode
+// sizes. float32 stacks use the same tile with one FMA per input feature, in
+// feature order.
+//
+// The next tile's rows are prefetched as a tile reads its own (16 streams;
+// matvec_cpu.cc found the hardware prefetchers do not run far enough ahead
+// of interleaved rows).
+//
+// Compile-time dispatch as qmatmul_cpu.cc: the intrinsic tiles need AVX-512
+// VNNI and BW; other targets build portable loops with the same integer
+// dots and per-(row, token) sums.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "run_on_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(JAXSERVE_QUANT_PORTABLE)
+#define JAXSERVE_MOE_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kUpRowsPerItem = 64;     // step 1: intermediate rows per item (whole blocks)
+constexpr int64_t kDownRowsPerItem = 128;  // step 2: output rows per item
+constexpr int64_t kCombineRowsPerItem = 256;
+enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF32 = 3 };
+enum Activation : int32_t { kSilu = 0, kSwigluOss = 1 };
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400u) == 0);
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3FFu) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One expert stack: X matrices [O, K].
+struct Stack {
+  int32_t kind = kF32;
+  const uint8_t* q = nullptr;  // int8/uint8 blocks' quants, or float32 values
+  const uint16_t* scale = nullptr;
+  const uint16_t* mins = nullptr;
+  int64_t O = 0, K = 0, G = 0, row_bytes = 0;
+
+  const uint8_t* Row(int64_t e, int64_t o) const { return q + (e * O + o) * row_bytes; }
+  const uint16_t* Scales(int64_t e, int64_t o) const { return scale + (e * O + o) * G; }
+  const uint16_t* Mins(int64_t e, int64_t o) const { return mins + (e * O + o) * G; }
+};
+
+// The inputs of a set of rows (tokens, or pairs), K features each: int8
+// quants token-major with per-block dx, the vpdpbusd start (the offset
+// correction of the weight kind: -128 * sum(xq) for q8_0's flipped weights,
+// -8 * sum for q4_0, 0 for q4_1) and dx * sum (q4_1); or float32 rows.
+struct Inputs {
+  int64_t K = 0, G = 0;
+  std::unique_ptr<int8_t[]> xq;
+  std::unique_ptr<float[]> dx, dxs, xf;
+  std::unique_ptr<int32_t[]> start;
+};
+
+// Quantizes one row of K floats into row `r` of `in` (as
+// quant.quantize_activations: d = amax * f32(1/127), xq = round-half-even(x *
+// (1 / d)); the volatiles keep -ffast-math from rewriting either rounding).
+void QuantizeRow(const float* x, int64_t r, int32_t kind, Inputs& in, int64_t b0 = 0, int64_t b1 = -1) {
+  const int64_t K = in.K, G = in.G;
+  if (b1 < 0) b1 = G;
+  const int32_t per_block = kind == kQ8_0 ? 128 : (kind == kQ4_0 ? 8 : 0);
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* v = x + b * kGroup;
+    int8_t* q = in.xq.get() + r * K + b * kGroup;
+    int32_t sum = 0;
+#if defined(JAXSERVE_MOE_VNNI)
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    volatile float d_kept = amax * (1.0f / 127.0f);
+    const float d = d_kept;
+    volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 inv = _mm512_set1_ps(inv_kept);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(v[k]));
+    volatile float d_kept = amax * (1.0f / 127.0f);
+    const float d = d_kept;
+    volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
+    const float inv = inv_kept;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
+      sum += q[k];
+    }
+#endif
+    in.dx[r * G + b] = d;
+    in.start[r * G + b] = -per_block * sum;
+    in.dxs[r * G + b] = d * static_cast<float>(sum);
+  }
+}
+
+void AllocateInputs(Inputs& in, int64_t rows, int64_t K, bool quantized) {
+  in.K = K;
+  in.G = K / kGroup;
+  if (quantized) {
+    in.xq.reset(new int8_t[rows * K]);
+    in.dx.reset(new float[rows * in.G]);
+    in.dxs.reset(new float[rows * in.G]);
+    in.start.reset(new int32_t[rows * in.G]);
+  } else {
+    in.xf.reset(new float[rows * K]);
+  }
+}
+
+// ------------------------------------------------------------------ portable
+
+// acc[i * 16 + r] = row (o0 + r) of expert e times input row rows[i], for
+// r < nrows (the tile's valid rows).
+void PortableTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in, const int32_t* rows,
+                  int64_t n, float* acc) {
+  const int64_t K = w.K, G = w.G;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = rows[i];
+    for (int64_t r = 0; r < nrows; ++r) {
+      float a = 0.0f;
+      if (w.kind == kF32) {
+        const float* wr = reinterpret_cast<const float*>(w.Row(e, o0 + r));
+        const float* x = in.xf.get() + t * K;
+        for (int64_t f = 0; f < K; ++f) a = std::fma(wr[f], x[f], a);
+      } else {
+        const uint8_t* wr = w.Row(e, o0 + r);
+        const uint16_t* sc = w.Scales(e, o0 + r);
+        const int8_t* x = in.xq.get() + t * K;
+        for (int64_t b = 0; b < G; ++b) {
+          int32_t dot = 0;
+          for (int k = 0; k < kGroup; ++k) {
+            int32_t wv;
+            if (w.kind == kQ8_0) {  // signed as stored: no offset to undo
+              wv = reinterpret_cast<const int8_t*>(wr)[b * kGroup + k];
+            } else {
+              const uint8_t byte = wr[b * (kGroup / 2) + k % 16];
+              wv = k < 16 ? (byte & 0x0F) : (byte >> 4);
+            }
+            dot += wv * x[b * kGroup + k];
+          }
+          if (w.kind != kQ8_0) dot += in.start[t * G + b];  // q4_0: -8 * sum(xq); q4_1: 0
+          const float dx = in.dx[t * G + b];
+          a = std::fma(static_cast<float>(dot), HalfToFloat(sc[b]) * dx, a);
+          if (w.kind == kQ4_1) a = std::fma(HalfToFloat(w.Mins(e, o0 + r)[b]), in.dxs[t * G + b], a);
+        }
+      }
+      acc[i * kTileRows + r] = a;
+    }
+  }
+}
+
+#if defined(JAXSERVE_MOE_VNNI)
+// ------------------------------------------------------------------ AVX-512
+
+// v[j] (16 dwords, one row each) -> v[j] holding dword j of every row, row r in lane r.
+inline void Transpose16(__m512i v[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // u[4a + b], 128-bit lane L: rows 4a..4a+3, dword 4L + b
+  for (int a = 0; a < 4; ++a) {
+    u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    const __m512i p0 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0x44), p1 = _mm512_shuffle_i32x4(u[b], u[4 + b], 0xEE);
+    const __m512i p2 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0x44), p3 = _mm512_shuffle_i32x4(u[8 + b], u[12 + b], 0xEE);
+    v[b] = _mm512_shuffle_i32x4(p0, p2, 0x88);
+    v[4 + b] = _mm512_shuffle_i32x4(p0, p2, 0xDD);
+    v[8 + b] = _mm512_shuffle_i32x4(p1, p3, 0x88);
+    v[12 + b] = _mm512_shuffle_i32x4(p1, p3, 0xDD);
+  }
+}
+
+// 64 weights (blocks 2c, 2c + 1) of a row as unsigned bytes in feature
+// order; `two` false: block 2c only (a row's last, odd block).
+template <int32_t kind>
+inline __m512i LoadChunk(const uint8_t* row, int64_t c, bool two) {
+  if (kind == kQ8_0) {
+    const __m512i w = two ? _mm512_loadu_si512(row + c * 64) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + c * 64);
+    return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m256i p = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32))
+                          : _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(p, mask), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo b0, lo b1, hi b0, hi b1
+    return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));                 // lo b0, hi b0, lo b1, hi b1
+  }
+}
+
+// Scales (or mins) of blocks b, b + 1 (`two`) of the tile's 16 rows (row r
+// at h + idx[r], idx in halves), as two float vectors.
+inline void LoadScales(const uint16_t* h, __m512i idx, int64_t stride, const int64_t* row_of_lane, bool two,
+                       __m512& s0, __m512& s1) {
+  if (two) {
+    const __m512i g = _mm512_i32gather_epi32(idx, reinterpret_cast<const int*>(h), 2);
+    s0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    s1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+  } else {
+    alignas(32) uint16_t tmp[16];
+    for (int r = 0; r < 16; ++r) tmp[r] = h[row_of_lane[r] * stride];
+    s0 = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+    s1 = s0;
+  }
+}
+
+template <int32_t kind>
+void QuantTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in, const int32_t* rows,
+               int64_t n, float* acc, const uint8_t* next) {
+  const int64_t K = w.K, G = w.G, rb = w.row_bytes, chunks = (G + 1) / 2;
+  const uint8_t* rowp[16];
+  int64_t lane_row[16];
+  for (int r = 0; r < 16; ++r) {
+    lane_row[r] = std::min<int64_t>(r, nrows - 1);
+    rowp[r] = w.Row(e, o0 + lane_row[r]);
+  }
+  const __m512i idx = _mm512_mullo_epi32(
+      _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_epi32(static_cast<int>(nrows - 1))),
+      _mm512_set1_epi32(static_cast<int>(G)));
+  const uint16_t* sc = w.Scales(e, o0);
+  const uint16_t* mn = kind == kQ4_1 ? w.Mins(e, o0) : nullptr;
+  for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc + i * 16, _mm512_setzero_ps());
+  const int64_t chunk_bytes = kind == kQ8_0 ? 64 : 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bool two = 2 * c + 1 < G;
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) {
+      v[r] = LoadChunk<kind>(rowp[r], c, two);
+      if (next != nullptr) __builtin_prefetch(next + r * rb + c * chunk_bytes, 0, 1);
+    }
+    Transpose16(v);
+    __m512 d0, d1, m0 = _mm512_setzero_ps(), m1 = _mm512_setzero_ps();
+    LoadScales(sc + 2 * c, idx, G, lane_row, two, d0, d1);
+    if (kind == kQ4_1) LoadScales(mn + 2 * c, idx, G, lane_row, two, m0, m1);
+    const int64_t b0 = 2 * c;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = rows[i];
+      const int8_t* x = in.xq.get() + t * K + c * 64;
+      const int64_t at = t * G + b0;
+      __m512 a = _mm512_loadu_ps(acc + i * 16);
+      __m512i dot0 = _mm512_set1_epi32(in.start[at]);
+      __m512i dot1 = _mm512_set1_epi32(two ? in.start[at + 1] : 0);
+      for (int j = 0; j < 8; ++j) {
+        int32_t x0;
+        std::memcpy(&x0, x + 4 * j, 4);
+        dot0 = _mm512_dpbusd_epi32(dot0, v[j], _mm512_set1_epi32(x0));
+        if (two) {
+          int32_t x1;
+          std::memcpy(&x1, x + 32 + 4 * j, 4);
+          dot1 = _mm512_dpbusd_epi32(dot1, v[8 + j], _mm512_set1_epi32(x1));
+        }
+      }
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(d0, _mm512_set1_ps(in.dx[at])), a);
+      if (kind == kQ4_1) a = _mm512_fmadd_ps(m0, _mm512_set1_ps(in.dxs[at]), a);
+      if (two) {
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(d1, _mm512_set1_ps(in.dx[at + 1])), a);
+        if (kind == kQ4_1) a = _mm512_fmadd_ps(m1, _mm512_set1_ps(in.dxs[at + 1]), a);
+      }
+      _mm512_storeu_ps(acc + i * 16, a);
+    }
+  }
+}
+
+void FloatTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in, const int32_t* rows,
+               int64_t n, float* acc, const uint8_t* next) {
+  const int64_t K = w.K, rb = w.row_bytes;
+  const float* rowp[16];
+  for (int r = 0; r < 16; ++r) rowp[r] = reinterpret_cast<const float*>(w.Row(e, o0 + std::min<int64_t>(r, nrows - 1)));
+  for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(acc + i * 16, _mm512_setzero_ps());
+  for (int64_t f0 = 0; f0 < K; f0 += 16) {
+    const int64_t valid = std::min<int64_t>(16, K - f0);
+    const __mmask16 keep = valid == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) {
+      v[r] = _mm512_castps_si512(_mm512_maskz_loadu_ps(keep, rowp[r] + f0));
+      if (next != nullptr) __builtin_prefetch(next + r * rb + f0 * 4, 0, 1);
+    }
+    Transpose16(v);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* x = in.xf.get() + rows[i] * K + f0;
+      __m512 a = _mm512_loadu_ps(acc + i * 16);
+      for (int64_t j = 0; j < valid; ++j) a = _mm512_fmadd_ps(_mm512_castsi512_ps(v[j]), _mm512_set1_ps(x[j]), a);
+      _mm512_storeu_ps(acc + i * 16, a);
+    }
+  }
+}
+#endif  // JAXSERVE_MOE_VNNI
+
+// acc [n, 16]: rows o0 .. o0 + nrows - 1 of expert e against inputs rows[0..n).
+void Tile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in, const int32_t* rows, int64_t n,
+          float* acc, const uint8_t* next) {
+#if defined(JAXSERVE_MOE_VNNI)
+  switch (w.kind) {
+    case kQ8_0: return QuantTile<kQ8_0>(w, e, o0, nrows, in, rows, n, acc, next);
+    case kQ4_0: return QuantTile<kQ4_0>(w, e, o0, nrows, in, rows, n, acc, next);
+    case kQ4_1: return QuantTile<kQ4_1>(w, e, o0, nrows, in, rows, n, acc, next);
+    default: return FloatTile(w, e, o0, nrows, in, rows, n, acc, next);
+  }
+#else
+  (void)next;
+  PortableTile(w, e, o0, nrows, in, rows, n, acc);
+#endif
+}
+
+float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+struct Moe {
+  int64_t E = 0, T = 0, k = 0, X = 0, I = 0, P = 0;
+  Stack gate_up, down;
+  const float* b_gate_up = nullptr;  // [X, 2I] or null
+  const float* b_down = nullptr;     // [X, E] or null
+  const float* weights = nullptr;    // [T, k]
+  int32_t activation = kSilu;
+  float limit = 7.0f, alpha = 1.702f;
+  float* out = nullptr;  // [E, T]
+
+  std::vector<int64_t> offset, count;  // per expert: first sorted row, rows
+  std::vector<int32_t> token;          // sorted row -> token
+  std::vector<int32_t> sorted_of_pair;  // pair t * k + j -> sorted row
+  std::vector<int32_t> iota;           // sorted row -> itself (step 2's input rows)
+  Inputs x_in;    // per token, for gate_up
+  Inputs act_in;  // per sorted row, for down
+  std::unique_ptr<float[]> act;  // [P, I] (the float act when down is quantized)
+  std::unique_ptr<float[]> y;    // [P, E]
+  struct Item {
+    int32_t expert;
+    int32_t r0, r1;
+  };
+  std::vector<Item> up_items, down_items;
+};
+
+// Step 1 item: gate and up rows [r0, r1) of an expert, its activation.
+void UpItem(Moe& m, const Moe::Item& it) {
+  const int64_t e = it.expert, n = m.count[e], I = m.I;
+  const int32_t* rows = m.token.data() + m.offset[e];
+  std::vector<float> g(static_cast<size_t>(n * kTileRows)), u(static_cast<size_t>(n * kTileRows));
+  const bool quantized_down = m.down.kind != kF32;
+  for (int64_t r = it.r0; r < it.r1; r += kTileRows) {
+    const int64_t nrows = std::min<int64_t>(kTileRows, it.r1 - r);
+    Tile(m.gate_up, e, r, nrows, m.x_in, rows, n, g.data(), m.gate_up.Row(e, I + r));
+    const uint8_t* next = r + kTileRows < I ? m.gate_up.Row(e, r + kTileRows) : nullptr;
+    Tile(m.gate_up, e, I + r, nrows, m.x_in, rows, n, u.data(), next);
+    const float* bg = m.b_gate_up ? m.b_gate_up + e * 2 * I + r : nullptr;
+    const float* bu = m.b_gate_up ? m.b_gate_up + e * 2 * I + I + r : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = (quantized_down ? m.act.get() : m.act_in.xf.get()) + (m.offset[e] + i) * I + r;
+      for (int64_t j = 0; j < nrows; ++j) {
+        float gv = g[i * kTileRows + j], uv = u[i * kTileRows + j];
+        if (bg) gv += bg[j], uv += bu[j];
+        if (m.activation == kSwigluOss) {
+          gv = std::min(gv, m.limit);
+          uv = std::min(std::max(uv, -m.limit), m.limit);
+          dst[j] = (uv + 1.0f) * (gv * Sigmoid(m.alpha * gv));
+        } else {
+          dst[j] = gv * Sigmoid(gv) * uv;
+        }
+      }
+    }
+  }
+  if (quantized_down) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = m.offset[e] + i;
+      QuantizeRow(m.act.get() + s * I, s, m.down.kind, m.act_in, it.r0 / kGroup, it.r1 / kGroup);
+    }
+  }
+}
+
+// Step 2 item: down rows [r0, r1) of an expert over its sorted rows.
+void DownItem(Moe& m, const Moe::Item& it) {
+  const int64_t e = it.expert, n = m.count[e], E = m.E;
+  const int32_t* rows = m.iota.data() + m.offset[e];
+  std::vector<float> acc(static_cast<size_t>(n * kTileRows));
+  for (int64_t r = it.r0; r < it.r1; r += kTileRows) {
+    const int64_t nrows = std::min<int64_t>(kTileRows, it.r1 - r);
+    const uint8_t* next = r + kTileRows < E ? m.down.Row(e, r + kTileRows) : nullptr;
+    Tile(m.down, e, r, nrows, m.act_in, rows, n, acc.data(), next);
+    const float* b = m.b_down ? m.b_down + e * E + r : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      float* dst = m.y.get() + (m.offset[e] + i) * E + r;
+      for (int64_t j = 0; j < nrows; ++j) dst[j] = b ? acc[i * kTileRows + j] + b[j] : acc[i * kTileRows + j];
+    }
+  }
+}
+
+// Step 3 item: output rows [r0, r1), each token's pairs in routing order.
+void CombineItem(Moe& m, int64_t r0, int64_t r1) {
+  const int64_t T = m.T, k = m.k, E = m.E;
+  float sum[kCombineRowsPerItem];
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t r = r0; r < r1; ++r) sum[r - r0] = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const float wj = m.weights[t * k + j];
+      const float* y = m.y.get() + static_cast<int64_t>(m.sorted_of_pair[t * k + j]) * E;
+      for (int64_t r = r0; r < r1; ++r) sum[r - r0] += wj * y[r];
+    }
+    for (int64_t r = r0; r < r1; ++r) m.out[r * T + t] = sum[r - r0];
+  }
+}
+
+template <int Step>
+struct StepJob {
+  Moe* m;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void RunItem(int64_t item) const {
+    if (Step == 1) {
+      UpItem(*m, m->up_items[item]);
+    } else if (Step == 2) {
+      DownItem(*m, m->down_items[item]);
+    } else {
+      const int64_t r0 = item * kCombineRowsPerItem;
+      CombineItem(*m, r0, std::min(m->E, r0 + kCombineRowsPerItem));
+    }
+  }
+  void Run() { jaxserve_cpu::RunItems(*this, items); }
+};
+
+template <int Step>
+void RunStep(ffi::ThreadPool& pool, Moe& m, int64_t items) {
+  if (items == 0) return;
+  auto job = std::make_shared<StepJob<Step>>();
+  job->m = &m;
+  job->items = items;
+  const int64_t threads = jaxserve_cpu::Workers(pool);
+  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, items - 1), items);
+}
+
+Stack MakeStack(int32_t kind, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer mins, int64_t X, int64_t O,
+                int64_t K) {
+  Stack s;
+  s.kind = kind;
+  s.q = static_cast<const uint8_t*>(q.untyped_data());
+  s.scale = static_cast<const uint16_t*>(scale.untyped_data());
+  s.mins = static_cast<const uint16_t*>(mins.untyped_data());
+  s.O = O;
+  s.K = K;
+  s.G = K / kGroup;
+  s.row_bytes = kind == kF32 ? 4 * K : (kind == kQ8_0 ? K : K / 2);
+  (void)X;
+  return s;
+}
+
+// Whether a stack's buffers have the shapes of X matrices [O, K] of `kind`.
+bool StackShapeOk(int32_t kind, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer mins, int64_t X, int64_t O,
+                  int64_t K) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 || qd[0] != X || qd[1] != O) return false;
+  if (kind == kF32) return q.element_type() == ffi::DataType::F32 && qd[2] == K;
+  if (K % kGroup || qd[2] != (kind == kQ8_0 ? K : K / 2)) return false;
+  const auto sd = scale.dimensions();
+  if (sd.size() != 3 || sd[0] != X || sd[1] != O || sd[2] != K / kGroup) return false;
+  if (kind == kQ4_1) {
+    const auto md = mins.dimensions();
+    if (md.size() != 3 || md[0] != X || md[1] != O || md[2] != K / kGroup) return false;
+  }
+  return true;
+}
+
+ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_q, ffi::AnyBuffer gu_scale, ffi::AnyBuffer gu_min,
+                   ffi::AnyBuffer dn_q, ffi::AnyBuffer dn_scale, ffi::AnyBuffer dn_min, ffi::Buffer<ffi::F32> b_gate_up,
+                   ffi::Buffer<ffi::F32> b_down, ffi::ResultBuffer<ffi::F32> out, int32_t kind_gate_up,
+                   int32_t kind_down, int32_t activation, float limit, float alpha) {
+  const auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 2 || od.size() != 2) {
+    return ffi::Error::InvalidArgument("moe_cpu: x, ids, weights and out need rank 2");
+  }
+  const int64_t E = xd[0], T = xd[1], k = idd[1];
+  const auto gd = gu_q.dimensions();
+  if (gd.size() != 3) return ffi::Error::InvalidArgument("moe_cpu: gate_up needs rank 3");
+  const int64_t X = gd[0], I = gd[1] / 2;
+  auto kind_ok = [](int32_t kd) { return kd >= kQ8_0 && kd <= kF32; };
+  if (!kind_ok(kind_gate_up) || !kind_ok(kind_down) || (activation != kSilu && activation != kSwigluOss)) {
+    return ffi::Error::InvalidArgument("moe_cpu: kind must be 0-3 and activation 0 or 1");
+  }
+  if (idd[0] != T || wd[0] != T || wd[1] != k || od[0] != E || od[1] != T || k < 1 || X < 1 || I < 1 ||
+      gd[1] != 2 * I || !StackShapeOk(kind_gate_up, gu_q, gu_scale, gu_min, X, 2 * I, E) ||
+      !StackShapeOk(kind_down, dn_q, dn_scale, dn_min, X, E, I) || (kind_down != kF32 && I % kGroup)) {
+    return ffi::Error::InvalidArgument(
+        "moe_cpu: needs x [E, T], ids and weights [T, k], gate_up [X, 2I, E] and down [X, E, I] stacks of their kinds");
+  }
+  const bool has_bgu = b_gate_up.element_count() > 0, has_bdn = b_down.element_count() > 0;
+  if ((has_bgu && b_gate_up.element_count() != X * 2 * I) || (has_bdn && b_down.element_count() != X * E)) {
+    return ffi::Error::InvalidArgument("moe_cpu: b_gate_up must be [X, 2I] and b_down [X, E] (or empty)");
+  }
+  Moe m;
+  m.E = E, m.T = T, m.k = k, m.X = X, m.I = I, m.P = T * k;
+  m.gate_up = MakeStack(kind_gate_up, gu_q, gu_scale, gu_min, X, 2 * I, E);
+  m.down = MakeStack(kind_down, dn_q, dn_scale, dn_min, X, E, I);
+  m.b_gate_up = has_bgu ? b_gate_up.typed_data() : nullptr;
+  m.b_down = has_bdn ? b_down.typed_data() : nullptr;
+  m.weights = weights.typed_data();
+  m.activation = activation, m.limit = limit, m.alpha = alpha;
+  m.out = out->typed_data();
+  if (T == 0) return ffi::Error::Success();
+
+  // Step 0: group the pairs by expert (counting sort, stable by token).
+  const int32_t* id = ids.typed_data();
+  m.count.assign(X, 0);
+  for (int64_t p = 0; p < m.P; ++p) {
+    if (id[p] < 0 || id[p] >= X) return ffi::Error::InvalidArgument("moe_cpu: an expert id is out of range");
+    ++m.count[id[p]];
+  }
+  m.offset.assign(X, 0);
+  for (int64_t e = 1; e < X; ++e) m.offset[e] = m.offset[e - 1] + m.count[e - 1];
+  std::vector<int64_t> fill(m.offset);
+  m.token.resize(m.P);
+  m.sorted_of_pair.resize(m.P);
+  m.iota.resize(m.P);
+  for (int64_t p = 0; p < m.P; ++p) {
+    const int64_t s = fill[id[p]]++;
+    m.token[s] = static_cast<int32_t>(p / k);
+    m.sorted_of_pair[p] = static_cast<int32_t>(s);
+    m.iota[p] = static_cast<int32_t>(p);
+  }
+  // The inputs, token-major, quantized for a quantized gate_up.
+  const float* xf = x.typed_data();
+  std::unique_ptr<float[]> token_major;
+  if (T > 1) {
+    token_major.reset(new float[T * E]);
+    for (int64_t f = 0; f < E; ++f)
+      for (int64_t t = 0; t < T; ++t) token_major[t * E + f] = xf[f * T + t];
+  }
+  const float* rows = T > 1 ? token_major.get() : xf;
+  if (kind_gate_up == kF32) {
+    m.x_in.K = E;
+    m.x_in.xf = std::move(token_major);
+    if (!m.x_in.xf) {
+      m.x_in.xf.reset(new float[E]);
+      std::memcpy(m.x_in.xf.get(), xf, sizeof(float) * E);
+    }
+  } else {
+    AllocateInputs(m.x_in, T, E, true);
+    for (int64_t t = 0; t < T; ++t) QuantizeRow(rows + t * E, t, kind_gate_up, m.x_in);
+  }
+  AllocateInputs(m.act_in, m.P, I, kind_down != kF32);
+  if (kind_down != kF32) m.act.reset(new float[m.P * I]);
+  m.y.reset(new float[m.P * E]);
+
+  for (int64_t e = 0; e < X; ++e) {
+    if (m.count[e] == 0) continue;
+    for (int64_t r = 0; r < I; r += kUpRowsPerItem)
+      m.up_items.push_back({static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(std::min(I, r + kUpRowsPerItem))});
+    for (int64_t r = 0; r < E; r += kDownRowsPerItem)
+      m.down_items.push_back({static_cast<int32_t>(e), static_cast<int32_t>(r), static_cast<int32_t>(std::min(E, r + kDownRowsPerItem))});
+  }
+  RunStep<1>(pool, m, static_cast<int64_t>(m.up_items.size()));
+  RunStep<2>(pool, m, static_cast<int64_t>(m.down_items.size()));
+  RunStep<3>(pool, m, (E + kCombineRowsPerItem - 1) / kCombineRowsPerItem);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("kind_gate_up")
+                                  .Attr<int32_t>("kind_down")
+                                  .Attr<int32_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha"));
