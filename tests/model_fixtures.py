@@ -144,6 +144,94 @@ def qwen3(folder: str, *, std: float = STD, seed: int = 4, tied: bool = False, *
     return _save(m, folder)
 
 
+def mixtral(folder: str, *, std: float = STD, seed: int = 6, sliding_window: int | None = 24, **overrides) -> str:
+    """Mixtral: 4 experts of width 48, top-2, a sliding window on every layer."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    moe = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    cfg = MixtralConfig(
+        **{**TINY, **moe, "sliding_window": sliding_window, **overrides},
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        attn_implementation="eager",
+    )
+    m = MixtralForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def qwen3_moe(folder: str, *, std: float = STD, seed: int = 7, **overrides) -> str:
+    """Qwen3-MoE: 8 experts of width 32, top-2, weights not renormalized
+    (transformers' default), and a dense MLP (width 96) on the middle layer
+    of three (``mlp_only_layers``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    moe = dict(
+        num_hidden_layers=3,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    )
+    cfg = Qwen3MoeConfig(
+        **{**TINY, **moe, **overrides},
+        head_dim=24,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        attn_implementation="eager",
+    )
+    m = Qwen3MoeForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def gpt_oss(folder: str, *, std: float = STD, seed: int = 8, **overrides) -> str:
+    """gpt-oss: a sliding layer (24 tokens), then a full one; attention sinks
+    around 1 (so they take a real share of each softmax); YaRN as released
+    (factor 32 over 4096, betas 32 / 1, no rounding), which with head_dim 16
+    puts the ramp across dimensions 2-4; 4 biased experts of width 48, top-2,
+    and an activation limit low enough (1.5) that the clamps bind.
+
+    Two layers, not three: with a third, bfloat16 rounding flips a few
+    tokens' expert choice in it (transformers' own bfloat16 run is then 7 %
+    off its float32 logits), which measures the routing's discontinuity,
+    not the bfloat16 path."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    shape = dict(
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=24,
+        swiglu_limit=1.5,
+        max_position_embeddings=131072,  # 4096 * 32: what yarn's factor says
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+    cfg = GptOssConfig(**{**TINY, **shape, **overrides}, tie_word_embeddings=False, attn_implementation="eager")
+    m = GptOssForCausalLM(cfg)
+    _randomize(m, seed, std)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
+    return _save(m, folder)
+
+
 def _gemma_norms(model: torch.nn.Module) -> None:
     """Gemma stores a norm's weight minus one (it scales by ``1 + w``): shift
     the re-drawn weights (around 1) to around 0, so each norm scales by about
@@ -279,4 +367,7 @@ FAMILIES: dict[str, Callable[[str], str]] = {
     "qwen3": qwen3,
     "gemma2": gemma2,
     "gemma3": gemma3,
+    "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "gpt_oss": gpt_oss,
 }

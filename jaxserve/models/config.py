@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from jaxserve.models.errors import ModelLoadError
 
 #: rope types the model implements (:mod:`jaxserve.models.rope`)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: MLP activations (``hidden_act`` / ``hidden_activation``) the decoder implements
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -62,8 +63,10 @@ NORM_PLACES = ("attn", "attn_out", "ffn", "ffn_out")
 class RopeConfig:
     """Rotary embedding settings.
 
-    ``rope_type`` is one of ``default``, ``linear``, ``llama3``. ``factor`` is
-    used by ``linear`` and ``llama3``; the other three fields by ``llama3`` only.
+    ``rope_type`` is one of ``default``, ``linear``, ``llama3``, ``yarn``.
+    ``factor`` is used by ``linear``, ``llama3`` and ``yarn``; the two
+    frequency factors by ``llama3`` only, ``original_max_position_embeddings``
+    by ``llama3`` and ``yarn``.
     ``freq_factors``: each frequency divided by its factor after that (a
     GGUF file's ``rope_freqs`` tensor, which is how llama.cpp stores Llama
     3.1's scaling; written to the derived ``config.json`` as
@@ -77,6 +80,15 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     freq_factors: tuple[float, ...] | None = None
+    #: ``yarn``: the ramp between extrapolated and interpolated frequencies
+    #: (``beta_fast`` / ``beta_slow`` rotations), its ends rounded outwards
+    #: to whole dimensions when ``truncate``
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    #: cos and sin multiplied by this (``yarn``'s attention factor: it
+    #: scales every attention logit by its square)
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,9 +372,46 @@ def read_rope(
         kw["low_freq_factor"] = float(scaling["low_freq_factor"])
         kw["high_freq_factor"] = float(scaling["high_freq_factor"])
         kw["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if rope_type == "yarn":
+        kw.update(_yarn(d, scaling, source))
     if d.get("rope_freq_factors") is not None:
         kw["freq_factors"] = tuple(float(f) for f in d["rope_freq_factors"])
     return RopeConfig(**kw)
+
+
+def _yarn(d: Mapping[str, Any], scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """YaRN's settings as transformers reads them: ``factor`` defaults to
+    ``max_position_embeddings / original_max_position_embeddings``, the
+    attention factor to ``0.1 * ln(factor) + 1`` (or the ratio of two such
+    terms with ``mscale`` / ``mscale_all_dim``), betas to 32 and 1;
+    ``truncate`` sits beside the per-layer-type dicts when there are some."""
+    original = scaling.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError(f"{source}: rope type 'yarn' needs 'original_max_position_embeddings'")
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(required(d, "max_position_embeddings", source)) / float(original)
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    params = d.get("rope_parameters")
+    truncate = params.get("truncate") if isinstance(params, Mapping) else None
+    if truncate is None:
+        truncate = scaling.get("truncate", True)
+    return {
+        "factor": factor,
+        "original_max_position_embeddings": int(original),
+        "beta_fast": float(scaling.get("beta_fast") or 32.0),
+        "beta_slow": float(scaling.get("beta_slow") or 1.0),
+        "truncate": bool(truncate),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def read_layer_types(d: Mapping[str, Any], source: str, default: list[str] | None = None) -> tuple[str, ...]:

@@ -278,7 +278,7 @@ class CausalLM(nnx.Module):
 
         def rope_tables(rope: RopeConfig) -> tuple[jax.Array, jax.Array]:
             if rope not in tables:
-                tables[rope] = rope_cos_sin(positions, inv_frequencies(rope, rotary))
+                tables[rope] = rope_cos_sin(positions, inv_frequencies(rope, rotary), rope.attention_factor)
             return tables[rope]
 
         embed = _value(self.embed)

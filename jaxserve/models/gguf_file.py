@@ -68,6 +68,7 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "MXFP4",  # gpt-oss's released experts (read as float: gguf.quants dequantizes it)
 )
 
 # GGUF tensors that are not weights of the model (llama.cpp writes rope tables)
@@ -85,6 +86,37 @@ def hf_to_gguf_name(name: str, spec: GGUFSpec) -> str | None:
         if index.isdigit() and rest in spec.layer_names:
             return f"blk.{index}.{spec.layer_names[rest]}"
     return None
+
+
+def hf_expert_name(name: str, spec: GGUFSpec) -> tuple[str, int] | None:
+    """``model.layers.3.mlp.experts.7.up_proj.weight`` -> (``blk.3.ffn_up_exps.weight``, 7)
+    under ``spec``'s ``expert_names`` (None when the name is not one)."""
+    prefix = "model.layers."
+    if not spec.expert_names or not name.startswith(prefix):
+        return None
+    index, _, rest = name[len(prefix) :].partition(".")
+    if not index.isdigit():
+        return None
+    for pattern, stacked in spec.expert_names.items():
+        head, _, tail = pattern.partition("{j}")
+        if rest.startswith(head) and rest.endswith(tail) and len(rest) > len(head) + len(tail):
+            expert = rest[len(head) : len(rest) - len(tail)]
+            if expert.isdigit():
+                return f"blk.{index}.{stacked}", int(expert)
+    return None
+
+
+def _joined(name: str, spec: GGUFSpec) -> tuple[list[str], bool] | None:
+    """The GGUF tensors a joined Hugging Face tensor was split into, and
+    whether each is transposed (:class:`~jaxserve.models.gguf_spec.JoinedTensor`)."""
+    prefix = "model.layers."
+    if not spec.joined_names or not name.startswith(prefix):
+        return None
+    index, _, rest = name[len(prefix) :].partition(".")
+    joined = spec.joined_names.get(rest)
+    if joined is None or not index.isdigit():
+        return None
+    return [f"blk.{index}.{part}" for part in joined.parts], joined.transposed
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
@@ -189,33 +221,50 @@ class GGUFCheckpoint:
         self._reader = None
 
     def __contains__(self, name: str) -> bool:
+        joined = _joined(name, self.spec)
+        if joined is not None:
+            return all(part in self._tensors for part in joined[0])
+        expert = hf_expert_name(name, self.spec)
+        if expert is not None:
+            stacked, j = expert
+            return stacked in self._tensors and j < self._gguf_shape(self._tensors[stacked])[0]
         gguf_name = hf_to_gguf_name(name, self.spec)
         return gguf_name is not None and gguf_name in self._tensors
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """Hugging Face shape (``[out, in]`` for a matrix)."""
-        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        """Hugging Face shape (``[out, in]`` for a matrix; one expert's of a stacked tensor)."""
+        joined = _joined(name, self.spec)
+        if joined is not None:
+            parts, transposed = joined
+            dims = list(self._gguf_shape(self._by_gguf_name(parts[0], name)))
+            if transposed:
+                dims[-2:] = dims[-1], dims[-2]
+            dims[-1] *= len(parts)
+            return tuple(dims)
+        tensor, expert = self._tensor_and_expert(name)
+        shape = self._gguf_shape(tensor)
+        return shape if expert is None else shape[1:]
 
     def dtype_name(self, name: str) -> str:
         """ggml's type name: ``F32``, ``BF16``, ``Q4_1``, ..."""
-        return self._tensor(name).tensor_type.name
+        joined = _joined(name, self.spec)
+        if joined is not None:
+            return self._by_gguf_name(joined[0][0], name).tensor_type.name
+        return self._tensor_and_expert(name)[0].tensor_type.name
 
     def get(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
         found = self.shape(name)
         if found != tuple(expected_shape):
             raise ModelLoadError(
-                f"{self.path}: tensor {hf_to_gguf_name(name, self.spec)} ({name}) has shape {list(found)}, "
+                f"{self.path}: tensor {self._gguf_label(name)} ({name}) has shape {list(found)}, "
                 f"expected {list(expected_shape)}"
             )
-        tensor = self._tensor(name)
-        qtype = tensor.tensor_type.name
-        if qtype in ("F32", "F16"):
-            values = np.asarray(tensor.data).reshape(found)
-        else:
-            import gguf
-
-            values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
-            values = values.reshape(found)
+        joined = _joined(name, self.spec)
+        if joined is not None:
+            return self._join(name, *joined)
+        tensor, expert = self._tensor_and_expert(name)
+        data = tensor.data if expert is None else tensor.data[expert]  # one expert: a slice of the memory map
+        values = _dequantized(data, tensor.tensor_type).reshape(found)
         if self.spec.norm_offset and name.endswith("norm.weight"):  # the converter stored w + offset
             values = values.astype(np.float32) - np.float32(self.spec.norm_offset)
         return self._unpermuted(name, values)
@@ -224,11 +273,14 @@ class GGUFCheckpoint:
         """The stored blocks of ``name`` (see :class:`QuantizedBlocks`)."""
         import gguf
 
-        tensor = self._tensor(name)
+        if _joined(name, self.spec) is not None:
+            raise ModelLoadError(f"{self.path}: {name} is split over several GGUF tensors; it has no blocks of its own")
+        tensor, expert = self._tensor_and_expert(name)
         shape = self.shape(name)
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        blocks = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        data = tensor.data if expert is None else tensor.data[expert]
+        blocks = np.asarray(data).view(np.uint8).reshape(rows, -1)
         return QuantizedBlocks(
             qtype=tensor.tensor_type.name,
             blocks=self._unpermuted(name, blocks),
@@ -239,10 +291,53 @@ class GGUFCheckpoint:
 
     # -- helpers ---------------------------------------------------------------
     def _tensor(self, name: str) -> Any:
+        return self._tensor_and_expert(name)[0]
+
+    def _tensor_and_expert(self, name: str) -> tuple[Any, int | None]:
+        """The GGUF tensor holding ``name``, and the expert's index in it when
+        ``name`` is one expert's share of a stacked tensor."""
+        expert = hf_expert_name(name, self.spec)
+        if expert is not None:
+            stacked, j = expert
+            tensor = self._by_gguf_name(stacked, name)
+            count = self._gguf_shape(tensor)[0]
+            if j >= count:
+                raise ModelLoadError(f"{self.path}: {name} asks for expert {j} of {stacked}, which has {count}")
+            return tensor, j
         gguf_name = hf_to_gguf_name(name, self.spec)
-        if gguf_name is None or gguf_name not in self._tensors:
-            raise ModelLoadError(f"{self.path}: missing tensor {gguf_name or name} ({name})")
+        if gguf_name is None:
+            raise ModelLoadError(f"{self.path}: missing tensor {name}")
+        return self._by_gguf_name(gguf_name, name), None
+
+    def _by_gguf_name(self, gguf_name: str, name: str) -> Any:
+        if gguf_name not in self._tensors:
+            raise ModelLoadError(f"{self.path}: missing tensor {gguf_name} ({name})")
         return self._tensors[gguf_name]
+
+    @staticmethod
+    def _gguf_shape(tensor: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    def _gguf_label(self, name: str) -> str:
+        joined = _joined(name, self.spec)
+        if joined is not None:
+            return " + ".join(joined[0])
+        expert = hf_expert_name(name, self.spec)
+        if expert is not None:
+            return f"{expert[0]}[{expert[1]}]"
+        return str(hf_to_gguf_name(name, self.spec))
+
+    def _join(self, name: str, parts: list[str], transposed: bool) -> np.ndarray:
+        """A joined tensor's values (:class:`~jaxserve.models.gguf_spec.JoinedTensor`)."""
+        values = []
+        for part in parts:
+            tensor = self._by_gguf_name(part, name)
+            v = _dequantized(tensor.data, tensor.tensor_type).reshape(self._gguf_shape(tensor))
+            values.append(np.swapaxes(v, -1, -2) if transposed else v)
+        if len(values) == 1:
+            return np.ascontiguousarray(values[0])
+        stacked = np.stack(values, axis=-1)
+        return stacked.reshape(*stacked.shape[:-2], -1)
 
     def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
         if not self.spec.permuted_qk:
@@ -252,6 +347,15 @@ class GGUFCheckpoint:
         if ".self_attn.k_proj." in name:
             return rows[unpermute_rows(rows.shape[0], self._kv_heads)]
         return rows
+
+
+def _dequantized(data: np.ndarray, tensor_type: Any) -> np.ndarray:
+    """Stored values as floats: F32 and F16 as they are, other types through ``gguf.quants``."""
+    if tensor_type.name in ("F32", "F16"):
+        return np.asarray(data)
+    import gguf
+
+    return np.asarray(gguf.quants.dequantize(np.asarray(data), tensor_type), np.float32)
 
 
 def _required(metadata: Mapping[str, Any], key: str, path: str) -> Any:
@@ -271,6 +375,19 @@ def check_tensor_types(tensors: Any, path: str) -> None:
                 f"{path}: tensor {tensor.name} has unsupported GGUF type {qtype}; "
                 f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
             )
+        if qtype == "MXFP4" and not _gguf_reads("MXFP4"):
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name} has GGUF type MXFP4, which the installed gguf package cannot "
+                "dequantize; upgrade it (pip install -U gguf)"
+            )
+
+
+def _gguf_reads(qtype: str) -> bool:
+    """Whether the installed ``gguf`` package dequantizes ``qtype`` (MXFP4 came in 2025)."""
+    import gguf
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype, None)
+    return kind is not None and hasattr(gguf.quants, qtype)
 
 
 __all__ = [
@@ -278,6 +395,7 @@ __all__ = [
     "QuantizedBlocks",
     "SUPPORTED_TENSOR_TYPES",
     "check_tensor_types",
+    "hf_expert_name",
     "hf_to_gguf_name",
     "open_reader",
     "read_metadata",

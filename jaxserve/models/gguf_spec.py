@@ -121,8 +121,10 @@ def base_config(meta: GGUFMetadata, architecture: str) -> dict[str, Any]:
     scaling_type = meta.get("rope.scaling.type", "none")
     if scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(meta.key("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        rope_scaling = yarn_scaling(meta)
     elif scaling_type not in ("none", None):
-        raise ModelLoadError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}; supported: linear")
+        raise ModelLoadError(f"{path}: unsupported GGUF rope scaling type {scaling_type!r}; supported: linear, yarn")
     if not meta.has_tensor("token_embd.weight"):
         raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
     tokens = meta.metadata.get("tokenizer.ggml.tokens")
@@ -154,6 +156,27 @@ def base_config(meta: GGUFMetadata, architecture: str) -> dict[str, Any]:
     return config
 
 
+def yarn_scaling(meta: GGUFMetadata) -> dict[str, Any]:
+    """A ``yarn`` ``rope_scaling`` from the keys the converter writes (the
+    betas and the attention factor only when the checkpoint set them; the
+    ramp's rounding is not stored: a family whose model does not round sets
+    ``truncate`` itself)."""
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": short_float(meta.key("rope.scaling.factor")),
+        "original_max_position_embeddings": int(meta.key("rope.scaling.original_context_length")),
+    }
+    for key, name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        value = meta.get(f"rope.scaling.{key}")
+        if value is not None:
+            scaling[name] = short_float(value)
+    return scaling
+
+
 def full_rotary(meta: GGUFMetadata, head_dim: int) -> None:
     """Refuse a file whose rope covers part of each head (a family that
     supports that reads ``rope.dimension_count`` itself)."""
@@ -163,6 +186,19 @@ def full_rotary(meta: GGUFMetadata, head_dim: int) -> None:
             f"{meta.path}: {meta.arch}.rope.dimension_count={rotary} differs from the head size {head_dim}; "
             "partial rotary embeddings are not supported for this architecture"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinedTensor:
+    """A Hugging Face tensor the converter wrote as several GGUF tensors
+    (gpt-oss's ``gate_up_proj``: gate and up interleaved in one tensor, split
+    into ``ffn_gate_exps`` and ``ffn_up_exps``, each transposed): answered
+    by swapping each part's last two axes when ``transposed``, then
+    interleaving the parts along the last axis (a single part: as it is)."""
+
+    #: the GGUF per-layer suffixes, in interleaving order
+    parts: tuple[str, ...]
+    transposed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +217,8 @@ class GGUFSpec:
     norm_offset: float = 0.0
     #: per-expert Hugging Face suffix (``{j}`` the expert) -> the stacked GGUF suffix
     expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Hugging Face per-layer suffix -> the GGUF tensors it was split into
+    joined_names: Mapping[str, JoinedTensor] = dataclasses.field(default_factory=dict)
     #: of files under a shared architecture name, whether this family's
     #: (Mixtral is ``llama`` with expert tensors); None: every file
     claims: Callable[[Collection[str]], bool] | None = None
@@ -190,9 +228,11 @@ __all__ = [
     "GGUFMetadata",
     "GGUFSpec",
     "GLOBAL_NAMES",
+    "JoinedTensor",
     "LLAMA_LAYER_NAMES",
     "QK_NORM_NAMES",
     "base_config",
     "full_rotary",
     "short_float",
+    "yarn_scaling",
 ]

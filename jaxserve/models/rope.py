@@ -18,13 +18,15 @@ from jaxserve.models.config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies, float32 ``[head_dim // 2]``, with linear or llama3 scaling."""
+    """Inverse frequencies, float32 ``[head_dim // 2]``, with linear, llama3 or yarn scaling."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv = (np.float32(1.0) / np.power(np.float32(rope.theta), exponents)).astype(np.float32)
     if rope.rope_type == "linear":
         inv = (inv / np.float32(rope.factor)).astype(np.float32)
     elif rope.rope_type == "llama3":
         inv = _llama3_scale(inv, rope)
+    elif rope.rope_type == "yarn":
+        inv = _yarn_scale(inv, rope, head_dim)
     elif rope.rope_type != "default":
         raise ValueError(f"unsupported rope type {rope.rope_type!r}")
     if rope.freq_factors is not None:
@@ -50,11 +52,40 @@ def _llama3_scale(inv: np.ndarray, rope: RopeConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array | np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """``cos``, ``sin`` float32 ``[T, head_dim]`` for int positions ``[T]``."""
+def _yarn_scale(inv: np.ndarray, rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: the fast-turning frequencies kept (extrapolated), the slow ones
+    divided by ``factor`` (interpolated), a linear ramp between, over the
+    dimensions where a frequency makes between ``beta_fast`` and ``beta_slow``
+    turns in the original context."""
+    base, old_ctx = rope.theta, rope.original_max_position_embeddings
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency turns so often in old_ctx
+        return dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point
+    ramp = np.clip((np.arange(len(inv), dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = np.float32(1) - ramp  # 1: extrapolated as is, 0: interpolated
+    wavelength_factors = np.power(np.float32(base), np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    interpolated = (np.float32(1) / (np.float32(rope.factor) * wavelength_factors)).astype(np.float32)
+    return (interpolated * (np.float32(1) - keep) + inv * keep).astype(np.float32)
+
+
+def rope_cos_sin(
+    positions: jax.Array, inv_freq: jax.Array | np.ndarray, scale: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """``cos``, ``sin`` float32 ``[T, head_dim]`` for int positions ``[T]``,
+    multiplied by ``scale`` (:attr:`RopeConfig.attention_factor`) unless it is 1."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

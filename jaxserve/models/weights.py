@@ -134,6 +134,24 @@ def qk_norms(c: ModelConfig, attn: str) -> Params:
     return {"q_norm": whole(attn + "q_norm.weight", (D,)), "k_norm": whole(attn + "k_norm.weight", (D,))}
 
 
+def per_expert_moe(c: ModelConfig, router: str, expert: str, gate: str, up: str, down: str) -> Params:
+    """A MoE layer stored one tensor per expert (Mixtral, Qwen3-MoE): the
+    router ``[X, E]`` under ``router`` and, for each expert ``j`` (``{j}`` in
+    ``expert``), its ``gate`` / ``up`` ``[I, E]`` into its rows of
+    ``experts_gate_up`` and its ``down`` ``[E, I]`` into ``experts_down``."""
+    assert c.moe is not None
+    X, I, E = c.moe.num_experts, c.moe.intermediate_size, c.hidden_size
+    p: Params = {"router": whole(router, (X, E)), "experts_gate_up": [], "experts_down": []}
+    for j in range(X):
+        pre = expert.format(j=j)
+        p["experts_gate_up"] += [
+            Part(pre + gate, (I, E), (j, slice(0, I))),
+            Part(pre + up, (I, E), (j, slice(I, 2 * I))),
+        ]
+        p["experts_down"].append(Part(pre + down, (E, I), (j, slice(None))))
+    return p
+
+
 def llama_weights(c: ModelConfig) -> ModelWeights:
     return ModelWeights(top_params(c), [llama_layer(c, i) for i in range(c.num_hidden_layers)])
 
@@ -145,6 +163,7 @@ __all__ = [
     "dense_mlp",
     "llama_layer",
     "llama_weights",
+    "per_expert_moe",
     "qk_norms",
     "rows",
     "top_params",
