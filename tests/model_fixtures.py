@@ -307,6 +307,103 @@ def gemma3(folder: str, *, std: float = STD, seed: int = 21, **overrides) -> str
     return _save(m, folder)
 
 
+def longrope_factors(rotary: int) -> dict[str, list[float]]:
+    """LongRoPE factor lists for ``rotary`` rotated features, shaped like
+    Phi-3's: short ones near 1, long ones growing to about 15 over the
+    frequencies (so the two sets rotate visibly differently)."""
+    n = rotary // 2
+    return {
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 14.0 * i / max(n - 1, 1) for i in range(n)],
+    }
+
+
+def phi3(
+    folder: str,
+    *,
+    std: float = STD,
+    seed: int = 5,
+    original: int = 128,
+    sliding_window: int | None = 24,
+    tied: bool = False,
+    partial_rotary: float = 1.0,
+    **overrides,
+) -> str:
+    """Phi-3 style: fused qkv / gate_up, LongRoPE (original context 128 of
+    256: the shared parity tests' sequences all stay below it; the LongRoPE
+    tests pass a small ``original``) and a sliding window on every layer."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**TINY, **overrides}
+    rotary = int(kw["hidden_size"] // kw["num_attention_heads"] * partial_rotary)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial_rotary}
+    cfg = Phi3Config(
+        **kw,
+        rope_parameters={**rope, **longrope_factors(rotary)},
+        original_max_position_embeddings=original,
+        sliding_window=sliding_window,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = Phi3ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def phi4mini(folder: str, *, seed: int = 6, **overrides) -> str:
+    """Phi-4-mini style: LongRoPE on the first 3/4 of each head, tied embeddings, no window."""
+    kw = {"partial_rotary": 0.75, "tied": True, "sliding_window": None, **overrides}
+    return phi3(folder, seed=seed, **kw)
+
+
+def smollm3(
+    folder: str,
+    *,
+    std: float = STD,
+    seed: int = 7,
+    tied: bool = True,
+    no_rope_layers: list[int] | None = [1, 0, 1],  # noqa: B006 - never mutated
+    **overrides,
+) -> str:
+    """SmolLM3 with a NoPE middle layer between two rope layers; that layer
+    also slides (24 tokens), as transformers defaults ``layer_types`` when
+    ``use_sliding_window`` is set."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(seed)
+    window = dict(use_sliding_window=True, sliding_window=24)
+    cfg = SmolLM3Config(
+        **{**TINY, "num_hidden_layers": 3, **window, **overrides},
+        no_rope_layers=no_rope_layers,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 2000000.0},
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = SmolLM3ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
+def olmo2(folder: str, *, std: float = STD, seed: int = 8, tied: bool = False, **overrides) -> str:
+    """OLMo 2: post-norms, q/k norms over all heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Olmo2Config(
+        **{**TINY, **overrides},
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    m = Olmo2ForCausalLM(cfg)
+    _randomize(m, seed, std)
+    return _save(m, folder)
+
+
 def with_tokenizer(folder: str) -> str:
     """Copy the tiny preset's tokenizer files (512 tokens, = VOCAB) into a
     fixture folder, so the engine (which needs a tokenizer) can serve it."""
@@ -367,6 +464,10 @@ FAMILIES: dict[str, Callable[[str], str]] = {
     "qwen3": qwen3,
     "gemma2": gemma2,
     "gemma3": gemma3,
+    "phi3": phi3,
+    "phi4mini": phi4mini,
+    "smollm3": smollm3,
+    "olmo2": olmo2,
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
     "gpt_oss": gpt_oss,

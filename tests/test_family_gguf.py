@@ -16,6 +16,8 @@ jaxserve loads each through the same path a ``--model FILE.gguf`` takes
 from __future__ import annotations
 
 import functools
+import json
+import os
 
 import numpy as np
 import pytest
@@ -37,6 +39,14 @@ GGUF_FIXTURES: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"use_sliding_window": False, "layer_types": None},
+    # LongRoPE with an original context of 32, so the prompts and their
+    # continuations run on both factor sets
+    "phi3": {"original": 32},
+    "phi4mini": {"original": 32},
+    # llama.cpp fixes SmolLM3's NoPE layers at every fourth (layer 3 of 4
+    # here) and writes no window
+    "smollm3": {"no_rope_layers": None, "num_hidden_layers": 4, "use_sliding_window": False},
+    "olmo2": {},
 }
 PROMPTS = [[1, 504, 3339, 25, 14, 920], list(range(100, 140)), [7] * 3 + list(range(2000, 2013))] + [
     np.random.default_rng(n).integers(3, gc.SMOLLM2_VOCAB, n).tolist() for n in (5, 12, 20, 30, 9)
@@ -55,6 +65,10 @@ WEIGHT_STD = 0.05
 #: SmolLM2's tokenizer; the converter and jaxserve both go by
 #: ``architectures``, so the fixture's model_type only picks the tokenizer class
 TOKENIZER_MODEL_TYPE = {"qwen2": "llama"}
+#: Phi-3's converter reads a byte-level BPE tokenizer only when
+#: tokenizer_config.json names GPT2Tokenizer (Phi-4-mini's); otherwise it
+#: wants a SentencePiece tokenizer.model
+TOKENIZER_CLASS = {"phi3": "GPT2Tokenizer", "phi4mini": "GPT2Tokenizer"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +83,8 @@ def files(tmp_path_factory):
         gc.with_smollm2_tokenizer(folder)
         if name in TOKENIZER_MODEL_TYPE:
             mf.edit_config(folder, lambda d: d.update(model_type=TOKENIZER_MODEL_TYPE[name]))
+        if name in TOKENIZER_CLASS:
+            _edit_json(os.path.join(folder, "tokenizer_config.json"), tokenizer_class=TOKENIZER_CLASS[name])
         out = {"hf": folder}
         for outtype in ("f32", "q8_0"):
             path = gc.convert(folder, root / f"{name}-{outtype}.gguf", outtype)
@@ -76,6 +92,14 @@ def files(tmp_path_factory):
         return out
 
     return get
+
+
+def _edit_json(path: str, **changes) -> None:
+    with open(path) as f:
+        d = json.load(f)
+    d.update(changes)
+    with open(path, "w") as f:
+        json.dump(d, f)
 
 
 def _continuations(loaded) -> list[list[int]]:

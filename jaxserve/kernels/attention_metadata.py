@@ -49,6 +49,12 @@ class AttentionMetadata:
       and enough of the cache is in use for a pass over all of it to beat
       gathering the rows' blocks
 
+    Optional, for models with LongRoPE (Phi-3) only:
+
+    - ``long_rope_from`` int32 [S]  a token at a position at or past its
+      row's value rotates with the long factors; absent, the model decides
+      from ``context_lens`` (``jaxserve.models.rope.long_rope_tokens``)
+
     ``positions`` travel separately (the model needs them for RoPE too).
     """
 
@@ -60,3 +66,4 @@ class AttentionMetadata:
     block_owner: jax.Array | None = None
     block_index: jax.Array | None = None
     block_major: jax.Array | None = None
+    long_rope_from: jax.Array | None = None

@@ -36,7 +36,7 @@ from typing import Any
 from jaxserve.models.errors import ModelLoadError
 
 #: rope types the model implements (:mod:`jaxserve.models.rope`)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 #: MLP activations (``hidden_act`` / ``hidden_activation``) the decoder implements
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -89,6 +89,13 @@ class RopeConfig:
     #: cos and sin multiplied by this (``yarn``'s attention factor: it
     #: scales every attention logit by its square)
     attention_factor: float = 1.0
+    #: ``longrope`` (Phi-3): each frequency divided by its ``short_factor``
+    #: while a sequence stays within ``original_max_position_embeddings``,
+    #: by its ``long_factor`` past it (which tokens use which:
+    #: :func:`jaxserve.models.rope.long_rope_tokens`); its attention factor
+    #: is ``attention_factor``
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,6 +381,8 @@ def read_rope(
         kw["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
     if rope_type == "yarn":
         kw.update(_yarn(d, scaling, source))
+    if rope_type == "longrope":
+        kw.update(_longrope(d, scaling, source))
     if d.get("rope_freq_factors") is not None:
         kw["freq_factors"] = tuple(float(f) for f in d["rope_freq_factors"])
     return RopeConfig(**kw)
@@ -410,6 +419,38 @@ def _yarn(d: Mapping[str, Any], scaling: Mapping[str, Any], source: str) -> dict
         "beta_fast": float(scaling.get("beta_fast") or 32.0),
         "beta_slow": float(scaling.get("beta_slow") or 1.0),
         "truncate": bool(truncate),
+        "attention_factor": float(attention_factor),
+    }
+
+
+def _longrope(d: Mapping[str, Any], scaling: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """LongRoPE's settings as transformers reads them: both factor lists
+    (one per rotated frequency), the original context (the scaling's own,
+    else the config's top-level key, else ``max_position_embeddings``), and
+    the attention factor: the scaling's ``attention_factor``, else
+    ``sqrt(1 + ln(s) / ln(original))`` for the scale ``s`` (the scaling's
+    ``factor``, else ``max_position_embeddings / original``), 1 when ``s``
+    is at most 1. Phi-3 passes its top-level original context in the
+    scaling (transformers gives that one priority for Phi-3)."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ModelLoadError(f"{source}: rope type 'longrope' needs a list {key!r}")
+        factors[key] = tuple(float(v) for v in values)
+    if len(factors["short_factor"]) != len(factors["long_factor"]):
+        raise ModelLoadError(f"{source}: rope 'short_factor' and 'long_factor' differ in length")
+    max_positions = int(required(d, "max_position_embeddings", source))
+    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    original = max_positions if original is None else int(original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        scale = scaling.get("factor")
+        scale = max_positions / original if scale is None else float(scale)
+        attention_factor = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+    return {
+        **factors,
+        "original_max_position_embeddings": original,
         "attention_factor": float(attention_factor),
     }
 

@@ -72,7 +72,7 @@ from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models import moe, quant
 from jaxserve.models.blocks import gated_activation, head_rms_norm, rms_norm, softcap
 from jaxserve.models.config import NORM_PLACES, ModelConfig, RopeConfig
-from jaxserve.models.rope import apply_rope, inv_frequencies, rope_cos_sin
+from jaxserve.models.rope import apply_rope, inv_frequencies, long_rope_tokens, longrope_cos_sin, rope_cos_sin
 from jaxserve.models.sharding import split_fused
 
 _INIT_STD = 0.02
@@ -278,7 +278,17 @@ class CausalLM(nnx.Module):
 
         def rope_tables(rope: RopeConfig) -> tuple[jax.Array, jax.Array]:
             if rope not in tables:
-                tables[rope] = rope_cos_sin(positions, inv_frequencies(rope, rotary), rope.attention_factor)
+                if rope.rope_type == "longrope":  # short or long factors, token by token
+                    long = long_rope_tokens(
+                        positions,
+                        rope.original_max_position_embeddings,
+                        meta.token_seq,
+                        meta.context_lens,
+                        meta.long_rope_from,
+                    )
+                    tables[rope] = longrope_cos_sin(positions, rope, rotary, long)
+                else:
+                    tables[rope] = rope_cos_sin(positions, inv_frequencies(rope, rotary), rope.attention_factor)
             return tables[rope]
 
         embed = _value(self.embed)

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.models.config import RopeConfig
+from jaxserve.models.config import ModelConfig, RopeConfig
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies, float32 ``[head_dim // 2]``, with linear, llama3 or yarn scaling."""
+def inv_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> np.ndarray:
+    """Inverse frequencies, float32 ``[head_dim // 2]``, with linear, llama3 or yarn scaling;
+    longrope's short factors, or with ``long`` its long ones."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv = (np.float32(1.0) / np.power(np.float32(rope.theta), exponents)).astype(np.float32)
     if rope.rope_type == "linear":
@@ -27,6 +28,11 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         inv = _llama3_scale(inv, rope)
     elif rope.rope_type == "yarn":
         inv = _yarn_scale(inv, rope, head_dim)
+    elif rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if factors is None or len(factors) != len(inv):
+            raise ValueError(f"longrope needs {len(inv)} factors, got {None if factors is None else len(factors)}")
+        inv = (inv / np.asarray(factors, np.float32)).astype(np.float32)
     elif rope.rope_type != "default":
         raise ValueError(f"unsupported rope type {rope.rope_type!r}")
     if rope.freq_factors is not None:
@@ -86,6 +92,48 @@ def rope_cos_sin(
     if scale != 1.0:
         cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
     return cos, sin
+
+
+def long_rope_tokens(
+    positions: jax.Array,
+    original: int,
+    token_seq: jax.Array,
+    context_lens: jax.Array,
+    long_from: jax.Array | None = None,
+) -> jax.Array:
+    """Which tokens of a step take longrope's long factors (bool ``[T]``).
+
+    ``long_from`` (int32, one per row of the step, the engine's
+    ``AttentionMetadata.long_rope_from``): a token at a position at or past
+    its row's value is long. Without it, the step is read as transformers
+    reads one forward call: a row that holds more than ``original`` tokens
+    after the step is long throughout, so a whole sequence in one step, or a
+    prompt followed by one token per step, rotates as transformers'
+    ``generate`` does.
+    """
+    if long_from is None:
+        return (context_lens > original)[token_seq]
+    return positions >= long_from[token_seq]
+
+
+def long_rope_original(config: ModelConfig) -> int | None:
+    """The original context of a longrope model: the engine tells the model,
+    row by row, where each sequence's long factors start (see
+    ``jaxserve/models/families/phi3.py`` for the choice); None for every
+    other rope."""
+    rope = config.rope
+    return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+
+
+def longrope_cos_sin(
+    positions: jax.Array, rope: RopeConfig, rotary: int, long: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """longrope's ``cos``, ``sin`` ``[T, rotary]``: each token's from the
+    short or, where ``long`` (bool ``[T]``), the long factors, both times
+    the attention factor."""
+    cos, sin = rope_cos_sin(positions, inv_frequencies(rope, rotary), rope.attention_factor)
+    long_cos, long_sin = rope_cos_sin(positions, inv_frequencies(rope, rotary, long=True), rope.attention_factor)
+    return jnp.where(long[:, None], long_cos, cos), jnp.where(long[:, None], long_sin, sin)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

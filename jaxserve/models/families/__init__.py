@@ -7,7 +7,20 @@ checkpoint to ``tests/model_fixtures.py`` so the parity tests cover it.
 
 from __future__ import annotations
 
-from jaxserve.models.families import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+from jaxserve.models.families import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from jaxserve.models.family import Family
 
 FAMILIES: list[Family] = [
@@ -17,6 +30,9 @@ FAMILIES: list[Family] = [
     qwen3.FAMILY,
     gemma2.FAMILY,
     gemma3.FAMILY,
+    phi3.FAMILY,
+    smollm3.FAMILY,
+    olmo2.FAMILY,
     mixtral.FAMILY,
     qwen3_moe.FAMILY,
     gpt_oss.FAMILY,
