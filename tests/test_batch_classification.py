@@ -107,7 +107,7 @@ async def test_openai_batch_lines_validate_with_openai_types(harness, prefix, tm
 async def test_openai_lines_carry_the_usage_cost_a_jaxserve_line_carries(harness, prefix, tmp_path):
     from openai.types import Completion
 
-    from jaxserve.cost import PriceTable
+    from jaxserve.cost.prices import PriceTable
 
     prices = PriceTable.from_values(prompt_per_million=2.0, completion_per_million=10.0)
     await harness.start(EchoEngine(step_s=0.001), prices=prices)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from jaxserve.cost import Cost, ModelPrice, PriceError, PriceTable
+from jaxserve.cost.prices import Cost, ModelPrice, PriceError, PriceTable
 from jaxserve.planning import Profile
 
 PRICES_YAML = """\

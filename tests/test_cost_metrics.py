@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from jaxserve.cost import PriceTable
+from jaxserve.cost.prices import PriceTable
 from jaxserve.metrics import EngineMetrics
 from jaxserve.worker.limits import LimitsConfig, TenantLimit
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.cost import PriceTable
+from jaxserve.cost.prices import PriceTable
 from jaxserve.worker.limits import (
     DAY_S,
     LimitsConfig,

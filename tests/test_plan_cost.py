@@ -25,9 +25,9 @@ import pytest
 from click.testing import CliRunner
 
 from jaxserve.cli.main import cli
-from jaxserve.cost import ModelPrice
+from jaxserve.cost.deployments import compare_fallback, plan_cost
+from jaxserve.cost.prices import ModelPrice
 from jaxserve.planning import PlanOptions, PlanWorkload, Profile, TokenDist, make_plan
-from jaxserve.planning.costing import compare_fallback, plan_cost
 
 GIB = 2**30
 TOKENS_PER_DAY = 393_984_000

@@ -96,7 +96,7 @@ async def test_a_job_larger_than_its_tenants_whole_limit_is_refused_for_good(har
     cost. Each is rate_limited, not retryable, saying it can never fit, and
     none reaches the engine; a batch one is answered too (a wait in the
     broker would never end)."""
-    from jaxserve.cost import PriceTable
+    from jaxserve.cost.prices import PriceTable
 
     eng = EchoEngine(step_s=0.002)
     prices = PriceTable.from_values(prompt_per_million=1.0, completion_per_million=1.0)  # 20 tokens: 0.00002

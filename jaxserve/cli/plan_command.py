@@ -321,7 +321,7 @@ def plan(
         raise click.UsageError("--primary-workers and --fallback-share go with --compare")
     if primary_workers is not None and fallback_share is not None:
         raise click.UsageError("give --primary-workers or --fallback-share, not both")
-    from jaxserve.planning.costing import compare_fallback, plan_cost
+    from jaxserve.cost.deployments import compare_fallback, plan_cost
 
     try:
         price, cur = _price(profile, prices_file, hardware_per_hour, currency)
@@ -380,7 +380,7 @@ def _price(profile, prices_file, hardware_per_hour, currency):
     """The price of ``profile``'s model and its currency: --hardware-per-hour
     (with the profile's own rates), else its entry in --prices; (None, None)
     when there is neither."""
-    from jaxserve.cost import ModelPrice, PriceError, PriceTable
+    from jaxserve.cost.prices import ModelPrice, PriceError, PriceTable
 
     if hardware_per_hour is not None:
         return ModelPrice.from_profile(hardware_per_hour, profile), currency or "USD"

@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from jaxserve.cost import PriceError, PriceTable
+from jaxserve.cost.prices import PriceError, PriceTable
 
 _OPTIONS = (
     click.option(

@@ -14,7 +14,7 @@ import os
 import uuid
 from typing import Any
 
-from jaxserve.cost import PriceTable
+from jaxserve.cost.prices import PriceTable
 from jaxserve.wire import DEFAULT_AMQP_URL, DEFAULT_MAX_BODY_BYTES, Topology
 from jaxserve.worker.admission import AdmissionConfig
 from jaxserve.worker.limits import LimitsConfig
@@ -78,7 +78,7 @@ class WorkerConfig:
     limits: LimitsConfig | None = None
     # Per-model prices (--prices FILE or --price-*; jaxserve.cost): results
     # carry usage.cost, tenants' cost_per_day is charged, jaxserve_cost_total
-    # counts (jaxserve.worker.costs). None: no cost anywhere.
+    # counts (jaxserve.cost.jobs). None: no cost anywhere.
     prices: PriceTable | None = None
     defer_wait_max_s: float = 1.0  # a batch job over its tenant's limit waits this long at most before going back
     declare: bool = True

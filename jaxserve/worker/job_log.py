@@ -1,5 +1,5 @@
-"""A job's two log lines (``job_start``, ``job_done`` or ``job_replayed``)
-and the job metrics recorded with the second.
+"""A job's two log lines (``job_start``, ``job_done`` or ``job_replayed``),
+the job metrics recorded with the second, and the cost metric.
 
 Only answered jobs feed the latency histograms: a refused or cancelled
 job's short "latency" would pull the quantiles down exactly when the worker
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from jaxserve.cost.jobs import spent
 from jaxserve.wire import Result
 from jaxserve.worker.config import published_at
 from jaxserve.worker.lifecycle import KeyJob
@@ -74,3 +75,14 @@ def log_job_done(w: Worker, kj: KeyJob, result: Result, replayed: bool, replies:
     else:
         kw.update(code=outcome)
     log.info("job_done", **kw)
+
+
+def record_cost(w: Worker, tenant: str | None, result: Result) -> None:
+    """Count a freshly served result's cost in ``jaxserve_cost_total``, by
+    the tenant's bounded label (``LimitsConfig.metric_label``: listed
+    tenants by name, ``default``, ``other``); replays and cached answers
+    cost nothing new and are not counted."""
+    if w.metrics is None or not result.ok or result.cached or result.usage is None or result.usage.cost is None:
+        return
+    label = w.cfg.limits.metric_label(tenant or "") if w.cfg.limits is not None else "default"
+    w.metrics.record_cost(label, spent(result), result.usage.cost["currency"])

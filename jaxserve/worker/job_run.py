@@ -40,12 +40,13 @@ from typing import TYPE_CHECKING, Any
 import aio_pika
 import structlog
 
+from jaxserve.cost.jobs import spent
 from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
 from jaxserve.wire import INTERACTIVE, Chunk, Job, Result
 from jaxserve.wire.republish import copy_message
-from jaxserve.worker import costs, steps
+from jaxserve.worker import steps
 from jaxserve.worker.holdings import Ending, Holdings
-from jaxserve.worker.job_log import log_job_done, log_job_start
+from jaxserve.worker.job_log import log_job_done, log_job_start, record_cost
 from jaxserve.worker.lifecycle import Abandoned, Delivery, JobState, KeyJob, Settlement
 from jaxserve.worker.replies import PublishOutcome
 from jaxserve.worker.results import build_result
@@ -95,7 +96,7 @@ class JobRun(KeyJob):
         self.w = w
         self.res = Holdings()
         self.tenant_tokens = 0  # tokens charged to the tenant's limits while it holds "tenant"
-        self.tenant_cost = 0.0  # and their estimated cost, charged to its daily budget (jaxserve.worker.costs)
+        self.tenant_cost = 0.0  # and their estimated cost, charged to its daily budget (jaxserve.cost.jobs)
 
     @property
     def in_engine(self) -> bool:
@@ -304,9 +305,9 @@ class JobRun(KeyJob):
             result = result.model_copy(update={"trace_id": trace.trace_id})
         self.result = result
         used = result.usage.prompt_tokens + result.usage.completion_tokens if result.usage is not None else 0
-        ending = Ending(ok=result.ok, used_tokens=used, used_cost=costs.spent(result))
+        ending = Ending(ok=result.ok, used_tokens=used, used_cost=spent(result))
         if record is None:  # served here now, not a replay
-            costs.record(self, result)
+            record_cost(w, self.job.tenant, result)
         await self.res.release(ending, "deadline", "engine", "sender", "admission", "tenant")
         try:
             delivered = set(record.delivered) if record is not None else set()

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxserve.cost import PriceTable
+from jaxserve.cost.jobs import with_cost
+from jaxserve.cost.prices import PriceTable
 from jaxserve.engine import scoring
 from jaxserve.engine.types import RequestOutput
 from jaxserve.wire import Result, outputs
-from jaxserve.worker import costs
 from jaxserve.worker.config import published_at
 from jaxserve.worker.lifecycle import KeyJob
 
@@ -53,7 +53,7 @@ def build_result(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:
     """The job's result from its final engine output, an ok one with
     ``usage.cost`` from its own tokens at the price of the model that
     served it (``served_model``, else the worker's; ``tests/test_queue_cost.py``)."""
-    return costs.with_cost(_build(kj, out, ctx), ctx.prices, ctx.model)
+    return with_cost(_build(kj, out, ctx), ctx.prices, ctx.model)
 
 
 def _build(kj: KeyJob, out: RequestOutput, ctx: ResultContext) -> Result:

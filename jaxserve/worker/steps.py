@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from jaxserve.cost.jobs import estimate
 from jaxserve.engine.types import RequestError
 from jaxserve.wire import INTERACTIVE, Result
-from jaxserve.worker import costs, prompts
+from jaxserve.worker import prompts
 from jaxserve.worker.fallback import MODEL, Outcome, Overload, degrade, is_rerouted, may_degrade, requested_model
 from jaxserve.worker.lifecycle import JobState
 from jaxserve.worker.results import timings
@@ -283,7 +284,7 @@ async def calibrate(run: JobRun, p: Prepared) -> bool:
 async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
     """The tenant's tokens limit and daily budget, charged as of the job's
     arrival: prompt + ``max_tokens``, and what they cost at the served
-    model's price (``jaxserve.worker.costs``; ``tests/test_queue_cost.py``)."""
+    model's price (``jaxserve.cost.jobs``; ``tests/test_queue_cost.py``)."""
     w = run.w
     if w.limiter is None or not run.res.holds("tenant"):  # counted on arrival: now its tokens
         return True
@@ -293,7 +294,7 @@ async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
         priced = (len(p.prompt_ids) + sum(len(x) for x in p.label_ids), 0)
     else:
         priced = (len(p.prompt_ids), job.params.max_tokens)
-    cost = costs.estimate(w.cfg.prices, w.served_model_name, *priced)
+    cost = estimate(w.cfg.prices, w.served_model_name, *priced)
     try:
         decision = await w.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at, cost=cost)
     except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open

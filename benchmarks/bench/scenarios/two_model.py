@@ -121,7 +121,7 @@ def level_figures(entry: dict[str, Any], jobs: list[dict[str, Any]], prices: Any
     measured two ways (module docstring)."""
     import numpy as np
 
-    from jaxserve.cost import PriceTable
+    from jaxserve.cost.prices import PriceTable
 
     assert isinstance(prices, PriceTable)
     ok = [j for j in jobs if j.get("status") == "ok" and not j.get("probe")]
@@ -287,7 +287,7 @@ def plan(state: dict[str, Any], level: dict[str, Any], hardware: bool) -> dict[s
 # -------------------------------------------------------------------- run
 def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
     import queue_common as qc
-    from jaxserve.cost import PriceTable
+    from jaxserve.cost.prices import PriceTable
 
     large, small = _specs(args)
     tmp: Path = ctx.tmp

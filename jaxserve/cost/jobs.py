@@ -1,9 +1,9 @@
-"""The worker's side of cost (issue 28 part 3): what it charges a tenant's
-daily budget at admission, what a result's ``usage.cost`` says, and what
-the cost metric counts. The prices themselves are ``jaxserve.cost``'s
-(``WorkerConfig.prices``, from ``jaxserve worker --prices`` or the
-``--price-*`` flags); a worker without prices charges nothing, its results
-carry no ``cost`` and the metric stays at zero.
+"""What one job costs: the estimate a tenant's daily budget is charged at
+admission, the ``usage.cost`` of its result, and what it spent. The prices
+are :mod:`jaxserve.cost.prices`' (``WorkerConfig.prices``, from ``jaxserve
+worker --prices`` or the ``--price-*`` flags); without prices a job costs
+nothing, its result carries no ``cost`` and the cost metric
+(``job_log.record_cost``) stays at zero.
 
 One rule throughout: a job is priced at the model that serves it, the
 result's ``served_model`` when the job was served as another name than the
@@ -17,13 +17,8 @@ against the real broker.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from jaxserve.cost import PriceTable
+from jaxserve.cost.prices import PriceTable
 from jaxserve.wire import Result
-
-if TYPE_CHECKING:
-    from jaxserve.worker.job_run import JobRun
 
 
 def estimate(prices: PriceTable | None, model: str | None, prompt_tokens: int, max_new_tokens: int) -> float:
@@ -52,16 +47,3 @@ def spent(result: Result) -> float:
     """What the result says the job cost (0.0 when it carries no cost)."""
     cost = None if result.usage is None else result.usage.cost
     return float(cost["amount"]) if cost is not None else 0.0
-
-
-def record(run: JobRun, result: Result) -> None:
-    """Count a freshly served result's cost in ``jaxserve_cost_total``, by
-    the tenant's bounded label (``LimitsConfig.metric_label``: listed
-    tenants by name, ``default``, ``other``); replays and cached answers
-    cost nothing new and are not counted."""
-    w = run.w
-    if w.metrics is None or not result.ok or result.cached or result.usage is None or result.usage.cost is None:
-        return
-    tenant = run.job.tenant or ""
-    label = w.cfg.limits.metric_label(tenant) if w.cfg.limits is not None else "default"
-    w.metrics.record_cost(label, spent(result), result.usage.cost["currency"])

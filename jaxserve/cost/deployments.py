@@ -35,7 +35,7 @@ import dataclasses
 import math
 from typing import Any
 
-from jaxserve.cost import PER, ModelPrice
+from jaxserve.cost.prices import PER, ModelPrice
 from jaxserve.planning.planner import Plan, PlanOptions, make_plan
 from jaxserve.planning.profile import Profile
 from jaxserve.planning.workload import PlanWorkload
