@@ -5,9 +5,8 @@ files, seeded random weights in safetensors).
 :mod:`jaxserve.presets` finds, validates and caches presets and calls
 :func:`write_model_folder` once per preset version; this module is the part
 that needs numpy, ``tokenizers`` and ``safetensors``, so looking presets up
-(``jaxserve.presets.cache_dir`` from the CPU kernels' build, say) imports
-none of them. ``tests/test_presets.py`` checks the folders it writes load in
-transformers and give the same tokens on every build.
+imports none of them. ``tests/test_presets.py`` checks the folders it
+writes load in transformers and give the same tokens on every build.
 """
 
 from __future__ import annotations
@@ -167,7 +166,7 @@ def build_weights(config: Mapping[str, Any], seed: int, std: float, dtype: str) 
 
 def write_model_folder(folder: Path, preset_path: Path, data: Mapping[str, Any]) -> None:
     """Write the preset's whole model folder into ``folder`` (a fresh
-    temporary one: ``jaxserve.presets.build_folder_once`` renames it into
+    temporary one: ``jaxserve.cache_folders.build_folder_once`` renames it into
     place)."""
     from safetensors.numpy import save_file
 

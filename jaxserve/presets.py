@@ -59,19 +59,18 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jaxserve
+from jaxserve.cache_folders import build_folder_once, cache_dir
 
 # Bump when the materialized output changes for the same preset file.
 FORMAT_VERSION = 1
 
 PRESETS_DIR_ENV = "JAXSERVE_PRESETS_DIR"
-CACHE_DIR_ENV = "JAXSERVE_CACHE_DIR"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _MODEL_FILES = (
@@ -127,13 +126,6 @@ def presets_dir() -> Path:
     if (checkout.parent / "pyproject.toml").is_file():
         return checkout
     return packaged
-
-
-def cache_dir() -> Path:
-    override = os.environ.get(CACHE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "jaxserve"
 
 
 def list_presets() -> list[str]:
@@ -359,33 +351,6 @@ def materialize_preset(preset: str | os.PathLike[str], cache: str | os.PathLike[
     from jaxserve.preset_build import write_model_folder
 
     return build_folder_once(target, _MODEL_FILES, lambda tmp: write_model_folder(tmp, preset_path, data))
-
-
-def build_folder_once(target: Path, files: Sequence[str], write: Callable[[Path], None]) -> Path:
-    """``target`` holding ``files``, written by ``write`` into a temporary
-    sibling folder and renamed into place, so concurrent processes never see
-    a half-written folder: the first complete one wins and a broken one in
-    the way is replaced. Returns ``target`` at once when it is complete."""
-    if all((target / f).is_file() for f in files):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Someone else finished first (rename onto a non-empty dir fails),
-            # or a broken folder is in the way: keep a complete one.
-            if all((target / f).is_file() for f in files):
-                shutil.rmtree(tmp, ignore_errors=True)
-                return target
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def _remove_stale_temp_dirs(presets_root: Path, max_age_s: float = 3600.0) -> None:

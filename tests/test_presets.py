@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxserve import presets
+from jaxserve import cache_folders, presets
 from jaxserve.presets import (
     PresetError,
     UnknownModelError,
@@ -241,7 +241,7 @@ def test_resolve_preset_name_uses_cache(cache):
 def test_cache_defaults_to_home(monkeypatch, tmp_path):
     monkeypatch.delenv("JAXSERVE_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert presets.cache_dir() == tmp_path / ".cache" / "jaxserve"
+    assert cache_folders.cache_dir() == tmp_path / ".cache" / "jaxserve"
 
 
 def test_unknown_name(cache):

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxserve.cache_folders import build_folder_once
 from jaxserve.models.errors import ModelLoadError
 
 #: Bump when the derived files change for the same GGUF file.
@@ -57,8 +58,6 @@ def gguf_model_folder(gguf_path: str | os.PathLike[str], cache_root: str | os.Pa
     root = Path(cache_root).expanduser() / "gguf"
     stem = source.stem if source.stem else "model"
     target = root / f"{stem}-{_identity(source)}"
-    from jaxserve.presets import build_folder_once
-
     return build_folder_once(target, _FILES, lambda tmp: _write_folder(tmp, source))
 
 

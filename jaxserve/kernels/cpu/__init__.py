@@ -39,9 +39,9 @@ import jaxlib
 import numpy as np
 import structlog
 
+from jaxserve.cache_folders import cache_dir
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.paged_attention import check_features, visible_keys
-from jaxserve.presets import cache_dir
 
 log = structlog.get_logger(__name__)
 
