@@ -438,7 +438,7 @@ def run_decode(args, results: dict, save=lambda: None) -> None:
 
 def run_engine_smoke(args, results: dict, save=lambda: None) -> None:
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     smoke = results.setdefault("engine_smoke", {})
     prompts = ["The capital of France is", "def fibonacci(n):", "Queues and workers", "Hello"]

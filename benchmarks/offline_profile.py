@@ -67,7 +67,7 @@ def _median_time(fn, repeats: int = 7, warmup: int = 2) -> float:
 
 def profile_steps(llm, prompts, output_len) -> dict:
     from jaxserve.engine import runner as runner_mod
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     engine = llm.engine
     runner = engine.runner
@@ -496,8 +496,8 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench.scenarios.offline import make_prompts
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.types import SamplingParams
     from jaxserve.presets import resolve_model
+    from jaxserve.sampling_params import SamplingParams
     from jaxserve.worker.logs import configure_logging
 
     configure_logging(level="warning")

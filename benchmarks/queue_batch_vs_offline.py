@@ -445,7 +445,7 @@ def main() -> None:
     try:
         # Build the offline engine while the worker compiles.
         from jaxserve.engine.llm import LLM
-        from jaxserve.engine.types import SamplingParams
+        from jaxserve.sampling_params import SamplingParams
         from jaxserve.worker.logs import configure_logging
 
         configure_logging(level="warning")

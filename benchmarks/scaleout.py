@@ -111,7 +111,7 @@ class FixedLatencyEngine:
         priority: int = 0,
         deadline: float | None = None,
     ) -> None:
-        from jaxserve.engine.types import RequestError
+        from jaxserve.request_error import RequestError
 
         n = len(prompt) if not isinstance(prompt, str) else len(prompt.encode())
         if n + params.max_tokens > self.max_model_len:

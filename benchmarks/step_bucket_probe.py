@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 SHAPES = ("b64", "b32", "b16", "b8")
 STEP_CAP = {"b64": 0, "b32": 0, "b16": 16, "b8": 8}

@@ -55,7 +55,7 @@ def documents(n: int) -> list[str]:
 
 def step_times(engine, rows: int, constrained: int, steps: int, temperature: float, tag: str) -> list[float]:
     """Seconds of each of ``steps`` decode steps of a full batch."""
-    from jaxserve.engine.types import SamplingParams, StructuredOutput
+    from jaxserve.sampling_params import SamplingParams, StructuredOutput
 
     spec = StructuredOutput("regex", "[a-z]{4000}")  # never complete within the window
     for i in range(rows):
@@ -81,7 +81,7 @@ def step_times(engine, rows: int, constrained: int, steps: int, temperature: flo
 
 def run_jobs(llm, prompts: list[str], with_schema: bool, max_tokens: int, temperature: float) -> dict:
     from jaxserve.engine.structured import json_schema_constraint
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     spec = json_schema_constraint(SCHEMA) if with_schema else None
     params = [

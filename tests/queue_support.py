@@ -27,7 +27,9 @@ import time
 import uuid
 from typing import Any
 
-from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.lifecycle import job_key_of
 
 

@@ -11,7 +11,8 @@ from jax import monitoring
 from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import RequestError, SamplingParams
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 
 MAX_TOKENS = 20
 

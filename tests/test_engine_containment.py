@@ -15,7 +15,8 @@ from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine import EngineBroken
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import RequestClass, SamplingParams
+from jaxserve.engine.types import RequestClass
+from jaxserve.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
 NUM_GOOD = 6

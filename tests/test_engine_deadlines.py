@@ -11,7 +11,8 @@ from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import RequestStatus
-from jaxserve.engine.types import RequestClass, SamplingParams
+from jaxserve.engine.types import RequestClass
+from jaxserve.sampling_params import SamplingParams
 
 PROMPT_A = list(range(30, 50))
 PROMPT_B = list(range(60, 80))

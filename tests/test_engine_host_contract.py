@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from jaxserve.engine import EngineBroken
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.engine_core import EngineThreadDead
 from jaxserve.worker.engine_host import EngineHost, EngineInfo, HostedEngine, StepReport, engine_info
 from jaxserve.worker.engine_process import EngineProcess

@@ -14,7 +14,8 @@ from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampler import sampler_seed
-from jaxserve.engine.types import RequestError, SamplingParams
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 
 BAD_VALUES = [
     ("max_tokens", 0),

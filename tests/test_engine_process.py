@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.engine_process import EngineBuildError, EngineProcess
 from jaxserve.worker.engine_thread import EngineThreadDead
 from queue_support import AMQP_URL, ByteTokenizer, EchoEngine, expected_completion

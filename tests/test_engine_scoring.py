@@ -16,7 +16,7 @@ from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine import scoring
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 LABELS = [" sleeps", " runs away quickly", " eats", " x", " the dog and then some more words here"]
 RTOL = 1e-4  # float32 on both sides; measured ~4e-8

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from jaxserve.engine import EngineBroken
-from jaxserve.engine.types import RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestOutput
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.engine_thread import EngineThread, EngineThreadDead
 
 

@@ -26,9 +26,9 @@ import torch
 
 import model_fixtures as mf
 from jaxserve.engine.llm import LLM
-from jaxserve.engine.types import SamplingParams
 from jaxserve.kernels.kv_cache import bytes_per_block
 from jaxserve.models.config import ModelConfig
+from jaxserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(900)
 

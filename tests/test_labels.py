@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from jaxserve.engine import scoring
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.tokenizer import labels as L
 from jaxserve.wire.job import JobProperties, parse_job
 from queue_support import ByteTokenizer, EchoEngine

@@ -12,7 +12,7 @@ import torch
 
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.structured import json_schema_constraint
-from jaxserve.engine.types import SamplingParams, StructuredOutput
+from jaxserve.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_fixtures import build_engine_checkpoint
 
 pytestmark = pytest.mark.timeout(900)

@@ -6,8 +6,8 @@ from prometheus_client import generate_latest
 
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import SamplingParams
 from jaxserve.metrics import EngineMetrics
+from jaxserve.sampling_params import SamplingParams
 
 
 def test_metrics_count_tokens_and_latencies():

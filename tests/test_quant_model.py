@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 
 from jaxserve.engine.llm import LLM
-from jaxserve.engine.types import SamplingParams
 from jaxserve.kernels import cpu
 from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models import load_model, quant
 from jaxserve.models.functional import jit_step
+from jaxserve.sampling_params import SamplingParams
 
 PROMPTS = [
     "The quick brown fox",

@@ -13,7 +13,9 @@ import jsonschema
 import orjson
 import pytest
 
-from jaxserve.engine.types import RequestClass, RequestError, SamplingParams
+from jaxserve.engine.types import RequestClass
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.wire import ERROR_CODES, JobLimits, JobProperties, Result, parse_job
 from jaxserve.wire.messages import Chunk
 from jaxserve.wire.schemas import MODELS, render

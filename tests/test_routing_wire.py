@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.wire import JobProperties, Result, parse_job
 from jaxserve.wire.job import check_reply_to
 from jaxserve.wire.topology import Topology, queue_safe, route_key

@@ -8,7 +8,9 @@ import pytest
 from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.engine.types import RequestClass, RequestError, SamplingParams
+from jaxserve.engine.types import RequestClass
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 
 BS = 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.types import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 BS = 4
 GREEDY1 = SamplingParams(max_tokens=1, temperature=0.0)

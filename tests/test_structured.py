@@ -19,8 +19,9 @@ import pytest
 
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.structured import StructuredBackend, json_schema_constraint
-from jaxserve.engine.types import RequestError, SamplingParams, StructuredOutput
 from jaxserve.kernels.kv_cache import bytes_per_block
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams, StructuredOutput
 from tests.engine_fixtures import build_engine_checkpoint
 
 pytestmark = pytest.mark.timeout(1200)

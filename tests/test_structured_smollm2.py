@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from jaxserve.engine.structured import json_schema_constraint
-from jaxserve.engine.types import SamplingParams, StructuredOutput
+from jaxserve.sampling_params import SamplingParams, StructuredOutput
 from tests.test_structured import SCHEMAS
 
 pytestmark = [

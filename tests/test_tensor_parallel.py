@@ -36,7 +36,7 @@ CHILD = textwrap.dedent(
     import jax, numpy as np
     from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.engine import Engine
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     folder, sizes = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
     rng = np.random.default_rng(5)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxserve.engine.types import RequestError
 from jaxserve.presets import resolve_model
+from jaxserve.request_error import RequestError
 from jaxserve.tokenizer.tokenizer import Tokenizer
 from jaxserve.wire import JobProperties, parse_job
 from jaxserve.worker.engine_host import EngineInfo

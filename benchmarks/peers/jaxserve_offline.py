@@ -30,7 +30,7 @@ def main() -> None:
     started = time.perf_counter()
     import jaxserve
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
     from jaxserve.worker.logs import configure_logging
 
     configure_logging(level="warning")

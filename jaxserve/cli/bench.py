@@ -63,7 +63,7 @@ def offline(
     from jaxserve.worker.logs import configure_logging
 
     configure_logging(level="warning")
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     max_num_seqs = max_num_seqs or min(num_prompts, 256)
     with user_errors():

@@ -51,7 +51,7 @@ def generate(
     from jaxserve.worker.logs import configure_logging
 
     configure_logging(level="warning")
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     with user_errors():
         llm = LLM(

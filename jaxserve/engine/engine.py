@@ -46,7 +46,9 @@ from jaxserve.engine.score_processor import ScoreProcessor
 from jaxserve.engine.step_inputs import fill_masks, sampling_row, seq_work
 from jaxserve.engine.step_modes import Collected, by_request, choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
-from jaxserve.engine.types import EngineBroken, RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -16,7 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.types import RequestClass, RequestError
+from jaxserve.engine.types import RequestClass
+from jaxserve.request_error import RequestError
 
 if TYPE_CHECKING:
     from jaxserve.engine.scheduler import Scheduler

@@ -9,7 +9,9 @@ from typing import cast
 from jaxserve.engine import scoring
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.types import RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 
 
 class LLM:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxserve.engine.types import FinishReason, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import FinishReason, RequestOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 

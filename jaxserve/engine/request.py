@@ -14,9 +14,12 @@ import time
 from collections.abc import Sequence
 
 from jaxserve.engine.block_allocator import BlockHash, hash_block_tokens
-from jaxserve.engine.types import FinishReason, RequestClass, RequestError, SamplingParams
+from jaxserve.engine.types import FinishReason, RequestClass
 
 #: Stand-in for a sampled token whose value is still on the device (the
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
+
 #: engine plans the next step before fetching the previous one's tokens).
 PENDING_TOKEN = -1
 

@@ -72,8 +72,9 @@ from jaxserve.engine.forks import ForkTable
 from jaxserve.engine.latency_policy import LatencyPolicy
 from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.types import RequestClass, RequestError
+from jaxserve.engine.types import RequestClass
 from jaxserve.engine.waiting_queue import WaitingQueue
+from jaxserve.request_error import RequestError
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 

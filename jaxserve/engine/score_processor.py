@@ -34,9 +34,12 @@ from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.plan import SchedulerOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestOutput
 
 #: at most this many labels per scoring request (the wire allows 64)
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams
+
 MAX_SCORE_LABELS = 256
 
 

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from jaxserve.engine.types import RequestError, StructuredOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     import llguidance

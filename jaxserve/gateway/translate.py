@@ -23,9 +23,9 @@ from typing import Any, Literal
 import orjson
 
 from jaxserve.batch.openai_format import response_body
-from jaxserve.engine.types import RequestError
 from jaxserve.gateway.errors import ApiError, from_error, invalid
 from jaxserve.gateway.keys import Principal
+from jaxserve.request_error import RequestError
 from jaxserve.wire import JobProperties, Result, parse_job
 from jaxserve.wire.outputs import completion_logprobs
 

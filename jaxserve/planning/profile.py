@@ -220,7 +220,7 @@ def measure(
     """Measure ``model`` with the real engine (see the module docstring)."""
     from jaxserve.engine.args import device_memory_bytes
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.types import SamplingParams
+    from jaxserve.sampling_params import SamplingParams
 
     say = progress or (lambda _msg: None)
     chunks, batches, contexts = sorted(set(chunks)), sorted(set(batches)), sorted(set(contexts))

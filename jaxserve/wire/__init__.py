@@ -2,11 +2,12 @@
 
 One definition of everything that crosses the broker: queue and exchange
 names (:mod:`~jaxserve.wire.topology`), error codes and their retryability
-(:mod:`~jaxserve.wire.errors`), the job body and its translation into engine
-sampling parameters with every range check (:mod:`~jaxserve.wire.job`), and
-the typed replies (:mod:`~jaxserve.wire.messages`). The JSON Schemas under
-``queues/schemas/`` are generated from these models
-(:mod:`~jaxserve.wire.schemas`). Nothing here imports JAX or the worker.
+(:mod:`~jaxserve.wire.errors`), the job body and its translation into
+sampling parameters (``jaxserve.sampling_params``) with every range check
+(:mod:`~jaxserve.wire.job`), and the typed replies
+(:mod:`~jaxserve.wire.messages`). The JSON Schemas under ``queues/schemas/``
+are generated from these models (:mod:`~jaxserve.wire.schemas`). Nothing
+here imports JAX, the engine or the worker (``tests/test_import_rules.py``).
 """
 
 from jaxserve.wire.errors import ERROR_CODES, RETRYABLE_CODES, is_retryable

@@ -26,7 +26,8 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from jaxserve.engine.types import RequestError, SamplingParams, StructuredOutput
+from jaxserve.request_error import RequestError
+from jaxserve.sampling_params import SamplingParams, StructuredOutput
 from jaxserve.wire.job_body import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS,

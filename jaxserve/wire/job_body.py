@@ -14,11 +14,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.sampling_params import INT32_MAX, SEED_MAX, SEED_MIN
+
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
-INT32_MAX = 2**31 - 1
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 PRIORITY_MAX = 255  # AMQP's priority property is an octet
 MIN_LABELS, MAX_LABELS = 2, 64
 MAX_LABEL_CHARS = 256

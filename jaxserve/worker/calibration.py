@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.tokenizer.labels import LabelTokens
 
 DEFAULT_CAPACITY = 1024

@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.sampling_params import SamplingParams
 
 OutputsCallback = Callable[[list[RequestOutput]], None]
 FailureCallback = Callable[[BaseException], None]

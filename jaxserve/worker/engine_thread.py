@@ -36,7 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-from jaxserve.engine.types import RequestClass, RequestOutput, SamplingParams
+from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.engine_core import EngineCore, EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.engine_host import (
     EngineHost,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import aio_pika
 import structlog
 
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.wire import JobProperties, amqp_compat, check_reply_to, parse_job
 from jaxserve.worker.config import published_at, text_or_none
 from jaxserve.worker.job_run import JobRun, refuse

@@ -41,7 +41,8 @@ import aio_pika
 import structlog
 
 from jaxserve.cost.jobs import spent
-from jaxserve.engine.types import RequestClass, RequestError, RequestOutput
+from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.request_error import RequestError
 from jaxserve.wire import INTERACTIVE, Chunk, Job, Result
 from jaxserve.wire.republish import copy_message
 from jaxserve.worker import steps

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.tokenizer import labels as label_prompts
 from jaxserve.worker.engine_host import EngineInfo
 

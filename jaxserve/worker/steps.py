@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from jaxserve.cost.jobs import estimate
-from jaxserve.engine.types import RequestError
+from jaxserve.request_error import RequestError
 from jaxserve.wire import INTERACTIVE, Result
 from jaxserve.worker import prompts
 from jaxserve.worker.fallback import MODEL, Outcome, Overload, degrade, is_rerouted, may_degrade, requested_model
