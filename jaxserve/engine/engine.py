@@ -245,7 +245,7 @@ class Engine:
             request_class=request_class,
             priority=priority,
             deadline=deadline,
-            cache_salt=self.model_name,
+            cache_salt=self._cache_salt(len(prompt_ids)),
         )
         state = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
         # The scheduler refuses duplicate ids, empty prompts, over-long requests
@@ -290,13 +290,29 @@ class Engine:
             request_class=request_class,
             priority=priority,
             deadline=deadline,
-            cache_salt=self.model_name,
+            cache_salt=self._cache_salt(len(prompt_ids)),
         )
         for req in members:
             self._requests[req.request_id] = req
             self._states[req.request_id] = OutputState(self.tokenizer, req.sampling_params, self.eos_token_ids, None)
             self._metrics[req.request_id] = {}
         self._metrics[request_id] = {"arrival": time.monotonic()}  # the job's (its parent's, when it has one)
+
+    @property
+    def _long_rope_salt(self) -> object:
+        return (self.model_name, "long_rope")
+
+    def _cache_salt(self, num_prompt_tokens: int) -> object:
+        """What a request's prefix-cache blocks are keyed by besides their
+        tokens: the model's name. A longrope model's request whose prompt
+        is past the original context rotates every position with the long
+        factors, the others with the short ones (``families/phi3.py``): its
+        salt says so, keeping the two kinds of keys apart in the cache, and
+        ``_launch`` reads it to tell the model."""
+        original = self.runner.long_rope_original
+        if original is not None and num_prompt_tokens > original:
+            return self._long_rope_salt
+        return self.model_name
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt as token ids: a string is encoded, a sequence must hold
@@ -394,7 +410,10 @@ class Engine:
         for s in plan.scheduled:
             req = cast(Request, self.scheduler.get_request(s.request_id))  # scheduled: it is there
             self._metrics[s.request_id].setdefault("first_scheduled", now)
-            work.append(seq_work(s, self._sampling_row(req) if s.sample else None, prev))
+            w = seq_work(s, self._sampling_row(req) if s.sample else None, prev)
+            if self.runner.long_rope_original is not None:  # longrope: one factor set per request (families/phi3.py)
+                w.long_rope_from = 0 if req.cache_salt == self._long_rope_salt else self.max_model_len
+            work.append(w)
         fill_masks(self.structured, work)
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
         result = self.runner.execute(

@@ -63,6 +63,7 @@ from jaxserve.kernels.attention_metadata import AttentionMetadata
 from jaxserve.kernels.backends import REFERENCE, cache_spec
 from jaxserve.kernels.kv_cache import KVCache
 from jaxserve.models.functional import forward_fn, logits_fn, logits_t_fn
+from jaxserve.models.rope import long_rope_original
 
 if TYPE_CHECKING:
     from jaxserve.models.decoder import CausalLM
@@ -167,6 +168,8 @@ class ModelRunner:
         )
         #: int32 words of a row's structured-output token mask (``sampler.apply_token_mask``)
         self.num_mask_words = mask_words(model.config.vocab_size)
+        #: a longrope model's original context: each step tells it where every row's long factors start
+        self.long_rope_original = long_rope_original(model.config)
         self._no_mask: dict[int, jax.Array] = {}  # per seq bucket, see _sampling_arrays
         self.graphdef, self.state = nnx.split(model)
         self.kv_cache = KVCache.create(
@@ -288,6 +291,7 @@ class ModelRunner:
             block_owner=_spec((self.num_blocks,), i32),
             block_index=_spec((self.num_blocks,), i32),
             block_major=_spec((), jnp.bool_),
+            long_rope_from=None if self.long_rope_original is None else _spec((self.max_num_seqs + 1,), i32),
         )
 
     def _abstract_tensors(self, num_seqs: int) -> SamplingTensors:
@@ -409,6 +413,7 @@ class ModelRunner:
             max_num_seqs=self.max_num_seqs,
             max_blocks_per_seq=self.max_blocks_per_seq,
             block_size=self.block_size,
+            long_rope_original=self.long_rope_original,
         )
         if not step.has_pending:
             prev_tokens = self._no_prev
@@ -431,6 +436,7 @@ class ModelRunner:
             block_owner=block_owner,
             block_index=block_index,
             block_major=block_major,
+            long_rope_from=step.long_rope_from,
         )
         t_bucket, sampling_rows, num_score_rows = step.t_bucket, step.sampling_rows, step.num_score_rows
         greedy = bool(sampling_rows) and all(_is_plain_greedy(r) for r in sampling_rows)

@@ -43,6 +43,12 @@ class SeqWork:
     #: label scoring: the log-probability of ``score_targets[j]`` is wanted
     #: at each of the chunk's last ``len(score_targets)`` tokens (teacher forcing)
     score_targets: Sequence[int] = ()
+    #: longrope models: this sequence's first position that rotates with the
+    #: long factors (``AttentionMetadata.long_rope_from``; the engine sends 0
+    #: or past every position); None: 0 when the sequence holds more than
+    #: the original context after the step, else the original context
+    #: (transformers' choice for one forward call)
+    long_rope_from: int | None = None
 
 
 @dataclasses.dataclass
@@ -71,14 +77,23 @@ class StepArrays:
     score_targets: list[int]
     num_score_rows: int
     logits_indices: np.ndarray
+    #: per row, the first long-factor position (longrope models only)
+    long_rope_from: np.ndarray | None = None
 
 
 def pack_step(
-    work: Sequence[SeqWork], buckets: Buckets, *, max_num_seqs: int, max_blocks_per_seq: int, block_size: int
+    work: Sequence[SeqWork],
+    buckets: Buckets,
+    *,
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    long_rope_original: int | None = None,
 ) -> StepArrays:
     """Flatten ``work`` into :class:`StepArrays`; ValueError for a step the
     programs cannot take (no token, too many sequences or rows, a block
-    table too short for its tokens)."""
+    table too short for its tokens). ``long_rope_original``: a longrope
+    model's original context (``long_rope_from`` is filled then)."""
     num_tokens = sum(len(w.token_ids) for w in work)
     if num_tokens == 0:
         raise ValueError("a step needs at least one token")
@@ -127,6 +142,12 @@ def pack_step(
     logits_indices = np.zeros(max_num_seqs, np.int32)
     logits_indices[: len(logits_rows)] = logits_rows
     logits_indices[len(logits_rows) : len(logits_rows) + len(score_rows)] = score_rows
+    long_rope_from = None
+    if long_rope_original is not None:
+        long_rope_from = np.full(max_num_seqs + 1, long_rope_original, np.int32)
+        for row, (w, n) in enumerate(zip(work, ctx)):
+            default = 0 if n > long_rope_original else long_rope_original
+            long_rope_from[row] = default if w.long_rope_from is None else w.long_rope_from
     return StepArrays(
         num_tokens=num_tokens,
         t_bucket=t_bucket,
@@ -144,6 +165,7 @@ def pack_step(
         score_targets=[t for w in work for t in w.score_targets],
         num_score_rows=len(score_rows),
         logits_indices=logits_indices,
+        long_rope_from=long_rope_from,
     )
 
 

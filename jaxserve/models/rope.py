@@ -105,11 +105,11 @@ def long_rope_tokens(
 
     ``long_from`` (int32, one per row of the step, the engine's
     ``AttentionMetadata.long_rope_from``): a token at a position at or past
-    its row's value is long. Without it, the step is read as transformers
-    reads one forward call: a row that holds more than ``original`` tokens
-    after the step is long throughout, so a whole sequence in one step, or a
-    prompt followed by one token per step, rotates as transformers'
-    ``generate`` does.
+    its row's value is long (the engine sends 0 or a position past every
+    one: each request keeps one set, see ``families/phi3.py``). Without it,
+    the step is read as transformers reads one forward call: a row that
+    holds more than ``original`` tokens after the step is long throughout,
+    so a whole sequence in one step rotates as transformers' forward does.
     """
     if long_from is None:
         return (context_lens > original)[token_seq]

@@ -14,25 +14,28 @@ of the two context lengths. Phi-4-mini rotates only the first
 ``sliding_window`` applies to every layer when set (Phi-3-mini-4k's 2047;
 the 128k models' 262144 is past their context and dropped).
 
-Which factors a token gets. transformers decides per forward call: every
-position of a call takes the long factors when the call's last position is
-at least the original length, and the cache keeps what earlier calls wrote.
-So ``generate`` rotates a prompt longer than the original length with the
-long factors throughout, and a sequence that grows past it keeps its
-earlier keys short and rotates new tokens long. vLLM and llama.cpp instead
-pick one set for the whole server from its context size (``max_model_len``,
+Which factors a token gets. transformers decides per forward call (long
+when the call's sequence is longer than the original length), and
+Phi-3's ``generate`` drops its cache and recomputes the whole sequence with
+the long factors on the step where it first grows past the original
+length, so a sequence never mixes the two sets. vLLM and llama.cpp pick
+one set for the whole server from its context size (``max_model_len`` /
 ``n_ctx`` per sequence above the original length: long for every request),
-which keeps the cache consistent but changes short requests. jaxserve keeps
-transformers' ``generate`` per sequence, whatever the chunking, prefix hits
-or preemptions: a request whose prompt is longer than the original length
-is long at every position; any other request is short below the original
-length and long from it on (the engine sends each row's first long
-position as ``AttentionMetadata.long_rope_from``, and keeps the two kinds
-of request apart in the prefix cache). A sequence that stays on one side
-therefore matches transformers exactly, and one that grows past the
-original length matches ``generate``; it does not match a single forward
-pass over the finished sequence (that would rotate everything long), which
-a paged cache could only give by recomputing the sequence at the crossing.
+which keeps the cache consistent but changes every short request. jaxserve
+decides per request, once, from its prompt: a prompt longer than the
+original length rotates every position long, any other request every
+position short, to its end, whatever the chunking, prefix-cache hits or
+preemptions (the engine sends each row's choice as
+``AttentionMetadata.long_rope_from`` and keeps the two kinds of keys apart
+in the prefix cache by their salt; a label-scoring job goes by its prompt).
+A sequence that stays on one side of the original length therefore
+matches transformers exactly. One that starts short and grows past it
+matches transformers up to the crossing, then keeps the short factors
+where transformers would recompute everything long: recomputing a running
+sequence's cache mid-generation (a pause of one prefill of the original
+length, 4096 tokens for Phi-3-mini-128k) is left to the engine; it never
+mixes sets within a sequence, which neither transformers nor llama.cpp
+does either.
 
 llama.cpp writes ``phi3`` files: ``attn_qkv`` and ``ffn_up`` (gate and up
 rows fused, as in the checkpoint) unpermuted, the factor lists as the
