@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import engine_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
 
 
 @click.group()
@@ -34,6 +34,7 @@ def bench() -> None:
 )
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @quantization_option
+@kv_cache_dtype_option("offline")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @engine_option(
@@ -52,6 +53,7 @@ def offline(
     max_num_batched_tokens,
     dtype,
     quantization,
+    kv_cache_dtype,
     seed,
     as_json,
     tensor_parallel_size,
@@ -71,6 +73,7 @@ def offline(
             model,
             dtype=None if dtype == "auto" else dtype,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max(input_len + output_len, 64),
@@ -103,6 +106,8 @@ def offline(
         "total_tokens_per_s": round((generated + num_prompts * input_len) / elapsed, 2),
         "compile_s": round(llm.engine.compile_seconds, 2),
         "num_blocks": llm.engine.num_blocks,
+        "kv_cache_dtype": llm.engine.kv_cache_size.dtype,
+        "kv_cache_bytes": llm.engine.runner.kv_cache.nbytes,
         "tensor_parallel_size": tensor_parallel_size,
         "attention": llm.engine.attention.kernel,
         "quantization": quantization,

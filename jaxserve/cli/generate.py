@@ -8,7 +8,7 @@ import click
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import engine_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
 
 
 @click.command()
@@ -21,6 +21,7 @@ from jaxserve.cli.options import engine_option, quantization_option
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @quantization_option
+@kv_cache_dtype_option("offline")
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
 @engine_option(
@@ -41,6 +42,7 @@ def generate(
     stop,
     dtype,
     quantization,
+    kv_cache_dtype,
     chat,
     as_json,
     tensor_parallel_size,
@@ -58,6 +60,7 @@ def generate(
             model,
             dtype=None if dtype == "auto" else dtype,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_seqs=1,
             tensor_parallel_size=tensor_parallel_size,
         )

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from jaxserve.engine.args import ProfileName, profile_values
+from jaxserve.engine.args import KV_CACHE_DTYPES, ProfileName, profile_values
 
 #: ``--quantization`` of ``generate``, ``bench offline`` and ``worker``; the
 #: choices are :data:`jaxserve.models.quant.QUANTIZATIONS` (spelled out here:
@@ -18,6 +18,26 @@ quantization_option = click.option(
     help="Weight-only quantization: int8 or int4 blocks of 32, quantized at load "
     "(a GGUF file's Q8_0 or Q4_0/Q4_1 blocks of that width are taken as they are).",
 )
+
+
+#: ``--kv-cache-dtype`` (vLLM's name) of ``generate``, ``bench offline`` and
+#: ``worker``: ``EngineArgs.kv_cache_dtype``, its default the profile's
+KV_CACHE_DTYPE_HELP = (
+    "KV cache element type: auto (the model's dtype), float32, bfloat16, or int8 (a float32 scale per "
+    "token and kv head: a quarter of float32's bytes)."
+)
+
+
+def kv_cache_dtype_option(profile: ProfileName, forward_unset: bool = False) -> Any:
+    """``--kv-cache-dtype`` with ``profile``'s default (``engine_option``)."""
+    return engine_option(
+        "--kv-cache-dtype",
+        field="kv_cache_dtype",
+        profile=profile,
+        forward_unset=forward_unset,
+        type=click.Choice(list(KV_CACHE_DTYPES)),
+        help=KV_CACHE_DTYPE_HELP,
+    )
 
 
 def engine_option(*decls: str, field: str, profile: ProfileName, forward_unset: bool = False, **attrs: Any) -> Any:

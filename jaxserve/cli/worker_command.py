@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from jaxserve.cli.options import engine_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
 from jaxserve.cli.price_options import price_options, prices_from_options
 from jaxserve.cli.queue_options import amqp_option, prefix_option
 from jaxserve.engine.args import profile_values
@@ -58,6 +58,7 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
 )
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
 @quantization_option
+@kv_cache_dtype_option("serve", forward_unset=True)
 @_serve_option(
     "--interactive-reserved-seqs",
     field="interactive_reserved_seqs",
@@ -269,6 +270,7 @@ def worker(
     memory_fraction: float | None,
     dtype: str | None,
     quantization: str | None,
+    kv_cache_dtype: str | None,
     interactive_reserved_seqs: int | None,
     policy: str | None,
     interactive_batch_prefill_tokens: int | None,
@@ -327,6 +329,7 @@ def worker(
         memory_fraction=memory_fraction,
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         interactive_reserved_seqs=interactive_reserved_seqs,
         policy=policy,
         interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,

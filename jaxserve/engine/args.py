@@ -40,9 +40,17 @@ class EngineArgs:
       model's ``max_position_embeddings`` capped at 4096.
     - ``kv_cache_memory``: bytes for the KV cache, or
       ``memory_fraction`` of device memory (host RAM on CPU) after the
-      weights: the ``gpu_memory_utilization`` of other servers. Neither: just
-      enough for ``max_num_seqs`` requests of ``max_model_len`` tokens, within
-      a quarter of device memory.
+      weights: the ``gpu_memory_utilization`` of other servers. Neither:
+      sized to need, ``max_num_seqs`` sequences of ``max_model_len`` tokens
+      each up to :data:`DEFAULT_KV_TOKENS_PER_SEQ` (1024), and at least one
+      sequence of ``max_model_len``, within a quarter of device memory
+      (:meth:`size_kv_cache` says why; the engine logs it at start).
+    - ``kv_cache_dtype``: the KV cache's element type (vLLM's
+      ``--kv-cache-dtype``): ``auto`` (the model's dtype), ``float32``,
+      ``bfloat16``, or ``int8`` (each token's key and value vectors per kv
+      head stored as int8 with a float32 scale, ``jaxserve.kernels.kv_cache``:
+      ``head_dim + 4`` bytes instead of ``4 * head_dim``, 0.27x a float32
+      cache at head_dim 64 and 0.53x a bfloat16 one).
     - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
       restarted worker skips compiling (``""`` disables it).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
@@ -111,6 +119,7 @@ class EngineArgs:
     block_size: int = 64
     kv_cache_memory: int | None = None
     memory_fraction: float | None = None
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     policy: Literal["fcfs", "priority"] = "fcfs"
     interactive_reserved_seqs: int = 0
     interactive_reserved_blocks: int = 0
@@ -133,6 +142,8 @@ class EngineArgs:
 
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
@@ -176,6 +187,15 @@ class EngineArgs:
         value = self.max_num_batched_tokens or max(512, self.max_num_seqs)
         return max(value, self.max_num_seqs)
 
+    def resolve_kv_cache_dtype(self, model_dtype: Any) -> str:
+        """The KV cache's element type name for a model of ``model_dtype``
+        (``kv_cache_dtype``; ``auto``: the model's)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        import numpy as np
+
+        return np.dtype(model_dtype).name
+
     def resolve_num_blocks(
         self,
         *,
@@ -186,19 +206,55 @@ class EngineArgs:
         max_model_len: int,
         weight_bytes: int,
     ) -> int:
+        """The KV cache's blocks, null block included (:meth:`size_kv_cache`)."""
+        return self.size_kv_cache(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            cache_dtype=cache_dtype,
+            max_model_len=max_model_len,
+            weight_bytes=weight_bytes,
+        ).num_blocks
+
+    def size_kv_cache(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cache_dtype,
+        max_model_len: int,
+        weight_bytes: int,
+    ) -> KVCacheSize:
+        """The KV cache's size and why (the class docstring's rules):
+        ``kv_cache_memory`` bytes as given; else ``memory_fraction`` of
+        device memory less the weights; else sized to need. Raises
+        ``ValueError`` when one request of ``max_model_len`` cannot fit."""
         from jaxserve.kernels.kv_cache import bytes_per_block
 
         per_block = bytes_per_block(num_layers, self.block_size, num_kv_heads, head_dim, cache_dtype)
         blocks_per_seq = -(-max_model_len // self.block_size)
+        seq_tokens = max_model_len
         if self.kv_cache_memory is not None:
             budget = int(self.kv_cache_memory)
+            reason = f"kv_cache_memory={budget}"
         elif self.memory_fraction is not None:
             if not 0.0 < self.memory_fraction <= 1.0:
                 raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-            budget = int(device_memory_bytes() * self.memory_fraction) - weight_bytes
+            memory = device_memory_bytes()
+            budget = int(memory * self.memory_fraction) - weight_bytes
+            reason = f"memory_fraction={self.memory_fraction:g} of {memory} bytes, less {weight_bytes} of weights"
         else:
-            wanted = (self.max_num_seqs * blocks_per_seq + 1) * per_block
-            budget = min(wanted, device_memory_bytes() // 4)
+            seq_tokens = min(max_model_len, DEFAULT_KV_TOKENS_PER_SEQ)
+            need = max(self.max_num_seqs * -(-seq_tokens // self.block_size), blocks_per_seq) + 1
+            wanted = need * per_block
+            quarter = device_memory_bytes() // 4
+            budget = min(wanted, quarter)
+            reason = f"default: max_num_seqs={self.max_num_seqs} sequences of {seq_tokens} tokens"
+            if seq_tokens < max_model_len:
+                reason += f" (max_model_len={max_model_len} capped at {DEFAULT_KV_TOKENS_PER_SEQ}), at least one of {max_model_len}"
+            if quarter < wanted:
+                reason += f", capped at a quarter of device memory ({quarter} bytes)"
         num_blocks = budget // per_block
         if num_blocks < blocks_per_seq + 1:
             raise ValueError(
@@ -206,7 +262,69 @@ class EngineArgs:
                 f"request of max_model_len={max_model_len} needs {blocks_per_seq} blocks plus the null block. "
                 f"Raise kv_cache_memory/memory_fraction or lower max_model_len"
             )
-        return int(num_blocks)
+        return KVCacheSize(
+            num_blocks=int(num_blocks),
+            block_size=self.block_size,
+            block_bytes=per_block,
+            dtype=str(cache_dtype if isinstance(cache_dtype, str) else getattr(cache_dtype, "name", cache_dtype)),
+            seqs=self.max_num_seqs,
+            seq_tokens=seq_tokens,
+            max_model_len=max_model_len,
+            reason=reason,
+        )
+
+
+#: the KV cache dtypes ``EngineArgs.kv_cache_dtype`` takes (``auto``: the model's dtype)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
+
+#: Tokens per sequence the default KV cache holds when ``max_model_len`` is
+#: longer: a model's whole context is what a request may use, not what the
+#: average one does. 1024 is llama-server's default per slot (its default
+#: 4096-token context over 4 parallel slots), and a queue job's prompt and
+#: output usually fit in it; a longer request still runs (the cache keeps
+#: room for one of ``max_model_len``), and when many long ones run together
+#: the scheduler preempts, as it does whenever blocks run out. Before it, a
+#: ``jaxserve worker`` serving SmolLM2-135M (context 8192, taken as 4096)
+#: with 32 sequences reserved 32 x 4096 tokens x 45 KiB = 5.9 GiB of float32
+#: cache (a quarter of this 23 GiB machine, the cap); with it 1.5 GiB, or
+#: 0.4 GiB as int8.
+DEFAULT_KV_TOKENS_PER_SEQ = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSize:
+    """The KV cache :meth:`EngineArgs.size_kv_cache` resolved, and why."""
+
+    num_blocks: int  # the null block included
+    block_size: int
+    block_bytes: int  # over all layers, keys and values (int8: their scales too)
+    dtype: str
+    seqs: int  # the sequences the default sizes for (max_num_seqs)
+    seq_tokens: int  # ... and the tokens of each
+    max_model_len: int
+    reason: str
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the usable blocks hold (the null block left out)."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
+
+    def describe(self) -> str:
+        """One line for the start log: how much, for what, and why."""
+        full = (self.num_blocks - 1) // -(-self.max_model_len // self.block_size)
+        return (
+            f"{self.bytes / 2**20:.1f} MiB of {self.dtype} KV cache: {self.tokens} tokens "
+            f"({self.bytes_per_token} bytes each), {full} sequence(s) of max_model_len={self.max_model_len} "
+            f"at once; {self.reason}"
+        )
 
 
 def device_memory_bytes() -> int:

@@ -99,9 +99,11 @@ class Engine:
         self.interactive_reserved_seqs = args.interactive_reserved_seqs
         params = jax.tree.leaves(loaded.model)
         weight_bytes = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in params if hasattr(p, "dtype"))
-        cache_dtype = loaded.model.dtype  # (not a leaf's: a quantized embedding's are int8 and float16)
+        # --kv-cache-dtype; auto: the model's (not a leaf's: a quantized embedding's are int8 and float16)
+        cache_dtype = args.resolve_kv_cache_dtype(loaded.model.dtype)
         self.attention, self.mesh = place_model(loaded.model, args, cache_dtype)
-        self.num_blocks = args.resolve_num_blocks(
+        #: the KV cache's size and why (logged below; the worker prints it at start)
+        self.kv_cache_size = args.size_kv_cache(
             num_layers=cfg.num_hidden_layers,
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
@@ -109,6 +111,7 @@ class Engine:
             max_model_len=self.max_model_len,
             weight_bytes=weight_bytes,
         )
+        self.num_blocks = self.kv_cache_size.num_blocks
         max_batched = args.resolve_max_num_batched_tokens()
         self.scheduler_config = args.scheduler_config(max_model_len=self.max_model_len, num_blocks=self.num_blocks)
         self.allocator = BlockAllocator(
@@ -178,8 +181,11 @@ class Engine:
             num_blocks=self.num_blocks,
             block_size=args.block_size,
             bytes=self.runner.kv_cache.nbytes,
+            dtype=self.kv_cache_size.dtype,
+            bytes_per_token=self.kv_cache_size.bytes_per_token,
             max_model_len=self.max_model_len,
             concurrency_at_max_model_len=concurrency,
+            reason=self.kv_cache_size.reason,
         )
 
     @classmethod

@@ -34,8 +34,10 @@ def enable_compilation_cache(path: str | None) -> None:
 def place_model(model, args: EngineArgs, cache_dtype):
     """Kernel choice and tensor-parallel placement of a freshly loaded model
     (``EngineArgs.attention_backend``, ``EngineArgs.tensor_parallel_size``);
-    returns ``(AttentionImpl, mesh or None)``. Refuses a tensor-parallel size
-    that does not divide the kv heads."""
+    returns ``(AttentionImpl, mesh or None)``. ``cache_dtype``: the KV
+    cache's (``EngineArgs.resolve_kv_cache_dtype``: the kernel choice
+    depends on it). Refuses a tensor-parallel size that does not divide the
+    kv heads."""
     from jaxserve.kernels.backends import select_attention
     from jaxserve.models.sharding import shard_model, tensor_parallel_mesh
 
@@ -59,6 +61,7 @@ def place_model(model, args: EngineArgs, cache_dtype):
         "engine.placement",
         attention=attention.kernel,
         cache_layout=attention.layout,
+        cache_dtype=str(cache_dtype),
         reason=reason,
         tensor_parallel_size=args.tensor_parallel_size,
     )

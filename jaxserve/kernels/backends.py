@@ -9,11 +9,16 @@
   the platform has none (CPU) or the model's shapes do not fit them;
 - ``"cpu"``: the C++ paged-attention kernel (``kernels/cpu``, built on
   first use with the host's compiler) over the ``blocks`` layout, for every
-  program on the CPU; an error where it cannot build or the cache is not
-  float32;
+  program on the CPU; an error where it cannot build or the cache is neither
+  float32 nor int8;
 - ``"auto"`` (default): ``"pallas"`` on ``gpu`` and ``tpu`` when the shapes
-  fit; on the CPU ``"cpu"`` when it builds and the cache is float32; else
-  ``"reference"`` (bfloat16 caches on the CPU, head dims Triton cannot tile, ...).
+  fit; on the CPU ``"cpu"`` when it builds and the cache is float32 or int8;
+  else ``"reference"`` (bfloat16 caches on the CPU, head dims Triton cannot
+  tile, ...).
+
+An int8 cache (``kv_cache.QuantizedPages``) is read by the C++ kernel, the
+reference kernels and the GPU Pallas kernel; on TPU ``auto`` picks the
+reference for it (``pallas_attention.py`` says why).
 
 The choice is per model and depends on shapes only. A layer's attention
 features (sliding window, logit soft-cap, attention sinks) are arguments of
@@ -51,14 +56,16 @@ plain local arrays.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, cast
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.kernels import cpu as cpu_kernel
 from jaxserve.kernels import pallas_attention as pallas
 from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.kv_cache import QuantizedPages, is_quantized, scale_axis
 from jaxserve.kernels.paged_attention import paged_attention, write_kv
 
 BACKENDS = ("auto", "reference", "pallas", "cpu")
@@ -139,6 +146,8 @@ def select_attention(
         if why is None:
             reason = "GPU: shipped Pallas paged kernel for decode-sized programs"
             return AttentionImpl(kernel="gpu"), reason + _reference_layers(features, pallas.KERNEL_FEATURES["gpu"])
+    elif platform == "tpu" and is_quantized(cache_dtype):
+        why = "the shipped TPU kernels take no int8 cache with per-token scales in place (pallas_attention.py)"
     elif platform == "tpu":
         local_kv = max(1, num_kv_heads // max(1, tensor_parallel_size))
         ragged_why = pallas.tpu_ragged_unsupported(head_dim=head_dim, num_kv_heads=local_kv, cache_dtype=cache_dtype)
@@ -208,9 +217,10 @@ def attend(
     T = q.shape[0]
     small = T <= impl.kernel_tokens(meta)
     features = pallas.layer_features(sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks)
+    stored = jnp.int8 if isinstance(k_cache, QuantizedPages) else cache_dtype
 
     def serves(kernel: str) -> bool:
-        return features <= pallas.KERNEL_FEATURES[kernel]
+        return features <= pallas.KERNEL_FEATURES[kernel] and pallas.kernel_reads(kernel, stored)
 
     if impl.kernel == "gpu" and small and serves("gpu"):
         return pallas.gpu_paged_attention(
@@ -268,6 +278,18 @@ def attend(
 def cache_spec(layout: str) -> P:
     """PartitionSpec of one layer's cache array: sharded on its kv-heads axis."""
     return P(TP_AXIS, None, None, None) if layout == "heads" else P(None, TP_AXIS, None, None)
+
+
+def cache_specs(layout: str, pages, keys: bool):
+    """``cache_spec`` for one layer's ``pages`` as they are: a plain array's,
+    or for an int8 cache's ``QuantizedPages`` the values' and their scales'
+    (the same axes without ``head_dim``)."""
+    spec = cache_spec(layout)
+    if not isinstance(pages, QuantizedPages):
+        return spec
+    drop = scale_axis(layout, keys) % len(spec)
+    # a pytree of specs mirroring the pages (shard_map's in_specs/out_specs)
+    return QuantizedPages(cast(Any, spec), cast(Any, P(*(axis for i, axis in enumerate(spec) if i != drop))))
 
 
 def write_and_attend(
@@ -361,12 +383,12 @@ def write_and_attend(
     if mesh is None:
         return local(*args)
     heads = P(None, TP_AXIS, None)
-    cache = cache_spec(impl.layout)
+    k_spec, v_spec = cache_specs(impl.layout, k_cache, True), cache_specs(impl.layout, v_cache, False)
     sharded = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache, cache, P(), P(), P()) + ((P(TP_AXIS),) if sinks is not None else ()),
-        out_specs=(cache, cache, heads),
+        in_specs=(heads, heads, heads, k_spec, v_spec, P(), P(), P()) + ((P(TP_AXIS),) if sinks is not None else ()),
+        out_specs=(k_spec, v_spec, heads),
         check_vma=False,
     )
     return sharded(*args)
@@ -379,6 +401,7 @@ __all__ = [
     "TP_AXIS",
     "attend",
     "cache_spec",
+    "cache_specs",
     "select_attention",
     "write_and_attend",
 ]

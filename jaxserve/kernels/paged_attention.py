@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.kv_cache import from_storage, logical_dtype, to_storage
+from jaxserve.kernels.kv_cache import QuantizedPages, from_storage, logical_dtype, quantize_kv, to_storage
 
 _NEG = -1e30
 # Bytes of gathered keys per chunk the default chunk size aims at. On the CPU a
@@ -101,11 +101,20 @@ def write_kv(
     storage, else the storage dtype). Slots out of range are dropped (padding
     may use either a block-0 slot or an out-of-range slot). ``layout="heads"``:
     per-layer ``[kv_heads, blocks, block_size, head_dim]`` arrays.
+
+    An int8 cache (:class:`~jaxserve.kernels.kv_cache.QuantizedPages`)
+    gets each token's vector quantized on its own (``quantize_kv``) and its
+    scale written beside it; nothing already stored is touched.
     """
-    dtype = logical_dtype(k_cache, cache_dtype)
     block_size = v_cache.shape[-2]
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
+    if isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages):
+        # (the same pytree type back: QuantizedPages in, QuantizedPages out)
+        return cast(
+            "tuple[jax.Array, jax.Array]", _write_quantized(k_cache, v_cache, k_new, v_new, blk, off, layer, layout)
+        )
+    dtype = logical_dtype(k_cache, cache_dtype)
     if layout == "heads":  # typed storage (kv_cache.py)
         if layer is not None:
             raise ValueError(f"the heads layout is per layer only, got layer={layer!r}")
@@ -125,6 +134,47 @@ def write_kv(
     k_cache = k_cache.at[(*lead, blk, slice(None), slice(None), off)].set(k_new, mode="drop")
     v_cache = v_cache.at[(*lead, blk, slice(None), off)].set(v_new, mode="drop")
     return k_cache, v_cache
+
+
+def _write_quantized(
+    k_cache: QuantizedPages,
+    v_cache: QuantizedPages,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    blk: jax.Array,
+    off: jax.Array,
+    layer,
+    layout: str,
+) -> tuple[QuantizedPages, QuantizedPages]:
+    """``write_kv`` for an int8 cache: values and scales scattered alike."""
+    kq, ks = quantize_kv(k_new)  # [T, kvh, D], [T, kvh]
+    vq, vs = quantize_kv(v_new)
+    if layout == "heads":
+        if layer is not None:
+            raise ValueError(f"the heads layout is per layer only, got layer={layer!r}")
+        # [kvh, T, D] and [kvh, T] updates (adjacent advanced indices stay in place)
+        k_out = QuantizedPages(
+            k_cache.q.at[:, blk, off].set(jnp.swapaxes(kq, 0, 1), mode="drop"),
+            k_cache.scale.at[:, blk, off].set(jnp.swapaxes(ks, 0, 1), mode="drop"),
+        )
+        v_out = QuantizedPages(
+            v_cache.q.at[:, blk, off].set(jnp.swapaxes(vq, 0, 1), mode="drop"),
+            v_cache.scale.at[:, blk, off].set(jnp.swapaxes(vs, 0, 1), mode="drop"),
+        )
+        return k_out, v_out
+    if layout != "blocks":
+        raise ValueError(f"unknown KV cache layout {layout!r}")
+    lead = () if layer is None else (layer,)
+    # token axis first in every update, as in write_kv
+    k_out = QuantizedPages(
+        k_cache.q.at[(*lead, blk, slice(None), slice(None), off)].set(kq, mode="drop"),
+        k_cache.scale.at[(*lead, blk, slice(None), off)].set(ks, mode="drop"),
+    )
+    v_out = QuantizedPages(
+        v_cache.q.at[(*lead, blk, slice(None), off)].set(vq, mode="drop"),
+        v_cache.scale.at[(*lead, blk, slice(None), off)].set(vs, mode="drop"),
+    )
+    return k_out, v_out
 
 
 def visible_keys(
@@ -247,7 +297,9 @@ def paged_attention(
     G = H // kvh
     check_features(logit_softcap, sinks, H)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kvh, G)
-    cdtype = logical_dtype(k_cache, cache_dtype)
+    quantized = isinstance(k_cache, QuantizedPages)
+    # an int8 cache's matmuls run in the queries' dtype (int8 -> float is exact)
+    cdtype = jnp.dtype(q.dtype) if quantized else logical_dtype(k_cache, cache_dtype)
     block_tables = meta.block_tables
     token_seq = meta.token_seq
     positions = positions.astype(jnp.int32)
@@ -259,8 +311,10 @@ def paged_attention(
         and meta.block_owner is not None
         and T <= 2 * block_tables.shape[0]  # a bucket a decode step can use
         # a stacked cache's layer, or a 16-bit cache viewed as floats, would be copied whole
+        # (an int8 cache's conversion too, on the CPU: it is taken for its exactness
+        # there and for accelerators, which fuse the conversion into the matmul)
         and layer is None
-        and jnp.dtype(k_cache.dtype) == cdtype
+        and (jnp.dtype(k_cache.dtype) == cdtype or quantized)
     )
     if block_major_possible:
         gathered = functools.partial(
@@ -409,9 +463,17 @@ def _block_major_decode(
     row_limit = row_limit.at[rows - 1].set(0)
     owner = meta.block_owner
     qb = qs[row_token[owner]]  # [NB, kvh, G, D]
-    k = from_storage(k_cache, cdtype)  # [NB, kvh, D, BS]
-    v = from_storage(v_cache, cdtype)  # [NB, kvh, BS, D]
-    s = soft_cap(jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32), logit_softcap)
+    k_scale = v_scale = None
+    if isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages):
+        k, k_scale = k_cache.q.astype(cdtype), k_cache.scale[:, :, None, :]  # scales [NB, kvh, 1, BS]
+        v, v_scale = v_cache.q.astype(cdtype), v_cache.scale[:, :, None, :]
+    else:
+        k = from_storage(k_cache, cdtype)  # [NB, kvh, D, BS]
+        v = from_storage(v_cache, cdtype)  # [NB, kvh, BS, D]
+    s = jnp.einsum("bkgd,bkdc->bkgc", qb, k, preferred_element_type=jnp.float32)
+    if k_scale is not None:
+        s = s * k_scale
+    s = soft_cap(s, logit_softcap)
     kpos = cast(jax.Array, meta.block_index)[:, None] * block_size + jnp.arange(block_size, dtype=jnp.int32)[None, :]
     valid = kpos < row_limit[owner][:, None]
     if lower is not None:
@@ -422,6 +484,8 @@ def _block_major_decode(
     m = jnp.max(s, axis=-1)  # [NB, kvh, G]
     p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
+    if v_scale is not None:  # the values' scales weigh the probabilities, not every element
+        p = p * v_scale
     o = jnp.einsum("bkgc,bkcd->bkgd", p.astype(cdtype), v, preferred_element_type=jnp.float32)
     # merge each row's blocks (null-block padding has l == 0 and drops out)
     bt = meta.block_tables
@@ -465,8 +529,11 @@ def _flash_rows(
     """
     R, kvh, Q, G, D = qr.shape
     M = bt_rows.shape[1]
+    quantized = isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(R, kvh, D, jnp.dtype(k_cache.dtype).itemsize, block_size)
+        # an int8 cache's chunks are gathered as int8 but used in cdtype
+        itemsize = jnp.dtype(cdtype if quantized else k_cache.dtype).itemsize
+        chunk_tokens = default_chunk_tokens(R, kvh, D, itemsize, block_size)
     chunk_blocks = max(1, min(chunk_tokens // block_size, M))
     C = chunk_blocks * block_size
     n_max = -(-M // chunk_blocks)
@@ -489,10 +556,27 @@ def _flash_rows(
         out = cache[cols] if layer is None else cache[layer, cols]
         return from_storage(out, cdtype)
 
+    def gather_quantized(pages: QuantizedPages, cols, keys: bool) -> tuple[jax.Array, jax.Array]:
+        """A chunk of int8 keys ``[R, kvh, D, C]`` (values ``[R, kvh, C, D]``)
+        in cdtype, and their scales ``[R, kvh, C]``."""
+        if layout == "heads":  # [kvh, R, CB, BS(, D)]
+            x = jnp.transpose(pages.q[:, cols], (1, 0, 4, 2, 3) if keys else (1, 0, 2, 3, 4))
+            sc = jnp.transpose(pages.scale[:, cols], (1, 0, 2, 3))
+        else:  # [R, CB, kvh, ...]
+            lead = () if layer is None else (layer,)
+            x = jnp.moveaxis(pages.q[(*lead, cols)], 1, 3 if keys else 2)
+            sc = jnp.moveaxis(pages.scale[(*lead, cols)], 1, 2)
+        shape = (R, kvh, D, C) if keys else (R, kvh, C, D)
+        return x.astype(cdtype).reshape(shape), sc.reshape(R, kvh, C)
+
     def body(c, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(bt_rows, c * chunk_blocks, chunk_blocks, axis=1)  # [R, CB]
-        if layout == "heads":
+        k_scale = v_scale = None
+        if quantized:
+            k, k_scale = gather_quantized(cast(QuantizedPages, k_cache), cols, True)
+            v, v_scale = gather_quantized(cast(QuantizedPages, v_cache), cols, False)
+        elif layout == "heads":
             # [kvh, R, CB, BS, D] -> [R, kvh, D, C] and [R, kvh, C, D]
             k = jnp.transpose(from_storage(k_cache[:, cols], cdtype), (1, 0, 4, 2, 3)).reshape(R, kvh, D, C)
             v = jnp.transpose(from_storage(v_cache[:, cols], cdtype), (1, 0, 2, 3, 4)).reshape(R, kvh, C, D)
@@ -501,8 +585,10 @@ def _flash_rows(
             # reshapes for one block per chunk, a transpose fused into the gather otherwise
             k = jnp.moveaxis(gather(k_cache, cols), 1, 3).reshape(R, kvh, D, C)
             v = jnp.moveaxis(gather(v_cache, cols), 1, 2).reshape(R, kvh, C, D)
-        s = jnp.einsum("rkqd,rkdc->rkqc", q2, k, preferred_element_type=jnp.float32).reshape(R, kvh, Q, G, C)
-        s = soft_cap(s, logit_softcap)
+        s = jnp.einsum("rkqd,rkdc->rkqc", q2, k, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            s = s * k_scale[:, :, None, :]
+        s = soft_cap(s.reshape(R, kvh, Q, G, C), logit_softcap)
         kpos = c * C + kpos_in_chunk
         valid = kpos[None, None, :] < limit[:, :, None]
         if lower is not None:
@@ -513,9 +599,10 @@ def _flash_rows(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[..., None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum(
-            "rkqc,rkcd->rkqd", p.reshape(R, kvh, Q * G, C).astype(cdtype), v, preferred_element_type=jnp.float32
-        )
+        pw = p.reshape(R, kvh, Q * G, C)
+        if v_scale is not None:  # the values' scales weigh the probabilities
+            pw = pw * v_scale[:, :, None, :]
+        pv = jnp.einsum("rkqc,rkcd->rkqd", pw.astype(cdtype), v, preferred_element_type=jnp.float32)
         acc = acc * alpha[..., None] + pv.reshape(R, kvh, Q, G, D)
         return m_new, l, acc
 

@@ -72,6 +72,19 @@ statistics, and the kernels return only the normalised output. Which
 features each kernel computes is ``KERNEL_FEATURES``; a layer that needs
 another runs the reference kernel for that call (``backends.attend``).
 
+int8 caches (``kv_cache.QuantizedPages``: int8 pages and a float32 scale
+per token and kv head, ``[KVH, P, PS]`` in the ``heads`` layout): the GPU
+kernel takes exactly that (``k_scales_pages``/``v_scales_pages``, applied to
+the scores and the softmax weights), so ``gpu_paged_attention`` reads an
+int8 cache in place. The TPU paged kernel takes a ``QuantizedTensor`` of
+int8 pages with scales ``[KVH, P, PS, 1]`` but broadcasts them to the
+pages' full shape before its call (``paged_attention_kernel.py``:
+``jnp.broadcast_to(k_scales_pages, (..., head_dim))``), a float32 array four
+times the int8 pages' bytes written and read per layer and step, more than
+a float32 cache's own; the ragged kernel takes only one static scale per
+tensor (``k_scale``/``v_scale``). So on TPU an int8 cache's layers run the
+reference over the same ``heads`` cache (``KERNEL_READS_INT8``).
+
 Which adapter runs for which step is ``backends.py``'s business.
 """
 
@@ -85,7 +98,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.kernels.attention_metadata import AttentionMetadata
-from jaxserve.kernels.kv_cache import from_storage, logical_dtype
+from jaxserve.kernels.kv_cache import QuantizedPages, from_storage, is_quantized, logical_dtype
 
 #: tokens of one inner iteration of the GPU kernel (pages_per_compute_block x block size)
 GPU_KEYS_PER_ITERATION = 128
@@ -100,6 +113,15 @@ KERNEL_FEATURES: dict[str, frozenset[str]] = {
     "tpu": frozenset({"logit_softcap"}),
     "tpu_ragged": frozenset({"logit_softcap", "sliding_window"}),
 }
+
+
+#: whether each shipped kernel reads an int8 cache (module docstring)
+KERNEL_READS_INT8: dict[str, bool] = {"gpu": True, "tpu": False, "tpu_ragged": False}
+
+
+def kernel_reads(kernel: str, cache_dtype) -> bool:
+    """Whether the shipped ``kernel`` (a ``KERNEL_FEATURES`` key) reads a cache of ``cache_dtype``."""
+    return KERNEL_READS_INT8[kernel] or not is_quantized(cache_dtype)
 
 
 def layer_features(*, sliding_window: int | None, logit_softcap: float | None, sinks: object) -> frozenset[str]:
@@ -183,20 +205,28 @@ def gpu_paged_attention(
     """Attention of ``q`` ``[T, H, D]`` through the shipped GPU kernel, one
     kernel batch row per token (module docstring). ``k_cache``/``v_cache``:
     one layer in the ``heads`` layout ``[KVH, P, BS, D]``, already holding
-    this step's keys. ``logit_softcap``: the kernel's own soft-cap of the
-    (scaled) scores. Returns ``[T, H, D]`` in ``q.dtype``; zeros for tokens
-    that see no key."""
+    this step's keys (or an int8 cache's ``QuantizedPages``, read with their
+    scales: the queries then stay in ``q.dtype``). ``logit_softcap``: the
+    kernel's own soft-cap of the (scaled) scores. Returns ``[T, H, D]`` in
+    ``q.dtype``; zeros for tokens that see no key."""
     T, H, D = q.shape
     kvh, _, block_size, _ = k_cache.shape
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
-    cdtype = logical_dtype(k_cache, cache_dtype)
     tables, limit = per_token_tables(meta, positions)
     ppcb, k_splits, width = gpu_split(tables.shape[1], block_size, max_k_splits)
+    scales = {}
+    if isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages):
+        cdtype = jnp.dtype(q.dtype)
+        k_pages, v_pages = k_cache.q, v_cache.q
+        scales = dict(k_scales_pages=k_cache.scale, v_scales_pages=v_cache.scale)
+    else:
+        cdtype = logical_dtype(k_cache, cache_dtype)
+        k_pages, v_pages = from_storage(k_cache, cdtype), from_storage(v_cache, cdtype)
     out = _gpu_kernel()(
         _scaled_query(q, scale, cdtype),
-        from_storage(k_cache, cdtype),
-        from_storage(v_cache, cdtype),
+        k_pages,
+        v_pages,
         _pad_tables(tables, width),
         limit,
         block_h=GPU_BLOCK_H,
@@ -206,6 +236,7 @@ def gpu_paged_attention(
         num_stages=num_stages,
         interpret=interpret,
         attn_logits_soft_cap=logit_softcap,
+        **scales,
     )
     return jnp.where((limit > 0)[:, None, None], out.astype(jnp.float32), 0.0).astype(q.dtype)
 
@@ -380,6 +411,7 @@ __all__ = [
     "gpu_kernel_unsupported",
     "gpu_paged_attention",
     "gpu_split",
+    "kernel_reads",
     "layer_features",
     "per_token_tables",
     "ragged_inputs",

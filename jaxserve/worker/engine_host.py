@@ -68,6 +68,8 @@ class EngineInfo:
     interactive_reserved_seqs: int | None = None
     vocab_size: int | None = None
     kv_cache_bytes: int | None = None
+    #: how much KV cache the engine reserved, for what and why (one line; ``KVCacheSize.describe``)
+    kv_cache_summary: str | None = None
     tokenizer: Any = None
     #: whether the engine has a scheduler whose snapshots feed the metrics
     has_scheduler: bool = False
@@ -79,6 +81,11 @@ def kv_cache_bytes(engine: Any) -> int | None:
     if size is None:
         size = getattr(getattr(getattr(engine, "runner", None), "kv_cache", None), "nbytes", None)
     return size if isinstance(size, int) else None
+
+
+def _kv_cache_summary(engine: Any) -> str | None:
+    describe = getattr(getattr(engine, "kv_cache_size", None), "describe", None)
+    return describe() if callable(describe) else None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -97,6 +104,7 @@ def engine_info(engine: Any) -> EngineInfo:
         interactive_reserved_seqs=_int_or_none(getattr(engine, "interactive_reserved_seqs", None)),
         vocab_size=_int_or_none(vocab),
         kv_cache_bytes=kv_cache_bytes(engine),
+        kv_cache_summary=_kv_cache_summary(engine),
         tokenizer=getattr(engine, "tokenizer", None),
         has_scheduler=callable(getattr(getattr(engine, "scheduler", None), "stats", None)),
     )

@@ -79,6 +79,8 @@ async def start_engine(w: Worker, stop: asyncio.Event | None) -> bool:
     metrics.model_load_seconds.labels(metrics.model_name).set(load_s)
     if info.kv_cache_bytes is not None:
         metrics.kv_cache_bytes.labels(metrics.model_name).set(info.kv_cache_bytes)
+    if info.kv_cache_summary is not None:  # how much memory the cache took, for what, and why
+        log.info("kv_cache_reserved", bytes=info.kv_cache_bytes, summary=info.kv_cache_summary)
     if cfg.metrics_port is not None:
         serve_metrics(metrics, cfg.metrics_port)
     log.info("engine_warmup_started", model=info.model_name, load_s=round(load_s, 3), engine_process=host.pid)

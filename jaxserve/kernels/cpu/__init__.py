@@ -41,6 +41,7 @@ import structlog
 
 from jaxserve.cache_folders import cache_dir
 from jaxserve.kernels.attention_metadata import AttentionMetadata
+from jaxserve.kernels.kv_cache import QuantizedPages
 from jaxserve.kernels.paged_attention import check_features, visible_keys
 
 log = structlog.get_logger(__name__)
@@ -63,6 +64,11 @@ SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)
 TARGET_FM = "jaxserve_paged_attention_cpu_fm"
 SYMBOL_FM = "JaxservePagedAttentionCpuFm"
+#: the same two over an int8 cache (``kv_cache.QuantizedPages``: int8 values and their scales)
+TARGET_I8 = "jaxserve_paged_attention_cpu_i8"
+SYMBOL_I8 = "JaxservePagedAttentionCpuI8"
+TARGET_FM_I8 = "jaxserve_paged_attention_cpu_fm_i8"
+SYMBOL_FM_I8 = "JaxservePagedAttentionCpuFmI8"
 TARGET_MATMUL = "jaxserve_matmul_cpu"
 SYMBOL_MATMUL = "JaxserveMatmulCpu"
 TARGET_MATVEC = "jaxserve_matvec_cpu"
@@ -165,6 +171,8 @@ def available() -> bool:
                 targets = (
                     (TARGET, SYMBOL),
                     (TARGET_FM, SYMBOL_FM),
+                    (TARGET_I8, SYMBOL_I8),
+                    (TARGET_FM_I8, SYMBOL_FM_I8),
                     (TARGET_MATMUL, SYMBOL_MATMUL),
                     (TARGET_MATVEC, SYMBOL_MATVEC),
                     (TARGET_ARGMAX, SYMBOL_ARGMAX),
@@ -184,11 +192,20 @@ def available() -> bool:
 
 def unsupported(cache_dtype) -> str | None:
     """Why the C++ kernel cannot serve a cache of ``cache_dtype`` (``None``:
-    it can). It reads float32 caches (in the ``blocks`` layout, which
-    choosing it implies); availability is :func:`available`."""
-    if jnp.dtype(cache_dtype) != jnp.float32:
-        return f"the CPU kernel reads float32 caches, not {jnp.dtype(cache_dtype).name}"
+    it can). It reads float32 and int8 caches (in the ``blocks`` layout,
+    which choosing it implies); availability is :func:`available`."""
+    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.int8)):
+        return f"the CPU kernel reads float32 and int8 caches, not {jnp.dtype(cache_dtype).name}"
     return None
+
+
+def _cache_operands(k_cache, v_cache) -> tuple[str | None, tuple]:
+    """The int8 entry point's suffix (``None``: float32) and the cache
+    operands in the kernel's order: ``(k, v)``, or for an int8 cache
+    ``(k, k_scale, v, v_scale)``."""
+    if isinstance(k_cache, QuantizedPages) and isinstance(v_cache, QuantizedPages):
+        return "i8", (k_cache.q, k_cache.scale, v_cache.q, v_cache.scale)
+    return None, (k_cache, v_cache)
 
 
 def paged_attention_cpu(
@@ -204,17 +221,19 @@ def paged_attention_cpu(
     sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``paged_attention``'s result (``[T, H, D]`` in ``q.dtype``) from the C++
-    kernel, for one layer's float32 cache in the ``blocks`` layout (see
-    :func:`unsupported`; call :func:`available` first). ``logit_softcap`` and
-    ``sinks`` (float32 ``[H]``) as in ``paged_attention``."""
+    kernel, for one layer's float32 or int8 (``QuantizedPages``) cache in
+    the ``blocks`` layout (see :func:`unsupported`; call :func:`available`
+    first). ``logit_softcap`` and ``sinks`` (float32 ``[H]``) as in
+    ``paged_attention``."""
     T, H, D = q.shape
     kvh = k_cache.shape[1]
     if H % kvh:
         raise ValueError(f"{H} query heads are not a multiple of {kvh} kv heads")
     qs = (q.astype(jnp.float32) * scale).reshape(T, kvh, H // kvh, D)
     sink_logits, softcap = _features(logit_softcap, sinks, H)
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(qs.shape, jnp.float32))(
-        qs, k_cache, v_cache, *_paging(meta, positions, sliding_window), sink_logits, logit_softcap=softcap
+    int8, caches = _cache_operands(k_cache, v_cache)
+    out = jax.ffi.ffi_call(TARGET_I8 if int8 else TARGET, jax.ShapeDtypeStruct(qs.shape, jnp.float32))(
+        qs, *caches, *_paging(meta, positions, sliding_window), sink_logits, logit_softcap=softcap
     )
     return out.reshape(T, H, D).astype(q.dtype)
 
@@ -266,12 +285,12 @@ def paged_attention_cpu_fm(
     H = HD // D
     f32 = jnp.float32
     sink_logits, softcap = _features(logit_softcap, sinks, H)
-    out = jax.ffi.ffi_call(TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), f32))(
+    int8, caches = _cache_operands(k_cache, v_cache)
+    out = jax.ffi.ffi_call(TARGET_FM_I8 if int8 else TARGET_FM, jax.ShapeDtypeStruct((T, kvh, H // kvh, D), f32))(
         q_fm.astype(f32),
         cos.astype(f32),
         sin.astype(f32),
-        k_cache,
-        v_cache,
+        *caches,
         *_paging(meta, positions, sliding_window),
         sink_logits,
         scale=np.float32(scale),

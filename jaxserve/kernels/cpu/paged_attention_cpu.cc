@@ -41,6 +41,17 @@
 // with cos/sin [T, D] and the scale: each thread reads a tile of 16 tokens'
 // columns at once (one cache line per feature row), rotates and scales them
 // (HF rotate_half), then attends as above.
+//
+// An int8 cache (jaxserve/kernels/kv_cache.py: QuantizedPages) has its own
+// two entry points (PagedAttentionI8Impl, PagedAttentionFmI8Impl): the same
+// caches in int8, each with float32 scales [NB, KVH, BS], one per token and
+// kv head. The loops are the float32 ones instantiated for int8_t elements
+// (the element type KV is a template parameter; `if constexpr` adds the
+// int8 work, so the float32 instantiation is the code it was): each int8
+// row is widened to floats as it is loaded, a block's scores are multiplied
+// by its keys' scales and its softmax weights by its values' scales, so no
+// element is dequantized on its own. An int8 key or value row of 64 keys is
+// one cache line, a quarter of a float32 one.
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +59,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "run_on_pool.h"
@@ -75,10 +87,13 @@ inline void PrefetchRow(const float* p) {
   for (int i = 0; i < 64; i += 16) __builtin_prefetch(p + i, 0, 2);
 }
 
-// Row p (256 bytes) of a [64 keys][kD dims] value block in the order
-// Values reads it: dims 0-63 of every key, then dims 64-127, ...
-template <int64_t kD>
-inline const float* ValueRow(const float* vb, int64_t p) {
+// The 64-byte row at p (64 int8 values of an int8 cache), requested into L2.
+inline void PrefetchRow(const int8_t* p) { __builtin_prefetch(p, 0, 2); }
+
+// Row p (64 elements: 256 bytes in float32) of a [64 keys][kD dims] value
+// block in the order Values reads it: dims 0-63 of every key, then dims 64-127, ...
+template <int64_t kD, typename KV>
+inline const KV* ValueRow(const KV* vb, int64_t p) {
   if constexpr (kD == 64) return vb + p * 64;  // the same thing, spelt as the loops had it before wider heads
   return vb + (p % 64) * kD + (p / 64) * 64;
 }
@@ -119,6 +134,19 @@ inline VW LoadW(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+// kW int8 values of an int8 cache, widened to floats (exactly: |x| <= 127).
+typedef int8_t I8W __attribute__((vector_size(kW)));
+
+inline VW LoadW(const int8_t* p) {
+  I8W v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, VW);
+}
+
+// Whether KV is an int8 cache's element (scales to apply) or float32.
+template <typename KV>
+constexpr bool kQuantized = std::is_same_v<KV, int8_t>;
 
 // exp for the softmax, written so the compiler vectorises it (glibc's expf
 // is a call per element): Cephes' range reduction and degree-6 polynomial,
@@ -170,14 +198,14 @@ inline VW LoadW(const float* p) {
 // those can be visible). The rows share every key load; each row's sums run
 // over d in the same order as for one row alone, so a row's scores do not
 // depend on which rows it was grouped with.
-template <int NK, int NR, int64_t kD>
-inline void Scores64(const float* kb, const float* vb, const float* const* qs, float* const* scs) {
+template <int NK, int NR, int64_t kD, typename KV>
+inline void Scores64(const KV* kb, const KV* vb, const float* const* qs, float* const* scs) {
   constexpr int NC = NK / kW;
   VW a[NR][NC] = {};
   for (int64_t d = 0; d < kD; ++d) {
     float x[NR];
     for (int r = 0; r < NR; ++r) x[r] = qs[r][d];
-    const float* krow = kb + d * 64;
+    const KV* krow = kb + d * 64;
     PrefetchRow(d + kAheadRows < kD ? krow + kAheadRows * 64 : ValueRow<kD>(vb, d + kAheadRows - kD));
     for (int i = 0; i < NC; ++i) {
       const VW k = LoadW(krow + kW * i);
@@ -235,8 +263,8 @@ template <int64_t kBS, bool kCap>
 // spill it); the rows share each value load, and each row's order of
 // operations is that of one row alone. nk: the next block's keys (this kv
 // head's), to request ahead; or null.
-template <int NR, int64_t kD>
-inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, const float* const* ps,
+template <int NR, int64_t kD, typename KV>
+inline void Values64(const KV* vb, const KV* nk, int64_t c0, int64_t c1, const float* const* ps,
                      const float* alphas, float* const* accs) {
   constexpr int NV = 64 / kW;
   for (int64_t j = 0; j < kD; j += 64) {
@@ -247,7 +275,7 @@ inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, c
     for (int64_t c = c0; c < c1; ++c) {
       float w[NR];
       for (int r = 0; r < NR; ++r) w[r] = ps[r][c];
-      const float* vrow = vb + c * kD + j;
+      const KV* vrow = vb + c * kD + j;
       const int64_t ahead = j + c + kAheadRows;  // ValueRow's order: row j + c is this one
       if (ahead < kD) {
         PrefetchRow(ValueRow<kD>(vb, ahead));
@@ -265,10 +293,11 @@ inline void Values64(const float* vb, const float* nk, int64_t c0, int64_t c1, c
   }
 }
 
-// One 64-key block for query rows g0 .. g0 + NR - 1 of head dim kD.
-template <int NR, int64_t kD, bool kCap>
-inline void Block64(const float* kb, const float* vb, const float* nk, const float* q, int64_t g0, int64_t c0, int64_t c1,
-                    float* scores, float* acc, float* m, float* l, float cap) {
+// One 64-key block for query rows g0 .. g0 + NR - 1 of head dim kD. ks/vs:
+// an int8 cache's key and value scales of the block's 64 keys (this kv head's).
+template <int NR, int64_t kD, bool kCap, typename KV>
+inline void Block64(const KV* kb, const KV* vb, const KV* nk, const float* q, int64_t g0, int64_t c0, int64_t c1,
+                    float* scores, float* acc, float* m, float* l, float cap, const float* ks, const float* vs) {
   const float* qs[NR];
   float* scs[NR];
   float* accs[NR];
@@ -282,8 +311,19 @@ inline void Block64(const float* kb, const float* vb, const float* nk, const flo
   } else {
     Scores64<64, NR, kD>(kb, vb, qs, scs);
   }
+  if constexpr (kQuantized<KV>) {  // a key's scale scales its score (keys past 32 unused when c1 <= 32)
+    const int nk_scored = c1 <= 32 ? 32 : 64;
+    for (int r = 0; r < NR; ++r) {
+      for (int c = 0; c < nk_scored; ++c) scs[r][c] *= ks[c];
+    }
+  }
   float alphas[NR];
   for (int r = 0; r < NR; ++r) alphas[r] = SoftmaxStep<64, kCap>(scs[r], 64, c0, c1, m + g0 + r, l + g0 + r, cap);
+  if constexpr (kQuantized<KV>) {  // a value's scale scales its weight (the normaliser keeps the unscaled ones)
+    for (int r = 0; r < NR; ++r) {
+      for (int c = 0; c < 64; ++c) scs[r][c] *= vs[c];
+    }
+  }
   Values64<NR, kD>(vb, nk, c0, c1, scs, alphas, accs);
 }
 
@@ -291,11 +331,12 @@ inline void Block64(const float* kb, const float* vb, const float* nk, const flo
 // kBS/kD > 0 fix the block size and head dim at compile time (blocks of 64
 // keys and head dims of 64, 128 or 256, fully unrolled); 0 reads them from
 // the shapes. kCap: soft-cap the scores at cap. sink: the pair's G query
-// heads' sink logits, or null.
-template <int64_t kBS, int64_t kD, bool kCap>
-void AttendOne(const Shapes& s, const float* q, const float* k_cache, const float* v_cache,
-               const int32_t* tables, int32_t row, int32_t limit, int32_t lower, float cap, const float* sink,
-               float* out, float* scores, float* acc, float* m, float* l) {
+// heads' sink logits, or null. KV: the caches' element type (float, or
+// int8_t with k_scale/v_scale [NB, KVH, BS] offset to this kv head; null for float).
+template <int64_t kBS, int64_t kD, bool kCap, typename KV>
+void AttendOne(const Shapes& s, const float* q, const KV* k_cache, const KV* v_cache, const float* k_scale,
+               const float* v_scale, const int32_t* tables, int32_t row, int32_t limit, int32_t lower, float cap,
+               const float* sink, float* out, float* scores, float* acc, float* m, float* l) {
   const int64_t G = s.G;
   const int64_t D = kD ? kD : s.D;
   const int64_t BS = kBS ? kBS : s.BS;
@@ -317,8 +358,14 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     const int64_t base = j * BS;
     const int64_t c0 = std::max<int64_t>(0, lower - base);
     const int64_t c1 = std::min<int64_t>(BS, limit - base);
-    const float* kb = k_cache + block * s.KVH * D * BS;  // [D, BS] of this kv head (offset by the caller)
-    const float* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
+    const KV* kb = k_cache + block * s.KVH * D * BS;  // [D, BS] of this kv head (offset by the caller)
+    const KV* vb = v_cache + block * s.KVH * BS * D;  // [BS, D]
+    const float* ksb = nullptr;  // an int8 cache's scales of this block's keys and values: [BS] each
+    const float* vsb = nullptr;
+    if constexpr (kQuantized<KV>) {
+      ksb = k_scale + block * s.KVH * BS;
+      vsb = v_scale + block * s.KVH * BS;
+    }
     // The next block lies elsewhere in memory (blocks are allocated in any
     // order): ask for its first cache lines now, so they are not a stall per
     // page; in the unrolled case the rows after them are asked for as this
@@ -326,7 +373,7 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
     // at once cost more than it saved: 256 instructions a block, mostly for
     // lines a prefill chunk's earlier tokens had already brought in;
     // measured for commit d481bd6.)
-    const float* next_kb = nullptr;  // this kv head's keys of the next block
+    const KV* next_kb = nullptr;  // this kv head's keys of the next block
     if (j < last && j + 1 < s.M) {
       const int32_t next = tables[row * s.M + j + 1];
       if (next >= 0 && next < s.NB) {
@@ -336,6 +383,14 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
         for (int64_t off = 0; off < kPrefetchBytes; off += 64) {
           __builtin_prefetch(nk + off, 0, 2);
           __builtin_prefetch(nv + off, 0, 2);
+        }
+        if constexpr (kQuantized<KV>) {  // and the next block's scales (256 bytes each at 64 keys)
+          const char* nks = reinterpret_cast<const char*>(k_scale + next * s.KVH * BS);
+          const char* nvs = reinterpret_cast<const char*>(v_scale + next * s.KVH * BS);
+          for (int64_t off = 0; off < BS * 4; off += 64) {
+            __builtin_prefetch(nks + off, 0, 2);
+            __builtin_prefetch(nvs + off, 0, 2);
+          }
         }
       }
     }
@@ -348,11 +403,13 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       int64_t g = 0;
       if constexpr (kGroupHeads) {
         if (G % 3 == 0) {
-          for (; g + 2 < G; g += 3) Block64<3, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
+          for (; g + 2 < G; g += 3) {
+            Block64<3, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap, ksb, vsb);
+          }
         }
-        for (; g + 1 < G; g += 2) Block64<2, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
+        for (; g + 1 < G; g += 2) Block64<2, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap, ksb, vsb);
       }
-      for (; g < G; ++g) Block64<1, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap);
+      for (; g < G; ++g) Block64<1, kD, kCap>(kb, vb, next_kb, q, g, c0, c1, scores, acc, m, l, cap, ksb, vsb);
       continue;
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -361,16 +418,20 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
       for (int64_t c = 0; c < BS; ++c) sc[c] = 0.0f;
       for (int64_t d = 0; d < D; ++d) {
         const float qd = qg[d];
-        const float* __restrict krow = kb + d * BS;
-        for (int64_t c = 0; c < BS; ++c) sc[c] += qd * krow[c];
+        const KV* __restrict krow = kb + d * BS;
+        for (int64_t c = 0; c < BS; ++c) sc[c] += qd * static_cast<float>(krow[c]);
+      }
+      if constexpr (kQuantized<KV>) {
+        for (int64_t c = 0; c < BS; ++c) sc[c] *= ksb[c];
       }
       const float alpha = SoftmaxStep<0, kCap>(sc, BS, c0, c1, m + g, l + g, cap);
       float* __restrict ag = acc + g * D;
       for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
       for (int64_t c = c0; c < c1; ++c) {
-        const float p = sc[c];
-        const float* __restrict vrow = vb + c * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
+        float p = sc[c];
+        if constexpr (kQuantized<KV>) p *= vsb[c];
+        const KV* __restrict vrow = vb + c * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vrow[d]);
       }
     }
   }
@@ -380,26 +441,32 @@ void AttendOne(const Shapes& s, const float* q, const float* k_cache, const floa
   }
 }
 
-using AttendFn = void (*)(const Shapes&, const float*, const float*, const float*, const int32_t*, int32_t, int32_t,
-                         int32_t, float, const float*, float*, float*, float*, float*, float*);
+template <typename KV>
+using AttendFn = void (*)(const Shapes&, const float*, const KV*, const KV*, const float*, const float*,
+                         const int32_t*, int32_t, int32_t, int32_t, float, const float*, float*, float*, float*,
+                         float*, float*);
 
 // The AttendOne for these shapes: the unrolled loops for blocks of 64 keys
 // and head dims of 64 (llama-56m, SmolLM2, gpt-oss), 128 (Qwen3, Llama 3) or
 // 256 (Gemma), the generic ones otherwise.
-template <bool kCap>
-AttendFn PickAttend(const Shapes& s) {
+template <bool kCap, typename KV>
+AttendFn<KV> PickAttend(const Shapes& s) {
   if (s.BS == 64) {
-    if (s.D == 64) return AttendOne<64, 64, kCap>;
-    if (s.D == 128) return AttendOne<64, 128, kCap>;
-    if (s.D == 256) return AttendOne<64, 256, kCap>;
+    if (s.D == 64) return AttendOne<64, 64, kCap, KV>;
+    if (s.D == 128) return AttendOne<64, 128, kCap, KV>;
+    if (s.D == 256) return AttendOne<64, 256, kCap, KV>;
   }
-  return AttendOne<0, 0, kCap>;
+  return AttendOne<0, 0, kCap, KV>;
 }
 
 // Work shared by the calling thread and the pool's tasks (run_on_pool.h).
+// KV: the caches' element type; ks/vs: an int8 cache's scales [NB, KVH, BS].
+template <typename KV>
 struct Job {
   Shapes s;
-  const float *q, *k, *v;
+  const float* q;
+  const KV *k, *v;
+  const float *ks = nullptr, *vs = nullptr;
   const int32_t *tables, *seq, *limit, *lower;
   float* out;
   int64_t items, chunk;
@@ -444,7 +511,7 @@ struct Job {
     std::vector<float> scores(s.G * s.BS), acc(GD), m(s.G), l(s.G);
     std::vector<float> qtile(feature_major ? kTile * s.KVH * GD : 0);
     int64_t finished = 0;
-    const AttendFn attend = softcap > 0.0f ? PickAttend<true>(s) : PickAttend<false>(s);
+    const AttendFn<KV> attend = softcap > 0.0f ? PickAttend<true, KV>(s) : PickAttend<false, KV>(s);
     for (;;) {
       const int64_t start = next.fetch_add(chunk);
       if (start >= items) break;
@@ -462,7 +529,8 @@ struct Job {
           qi = qtile.data() + ((t - tile0) * s.KVH + h) * GD;
         }
         // this kv head's slice of the block: the caches are [NB, KVH, ...]
-        attend(s, qi, k + h * s.D * s.BS, v + h * s.BS * s.D, tables, seq[t], limit[t], lower[t], softcap,
+        attend(s, qi, k + h * s.D * s.BS, v + h * s.BS * s.D, ks == nullptr ? nullptr : ks + h * s.BS,
+               vs == nullptr ? nullptr : vs + h * s.BS, tables, seq[t], limit[t], lower[t], softcap,
                sinks == nullptr ? nullptr : sinks + h * s.G, out + it * GD, scores.data(), acc.data(), m.data(),
                l.data());
       }
@@ -473,18 +541,20 @@ struct Job {
 };
 
 // Runs a prepared job on the calling thread and the pool's.
-void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job>& job) {
+template <typename KV>
+void RunJob(ffi::ThreadPool& pool, const std::shared_ptr<Job<KV>>& job) {
   job->items = job->s.T * job->s.KVH;
   const int64_t helpers = std::max<int64_t>(0, std::min<int64_t>(jaxserve_cpu::Workers(pool) - 1, job->items / 8));
   job->chunk = std::max<int64_t>(1, job->items / (8 * (helpers + 1)));
   if (job->feature_major) {  // whole tiles of tokens per chunk, so each tile's queries are read once
-    const int64_t tile = Job::kTile * job->s.KVH;
+    const int64_t tile = Job<KV>::kTile * job->s.KVH;
     job->chunk = (job->chunk + tile - 1) / tile * tile;
   }
   jaxserve_cpu::RunOnPool(pool, job, helpers, job->items);
 }
 
-ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buffer<ffi::F32>& v_cache,
+template <ffi::DataType T>
+ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<T>& k_cache, ffi::Buffer<T>& v_cache,
                        ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
                        ffi::Buffer<ffi::F32>& sinks, float softcap) {
   const auto kd = k_cache.dimensions(), vd = v_cache.dimensions();
@@ -503,15 +573,16 @@ ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<ffi::F32>& k_cache, ffi::Buf
   return ffi::Error::Success();
 }
 
-std::shared_ptr<Job> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_cache,
-                            ffi::Buffer<ffi::F32>& v_cache, ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq,
-                            ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
-                            ffi::Buffer<ffi::F32>& sinks, float softcap, ffi::ResultBuffer<ffi::F32>& out) {
-  auto job = std::make_shared<Job>();
+template <typename KV, ffi::DataType T>
+std::shared_ptr<Job<KV>> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache,
+                                ffi::Buffer<T>& v_cache, ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq,
+                                ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
+                                ffi::Buffer<ffi::F32>& sinks, float softcap, ffi::ResultBuffer<ffi::F32>& out) {
+  auto job = std::make_shared<Job<KV>>();
   job->s = s;
   job->q = q.typed_data();
-  job->k = k_cache.typed_data();
-  job->v = v_cache.typed_data();
+  job->k = reinterpret_cast<const KV*>(k_cache.typed_data());
+  job->v = reinterpret_cast<const KV*>(v_cache.typed_data());
   job->tables = tables.typed_data();
   job->seq = seq.typed_data();
   job->limit = limit.typed_data();
@@ -533,7 +604,37 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   }
   Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
   if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  auto job = NewJob<float>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  RunJob(pool, job);
+  return ffi::Error::Success();
+}
+
+// An int8 cache's scales: [NB, KVH, BS] each, as the caches' blocks.
+ffi::Error CheckScales(const Shapes& s, ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale) {
+  const auto kd = k_scale.dimensions(), vd = v_scale.dimensions();
+  if (kd.size() != 3 || vd.size() != 3 || kd[0] != s.NB || kd[1] != s.KVH || kd[2] != s.BS || vd[0] != s.NB ||
+      vd[1] != s.KVH || vd[2] != s.BS) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: int8 cache scales must be [NB, KVH, BS]");
+  }
+  return ffi::Error::Success();
+}
+
+// PagedAttentionImpl over an int8 cache (the header comment's int8 entry points).
+ffi::Error PagedAttentionI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_cache,
+                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v_cache,
+                                ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
+                                ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit, ffi::Buffer<ffi::S32> lower,
+                                ffi::Buffer<ffi::F32> sinks, float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
+  }
+  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
+  if (ffi::Error e = CheckScales(s, k_scale, v_scale); e.failure()) return e;
+  auto job = NewJob<int8_t>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  job->ks = k_scale.typed_data();
+  job->vs = v_scale.typed_data();
   RunJob(pool, job);
   return ffi::Error::Success();
 }
@@ -562,7 +663,40 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
     return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
   }
   if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  auto job = NewJob(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  auto job = NewJob<float>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  job->feature_major = true;
+  job->cos = cos.typed_data();
+  job->sin = sin.typed_data();
+  job->scale = scale;
+  RunJob(pool, job);
+  return ffi::Error::Success();
+}
+
+// PagedAttentionFmImpl over an int8 cache.
+ffi::Error PagedAttentionFmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cos,
+                                  ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S8> k_cache,
+                                  ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::S8> v_cache,
+                                  ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
+                                  ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
+                                  ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
+                                  float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  const auto od = out->dimensions();
+  if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q needs rank 2, k, v and out rank 4, tables rank 2");
+  }
+  Shapes s{qd[1], od[1], od[2], od[3], kd[0], kd[3], td[0], td[1]};
+  if (od[0] != s.T || qd[0] != s.KVH * s.G * s.D || s.D % 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q rows must be KVH * G * D (D even), one column per token");
+  }
+  if (cos.element_count() != s.T * s.D || sin.element_count() != s.T * s.D) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
+  }
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
+  if (ffi::Error e = CheckScales(s, k_scale, v_scale); e.failure()) return e;
+  auto job = NewJob<int8_t>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
+  job->ks = k_scale.typed_data();
+  job->vs = v_scale.typed_data();
   job->feature_major = true;
   job->cos = cos.typed_data();
   job->sin = sin.typed_data();
@@ -595,6 +729,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFm, PagedAttentionFmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Attr<float>("scale")
+                                  .Attr<float>("logit_softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuI8, PagedAttentionI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
+                                  .Attr<float>("logit_softcap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFmI8, PagedAttentionFmI8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, feature-major
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // k_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
