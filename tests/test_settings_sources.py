@@ -144,6 +144,7 @@ def test_the_worker_shows_the_serving_profile_and_forwards_only_what_is_given():
         "interactive_reserved_seqs",
         "policy",
         "interactive_batch_prefill_tokens",
+        "kv_cache_dtype",
     ]
     for name in engine_options:
         assert options[name].default is None, name
@@ -155,7 +156,7 @@ def test_the_worker_shows_the_serving_profile_and_forwards_only_what_is_given():
 def test_offline_commands_take_their_defaults_from_the_offline_profile(command):
     offline = profile_values("offline")
     options = _options(command)
-    for name in ("model", "tensor_parallel_size"):
+    for name in ("model", "tensor_parallel_size", "kv_cache_dtype"):
         assert options[name].default == offline[name], name
 
 
