@@ -22,7 +22,8 @@ not routed to, and no expert's weights are copied per token.
 Three ways to run the groups, one result (tests/test_moe.py):
 
 - the C++ CPU kernel (``jaxserve/kernels/cpu/moe_cpu.cc``; float32 or
-  quantized stacks, one device): sorts the pairs, computes gate/up, the
+  quantized stacks, one device): routes (so a token's choice never depends
+  on how XLA sums a batch's logits), sorts the pairs, computes gate/up, the
   activation and down per expert over its rows, and adds each token's k
   results in its routing order, one XLA custom call per layer;
 - pure JAX, ``jax.lax.ragged_dot_general`` over the sorted rows (TPU with
@@ -123,23 +124,26 @@ def moe_mlp(x: jax.Array, w: dict[str, Any], c: ModelConfig, *, cpu_kernel: bool
     each device its slice of every expert."""
     m = c.moe
     assert m is not None
-    xt = x.astype(jnp.float32).T  # [T, E]
-    ids, weights = route(router_logits(xt, w), m)
-    if mesh is not None and mesh.shape[TP_AXIS] > 1:
-        return _tensor_parallel(xt, ids, weights, w, m, mesh).T
-    if cpu_kernel and cpu_kernels.moe_serves(w["experts_gate_up"], w["experts_down"], x):
+    if mesh is None and cpu_kernel and cpu_kernels.moe_serves(w["experts_gate_up"], w["experts_down"], x):
         return cpu_kernels.moe_cpu(
             x,
-            ids,
-            weights,
+            w["router"],
+            w["b_router"],
             w["experts_gate_up"],
             w["experts_down"],
             w["experts_b_gate_up"],
             w["experts_b_down"],
+            top_k=m.top_k,
+            routing=m.router,
+            normalize_topk=m.normalize_topk,
             activation=m.activation,
             swiglu_limit=m.swiglu_limit,
             swiglu_alpha=m.swiglu_alpha,
         )
+    xt = x.astype(jnp.float32).T  # [T, E]
+    ids, weights = route(router_logits(xt, w), m)
+    if mesh is not None and mesh.shape[TP_AXIS] > 1:
+        return _tensor_parallel(xt, ids, weights, w, m, mesh).T
     return grouped_experts(xt, ids, weights, w, m).T
 
 

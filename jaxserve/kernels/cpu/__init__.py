@@ -408,6 +408,7 @@ def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
 #: :func:`moe_cpu`'s ``kind`` of a float32 stack (the quantized kinds are ``_QUANT_KINDS``')
 _MOE_F32 = 3
 _MOE_ACTIVATIONS = {"silu": 0, "swiglu_oss": 1}
+_MOE_ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}
 
 
 def _moe_kind(w) -> int | None:
@@ -442,33 +443,42 @@ def moe_serves(gate_up, down, x: jax.Array) -> bool:
 
 def moe_cpu(
     x: jax.Array,
-    ids: jax.Array,
-    weights: jax.Array,
+    router: jax.Array,
+    b_router: jax.Array | None,
     gate_up,
     down,
     b_gate_up: jax.Array | None = None,
     b_down: jax.Array | None = None,
     *,
+    top_k: int,
+    routing: str = "softmax_topk",
+    normalize_topk: bool = True,
     activation: str = "silu",
     swiglu_limit: float = 7.0,
     swiglu_alpha: float = 1.702,
 ) -> jax.Array:
-    """A mixture of experts' MLP from the C++ kernel (``moe_cpu.cc``):
-    float32 ``[E, T]`` for feature-major ``x`` ``[E, T]``, each token
-    through its experts ``ids`` (int32 ``[T, k]``) weighted by ``weights``
-    (``[T, k]``) and added in that order, each expert computing its tokens
-    as one group. ``gate_up`` ``[X, 2I, E]`` (gate rows then up rows) and
-    ``down`` ``[X, E, I]``: float32 or ``QuantizedWeight`` stacks (the
-    inputs then quantized per token and block as ``qmatmul_cpu`` does);
-    optional biases ``[X, 2I]`` and ``[X, E]``; ``activation`` as
-    ``jaxserve.models.moe.expert_activation``. Call :func:`available` first."""
-    if not moe_serves(gate_up, down, x):
+    """A mixture of experts' MLP from the C++ kernel (``moe_cpu.cc``),
+    routing included: float32 ``[E, T]`` for feature-major ``x`` ``[E, T]``.
+    Each token's ``top_k`` experts by ``router`` ``[X, E]`` (+ ``b_router``)
+    and ``routing`` / ``normalize_topk`` as ``jaxserve.models.moe.route``,
+    each expert computing its tokens as one group, a token's k results
+    weighted and added in routing order. ``gate_up`` ``[X, 2I, E]`` (gate
+    rows then up rows) and ``down`` ``[X, E, I]``: float32 or
+    ``QuantizedWeight`` stacks (the inputs then quantized per token and
+    block as ``qmatmul_cpu`` does); optional biases ``[X, 2I]`` and ``[X,
+    E]``; ``activation`` as ``jaxserve.models.moe.expert_activation``. Call
+    :func:`available` first."""
+    if not moe_serves(gate_up, down, x) or router.shape != (gate_up.shape[0], x.shape[0]):
         raise ValueError(
-            "moe_cpu takes float32 or quantized stacks gate_up [X, 2I, E] and down [X, E, I] and x [E, T], not "
-            f"{list(getattr(gate_up, 'shape', ()))}, {list(getattr(down, 'shape', ()))} and {list(x.shape)}"
+            "moe_cpu takes float32 or quantized stacks gate_up [X, 2I, E] and down [X, E, I], router [X, E] and "
+            f"x [E, T], not {list(getattr(gate_up, 'shape', ()))}, {list(getattr(down, 'shape', ()))}, "
+            f"{list(router.shape)} and {list(x.shape)}"
         )
-    if activation not in _MOE_ACTIVATIONS:
-        raise ValueError(f"moe_cpu: activation must be one of {', '.join(_MOE_ACTIVATIONS)}, not {activation!r}")
+    if activation not in _MOE_ACTIVATIONS or routing not in _MOE_ROUTINGS:
+        raise ValueError(
+            f"moe_cpu: activation must be one of {', '.join(_MOE_ACTIVATIONS)} and routing one of "
+            f"{', '.join(_MOE_ROUTINGS)}, not {activation!r} and {routing!r}"
+        )
 
     def buffers(w) -> tuple[jax.Array, jax.Array, jax.Array]:
         if _moe_kind(w) != _MOE_F32:  # a QuantizedWeight stack
@@ -484,12 +494,15 @@ def moe_cpu(
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET_MOE, out)(
         x.astype(jnp.float32),
-        ids.astype(jnp.int32),
-        weights.astype(jnp.float32),
+        router.astype(jnp.float32),
+        bias(b_router),
         *buffers(gate_up),
         *buffers(down),
         bias(b_gate_up),
         bias(b_down),
+        top_k=np.int32(top_k),
+        router=np.int32(_MOE_ROUTINGS[routing]),
+        normalize=np.int32(bool(normalize_topk)),
         kind_gate_up=np.int32(kind_gate_up),
         kind_down=np.int32(kind_down),
         activation=np.int32(_MOE_ACTIVATIONS[activation]),

@@ -1,16 +1,24 @@
 // A mixture-of-experts MLP computed grouped by expert, as an XLA FFI custom
-// call (jaxserve.models.moe; the router's top-k choice is made in JAX).
+// call (jaxserve.models.moe), routing included.
 //
-//   x       f32 [E, T]      the layer's input, feature-major
-//   ids     s32 [T, k]      each token's experts, in routing order
-//   weights f32 [T, k]      their routing weights
-//   gate_up [X, 2I, E]      q8_0/q4_0/q4_1 blocks (q, scale, min as in
-//   down    [X, E, I]       qmatmul_cpu.cc; min unread but for q4_1) or f32
+//   x        f32 [E, T]     the layer's input, feature-major
+//   router   f32 [X, E]     b_router f32 [X] (or [0]: no bias)
+//   gate_up  [X, 2I, E]     q8_0/q4_0/q4_1 blocks (q, scale, min as in
+//   down     [X, E, I]      qmatmul_cpu.cc; min unread but for q4_1) or f32
 //   b_gate_up f32 [X, 2I], b_down f32 [X, E]   (or [0]: no bias)
-//   out     f32 [E, T]
+//   out      f32 [E, T]
+//   attributes: top_k, router (0: softmax over all experts then the top k,
+//   optionally renormalized; 1: the top k logits then their softmax), the
+//   stacks' kinds, the activation (0: silu; 1: gpt-oss's clamped swiglu)
 //
-// Four steps, three of them on XLA's thread pool:
+// Five steps, four of them on XLA's thread pool:
 //
+// R. The router logits of every token (the tile below on float32), then on
+//    the calling thread each token's top k experts and weights, as
+//    moe.route computes them (ties to the lower expert, as lax.top_k).
+//    Routing here rather than in XLA keeps a token's choice independent of
+//    the batch: XLA's matmul of a few tokens may sum a logit in another
+//    order than its matmul of many (tests/test_moe.py).
 // 0. (calling thread) The T * k (token, expert) pairs are counted into
 //    groups by expert, stable by token, and the inputs quantized per token
 //    and block of 32 (quantized gate_up; as quant.quantize_activations and
@@ -391,10 +399,13 @@ float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
 struct Moe {
   int64_t E = 0, T = 0, k = 0, X = 0, I = 0, P = 0;
-  Stack gate_up, down;
+  Stack router, gate_up, down;
+  const float* b_router = nullptr;   // [X] or null
   const float* b_gate_up = nullptr;  // [X, 2I] or null
   const float* b_down = nullptr;     // [X, E] or null
-  const float* weights = nullptr;    // [T, k]
+  std::vector<float> logits;         // [T, X]
+  std::vector<int32_t> ids;          // [T, k]
+  std::vector<float> weights;        // [T, k]
   int32_t activation = kSilu;
   float limit = 7.0f, alpha = 1.702f;
   float* out = nullptr;  // [E, T]
@@ -402,8 +413,9 @@ struct Moe {
   std::vector<int64_t> offset, count;  // per expert: first sorted row, rows
   std::vector<int32_t> token;          // sorted row -> token
   std::vector<int32_t> sorted_of_pair;  // pair t * k + j -> sorted row
-  std::vector<int32_t> iota;           // sorted row -> itself (step 2's input rows)
-  Inputs x_in;    // per token, for gate_up
+  std::vector<int32_t> iota;           // 0, 1, 2, ...: the rows of all tokens, or of a group's pairs
+  Inputs x_float;  // per token, float32 (the router's, and a float32 gate_up's)
+  Inputs x_in;     // per token, quantized for a quantized gate_up
   Inputs act_in;  // per sorted row, for down
   std::unique_ptr<float[]> act;  // [P, I] (the float act when down is quantized)
   std::unique_ptr<float[]> y;    // [P, E]
@@ -414,17 +426,61 @@ struct Moe {
   std::vector<Item> up_items, down_items;
 };
 
+// Step R item: router rows [16 item, 16 item + 16) for every token.
+void RouterItem(Moe& m, int64_t item) {
+  const int64_t T = m.T, X = m.X, r0 = item * kTileRows, nrows = std::min<int64_t>(kTileRows, X - r0);
+  std::vector<float> acc(static_cast<size_t>(T * kTileRows));
+  Tile(m.router, 0, r0, nrows, m.x_float, m.iota.data(), T, acc.data(), nullptr);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < nrows; ++j)
+      m.logits[t * X + r0 + j] = m.b_router ? acc[t * kTileRows + j] + m.b_router[r0 + j] : acc[t * kTileRows + j];
+}
+
+// One token's experts and weights from its logits, as moe.route: kind 0
+// softmax over all, the top k, optionally renormalized; kind 1 the top k
+// logits, then their softmax. Top k by value, ties to the lower expert.
+void Route(const float* logits, int64_t X, int64_t k, int32_t kind, bool normalize, int32_t* ids, float* weights) {
+  std::vector<float> p(logits, logits + X);
+  if (kind == 0) {
+    float mx = p[0];
+    for (int64_t e = 1; e < X; ++e) mx = std::max(mx, p[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < X; ++e) sum += (p[e] = std::exp(p[e] - mx));
+    for (int64_t e = 0; e < X; ++e) p[e] /= sum;
+  }
+  std::vector<bool> taken(static_cast<size_t>(X), false);
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < X; ++e)
+      if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+    taken[best] = true;
+    ids[j] = static_cast<int32_t>(best);
+    weights[j] = p[best];
+  }
+  if (kind == 1) {
+    const float mx = weights[0];
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += (weights[j] = std::exp(weights[j] - mx));
+    for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+  } else if (normalize) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += weights[j];
+    for (int64_t j = 0; j < k; ++j) weights[j] /= sum;
+  }
+}
+
 // Step 1 item: gate and up rows [r0, r1) of an expert, its activation.
 void UpItem(Moe& m, const Moe::Item& it) {
   const int64_t e = it.expert, n = m.count[e], I = m.I;
   const int32_t* rows = m.token.data() + m.offset[e];
   std::vector<float> g(static_cast<size_t>(n * kTileRows)), u(static_cast<size_t>(n * kTileRows));
   const bool quantized_down = m.down.kind != kF32;
+  const Inputs& in = m.gate_up.kind == kF32 ? m.x_float : m.x_in;
   for (int64_t r = it.r0; r < it.r1; r += kTileRows) {
     const int64_t nrows = std::min<int64_t>(kTileRows, it.r1 - r);
-    Tile(m.gate_up, e, r, nrows, m.x_in, rows, n, g.data(), m.gate_up.Row(e, I + r));
+    Tile(m.gate_up, e, r, nrows, in, rows, n, g.data(), m.gate_up.Row(e, I + r));
     const uint8_t* next = r + kTileRows < I ? m.gate_up.Row(e, r + kTileRows) : nullptr;
-    Tile(m.gate_up, e, I + r, nrows, m.x_in, rows, n, u.data(), next);
+    Tile(m.gate_up, e, I + r, nrows, in, rows, n, u.data(), next);
     const float* bg = m.b_gate_up ? m.b_gate_up + e * 2 * I + r : nullptr;
     const float* bu = m.b_gate_up ? m.b_gate_up + e * 2 * I + I + r : nullptr;
     for (int64_t i = 0; i < n; ++i) {
@@ -490,7 +546,9 @@ struct StepJob {
   std::atomic<int64_t> done{0};
 
   void RunItem(int64_t item) const {
-    if (Step == 1) {
+    if (Step == 0) {
+      RouterItem(*m, item);
+    } else if (Step == 1) {
       UpItem(*m, m->up_items[item]);
     } else if (Step == 2) {
       DownItem(*m, m->down_items[item]);
@@ -543,82 +601,86 @@ bool StackShapeOk(int32_t kind, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::Any
   return true;
 }
 
-ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
-                   ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_q, ffi::AnyBuffer gu_scale, ffi::AnyBuffer gu_min,
+ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> router,
+                   ffi::Buffer<ffi::F32> b_router, ffi::AnyBuffer gu_q, ffi::AnyBuffer gu_scale, ffi::AnyBuffer gu_min,
                    ffi::AnyBuffer dn_q, ffi::AnyBuffer dn_scale, ffi::AnyBuffer dn_min, ffi::Buffer<ffi::F32> b_gate_up,
-                   ffi::Buffer<ffi::F32> b_down, ffi::ResultBuffer<ffi::F32> out, int32_t kind_gate_up,
-                   int32_t kind_down, int32_t activation, float limit, float alpha) {
-  const auto xd = x.dimensions(), idd = ids.dimensions(), wd = weights.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || idd.size() != 2 || wd.size() != 2 || od.size() != 2) {
-    return ffi::Error::InvalidArgument("moe_cpu: x, ids, weights and out need rank 2");
+                   ffi::Buffer<ffi::F32> b_down, ffi::ResultBuffer<ffi::F32> out, int32_t top_k, int32_t router_kind,
+                   int32_t normalize, int32_t kind_gate_up, int32_t kind_down, int32_t activation, float limit,
+                   float alpha) {
+  const auto xd = x.dimensions(), rd = router.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || rd.size() != 2 || od.size() != 2) {
+    return ffi::Error::InvalidArgument("moe_cpu: x, router and out need rank 2");
   }
-  const int64_t E = xd[0], T = xd[1], k = idd[1];
+  const int64_t E = xd[0], T = xd[1], k = top_k;
   const auto gd = gu_q.dimensions();
   if (gd.size() != 3) return ffi::Error::InvalidArgument("moe_cpu: gate_up needs rank 3");
   const int64_t X = gd[0], I = gd[1] / 2;
   auto kind_ok = [](int32_t kd) { return kd >= kQ8_0 && kd <= kF32; };
-  if (!kind_ok(kind_gate_up) || !kind_ok(kind_down) || (activation != kSilu && activation != kSwigluOss)) {
-    return ffi::Error::InvalidArgument("moe_cpu: kind must be 0-3 and activation 0 or 1");
+  if (!kind_ok(kind_gate_up) || !kind_ok(kind_down) || (activation != kSilu && activation != kSwigluOss) ||
+      (router_kind != 0 && router_kind != 1)) {
+    return ffi::Error::InvalidArgument("moe_cpu: kind must be 0-3, activation and router 0 or 1");
   }
-  if (idd[0] != T || wd[0] != T || wd[1] != k || od[0] != E || od[1] != T || k < 1 || X < 1 || I < 1 ||
-      gd[1] != 2 * I || !StackShapeOk(kind_gate_up, gu_q, gu_scale, gu_min, X, 2 * I, E) ||
+  if (rd[0] != X || rd[1] != E || od[0] != E || od[1] != T || k < 1 || k > X || I < 1 || gd[1] != 2 * I ||
+      !StackShapeOk(kind_gate_up, gu_q, gu_scale, gu_min, X, 2 * I, E) ||
       !StackShapeOk(kind_down, dn_q, dn_scale, dn_min, X, E, I) || (kind_down != kF32 && I % kGroup)) {
     return ffi::Error::InvalidArgument(
-        "moe_cpu: needs x [E, T], ids and weights [T, k], gate_up [X, 2I, E] and down [X, E, I] stacks of their kinds");
+        "moe_cpu: needs x [E, T], router [X, E], gate_up [X, 2I, E] and down [X, E, I] stacks of their kinds, "
+        "1 <= top_k <= X");
   }
+  const bool has_br = b_router.element_count() > 0;
   const bool has_bgu = b_gate_up.element_count() > 0, has_bdn = b_down.element_count() > 0;
-  if ((has_bgu && b_gate_up.element_count() != X * 2 * I) || (has_bdn && b_down.element_count() != X * E)) {
-    return ffi::Error::InvalidArgument("moe_cpu: b_gate_up must be [X, 2I] and b_down [X, E] (or empty)");
+  if ((has_br && b_router.element_count() != static_cast<size_t>(X)) ||
+      (has_bgu && b_gate_up.element_count() != static_cast<size_t>(X * 2 * I)) ||
+      (has_bdn && b_down.element_count() != static_cast<size_t>(X * E))) {
+    return ffi::Error::InvalidArgument("moe_cpu: b_router must be [X], b_gate_up [X, 2I] and b_down [X, E] (or empty)");
   }
   Moe m;
   m.E = E, m.T = T, m.k = k, m.X = X, m.I = I, m.P = T * k;
+  m.router.kind = kF32;
+  m.router.q = reinterpret_cast<const uint8_t*>(router.typed_data());
+  m.router.O = X, m.router.K = E, m.router.row_bytes = 4 * E;
   m.gate_up = MakeStack(kind_gate_up, gu_q, gu_scale, gu_min, X, 2 * I, E);
   m.down = MakeStack(kind_down, dn_q, dn_scale, dn_min, X, E, I);
+  m.b_router = has_br ? b_router.typed_data() : nullptr;
   m.b_gate_up = has_bgu ? b_gate_up.typed_data() : nullptr;
   m.b_down = has_bdn ? b_down.typed_data() : nullptr;
-  m.weights = weights.typed_data();
   m.activation = activation, m.limit = limit, m.alpha = alpha;
   m.out = out->typed_data();
   if (T == 0) return ffi::Error::Success();
+  m.iota.resize(std::max(T, m.P));
+  for (size_t i = 0; i < m.iota.size(); ++i) m.iota[i] = static_cast<int32_t>(i);
+
+  // The inputs token-major in float32 (the router's), quantized for a quantized gate_up.
+  const float* xf = x.typed_data();
+  AllocateInputs(m.x_float, T, E, false);
+  for (int64_t f = 0; f < E; ++f)
+    for (int64_t t = 0; t < T; ++t) m.x_float.xf[t * E + f] = xf[f * T + t];
+  if (kind_gate_up != kF32) {
+    AllocateInputs(m.x_in, T, E, true);
+    for (int64_t t = 0; t < T; ++t) QuantizeRow(m.x_float.xf.get() + t * E, t, kind_gate_up, m.x_in);
+  }
+
+  // Step R: logits, then each token's experts.
+  m.logits.resize(T * X);
+  RunStep<0>(pool, m, (X + kTileRows - 1) / kTileRows);
+  m.ids.resize(m.P);
+  m.weights.resize(m.P);
+  for (int64_t t = 0; t < T; ++t)
+    Route(m.logits.data() + t * X, X, k, router_kind, normalize != 0, m.ids.data() + t * k, m.weights.data() + t * k);
 
   // Step 0: group the pairs by expert (counting sort, stable by token).
-  const int32_t* id = ids.typed_data();
+  const int32_t* id = m.ids.data();
   m.count.assign(X, 0);
-  for (int64_t p = 0; p < m.P; ++p) {
-    if (id[p] < 0 || id[p] >= X) return ffi::Error::InvalidArgument("moe_cpu: an expert id is out of range");
-    ++m.count[id[p]];
-  }
+  for (int64_t p = 0; p < m.P; ++p) ++m.count[id[p]];
   m.offset.assign(X, 0);
   for (int64_t e = 1; e < X; ++e) m.offset[e] = m.offset[e - 1] + m.count[e - 1];
   std::vector<int64_t> fill(m.offset);
   m.token.resize(m.P);
   m.sorted_of_pair.resize(m.P);
-  m.iota.resize(m.P);
   for (int64_t p = 0; p < m.P; ++p) {
     const int64_t s = fill[id[p]]++;
     m.token[s] = static_cast<int32_t>(p / k);
     m.sorted_of_pair[p] = static_cast<int32_t>(s);
-    m.iota[p] = static_cast<int32_t>(p);
-  }
-  // The inputs, token-major, quantized for a quantized gate_up.
-  const float* xf = x.typed_data();
-  std::unique_ptr<float[]> token_major;
-  if (T > 1) {
-    token_major.reset(new float[T * E]);
-    for (int64_t f = 0; f < E; ++f)
-      for (int64_t t = 0; t < T; ++t) token_major[t * E + f] = xf[f * T + t];
-  }
-  const float* rows = T > 1 ? token_major.get() : xf;
-  if (kind_gate_up == kF32) {
-    m.x_in.K = E;
-    m.x_in.xf = std::move(token_major);
-    if (!m.x_in.xf) {
-      m.x_in.xf.reset(new float[E]);
-      std::memcpy(m.x_in.xf.get(), xf, sizeof(float) * E);
-    }
-  } else {
-    AllocateInputs(m.x_in, T, E, true);
-    for (int64_t t = 0; t < T; ++t) QuantizeRow(rows + t * E, t, kind_gate_up, m.x_in);
   }
   AllocateInputs(m.act_in, m.P, I, kind_down != kF32);
   if (kind_down != kF32) m.act.reset(new float[m.P * I]);
@@ -643,7 +705,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -654,6 +716,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("top_k")
+                                  .Attr<int32_t>("router")
+                                  .Attr<int32_t>("normalize")
                                   .Attr<int32_t>("kind_gate_up")
                                   .Attr<int32_t>("kind_down")
                                   .Attr<int32_t>("activation")

@@ -1,0 +1,302 @@
+"""The mixture-of-experts MLP (``jaxserve.models.moe``) computed grouped by
+expert, on every path: the C++ CPU kernel (``kernels/cpu/moe_cpu.cc``), the
+pure-JAX loop over expert tiles and ``ragged_dot_general``. Each equals the
+per-pair computation the grouped ones replaced (every (token, expert) pair
+with its expert's matrices gathered) within float tolerance, for float32
+stacks, for each family's routing and activation (Qwen3-MoE, Mixtral,
+gpt-oss with its biases), at decode and prefill token counts; quantized
+stacks (q8_0, q4_0, q4_1) equal a numpy reference of the same integer
+math; an expert no token chose is never read; and a token's result does not
+depend on the rest of the batch (bitwise through the C++ kernel)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.kernels import cpu
+from jaxserve.kernels.backends import AttentionImpl
+from jaxserve.models import moe, quant
+from jaxserve.models.config import ModelConfig, MoEConfig, RopeConfig
+from jaxserve.models.decoder import CausalLM
+from jaxserve.models.functional import jit_step
+from step_fixtures import paged_step
+
+needs_kernel = pytest.mark.skipif(not cpu.available(), reason="C++ CPU kernels unavailable")
+
+#: (routing, activation, biases) of the families that have experts
+FAMILIES = {
+    "qwen3_moe": MoEConfig(num_experts=8, top_k=2, intermediate_size=32, normalize_topk=False),
+    "mixtral": MoEConfig(num_experts=6, top_k=2, intermediate_size=64),
+    "gpt_oss": MoEConfig(
+        num_experts=8,
+        top_k=3,
+        intermediate_size=32,
+        router="topk_softmax",
+        router_bias=True,
+        expert_bias=True,
+        activation="swiglu_oss",
+    ),
+}
+TOKENS = [1, 5, 40]
+
+
+def model_config(m: MoEConfig, hidden: int = 64) -> ModelConfig:
+    """A Qwen3-MoE-shaped config around the experts ``m`` (every layer MoE)."""
+    return ModelConfig(
+        architecture="Qwen3MoeForCausalLM",
+        family="qwen3_moe",
+        vocab_size=300,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=256,
+        qk_norm="head",
+        moe=m,
+    )
+
+
+def _weights(m: MoEConfig, hidden: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    X, I, E = m.num_experts, m.intermediate_size, hidden
+
+    def f(*shape, scale=0.1):
+        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
+
+    return {
+        "router": f(X, E, scale=1.0),
+        "b_router": f(X) if m.router_bias else None,
+        "experts_gate_up": f(X, 2 * I, E),
+        "experts_b_gate_up": f(X, 2 * I) if m.expert_bias else None,
+        "experts_down": f(X, E, I),
+        "experts_b_down": f(X, E) if m.expert_bias else None,
+    }
+
+
+def _inputs(T: int, hidden: int, seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((hidden, T)), jnp.float32)
+
+
+def per_pair(x: jax.Array, w: dict, m: MoEConfig) -> np.ndarray:
+    """What ``moe_mlp`` computed before it grouped: every (token, expert)
+    pair with its expert's matrices gathered, feature-major ``[E, T]``."""
+    xt = x.T
+    ids, weights = moe.route(moe.router_logits(xt, w), m)
+    T, k = ids.shape
+    I = m.intermediate_size
+    flat = ids.reshape(-1)
+    xs = jnp.repeat(xt, k, axis=0)
+    gu = jnp.einsum("pe,pfe->pf", xs, w["experts_gate_up"][flat])
+    if w["experts_b_gate_up"] is not None:
+        gu = gu + w["experts_b_gate_up"][flat]
+    act = moe.expert_activation(gu[:, :I], gu[:, I:], m)
+    out = jnp.einsum("pi,pei->pe", act, w["experts_down"][flat])
+    if w["experts_b_down"] is not None:
+        out = out + w["experts_b_down"][flat]
+    return np.asarray(jnp.sum(out.reshape(T, k, -1) * weights[..., None], axis=1).T)
+
+
+def _run(path: str, x: jax.Array, w: dict, m: MoEConfig) -> np.ndarray:
+    if path == "cpu":
+        return np.asarray(jax.jit(lambda x, w: moe.moe_mlp(x, w, model_config(m, x.shape[0]), cpu_kernel=True))(x, w))
+
+    def grouped(x, w):
+        ids, weights = moe.route(moe.router_logits(x.T, w), m)
+        return moe.grouped_experts(x.T, ids, weights, w, m, impl=path).T
+
+    return np.asarray(jax.jit(grouped)(x, w))
+
+
+PATHS = [pytest.param("cpu", marks=needs_kernel), "loop", "ragged"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grouped_paths_equal_the_per_pair_computation(path, family):
+    m = FAMILIES[family]
+    hidden = 96  # three blocks of 32: an odd number of 64-feature chunks
+    w = _weights(m, hidden, seed=1)
+    for T in TOKENS:
+        x = _inputs(T, hidden, seed=T)
+        ref = per_pair(x, w, m)
+        got = _run(path, x, w, m)
+        assert got.shape == (hidden, T) and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=f"T={T}")
+
+
+@needs_kernel
+def test_the_kernel_takes_sizes_that_are_no_multiple_of_its_tiles():
+    """float32 stacks of any width: 40 features (a partial 16-feature
+    chunk), 24 intermediate rows and 40 output rows (partial 16-row tiles)."""
+    m = MoEConfig(num_experts=5, top_k=2, intermediate_size=24)
+    w = _weights(m, 40, seed=2)
+    for T in (1, 7, 33):
+        x = _inputs(T, 40, seed=T)
+        ref = per_pair(x, w, m)
+        np.testing.assert_allclose(_run("cpu", x, w, m), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _quantized(w: dict, kind: str) -> dict:
+    q = {name: quant.to_device(quant.quantize(np.asarray(w[name]), kind)) for name in quant.EXPERT_STACKS}
+    return {**w, **q}
+
+
+def reference_quantized(x: jax.Array, w: dict, m: MoEConfig) -> np.ndarray:
+    """numpy, pair by pair: each expert's product as ``quant.reference_matmul``
+    computes it (activations quantized per token and block of 32, exact
+    integer block dots, float64 sums), the activation in float32."""
+    xt = x.T
+    ids, weights = (np.asarray(a) for a in moe.route(moe.router_logits(xt, w), m))
+    gate_up, down = (jax.tree.map(np.asarray, w[n]) for n in quant.EXPERT_STACKS)
+    I = m.intermediate_size
+    xn = np.asarray(x)
+    out = np.zeros(xn.shape, np.float64)
+    for t in range(xn.shape[1]):
+        for j, e in enumerate(ids[t]):
+            gu = quant.reference_matmul(gate_up.rows(int(e)), xn[:, t : t + 1])[:, 0]
+            if w["experts_b_gate_up"] is not None:
+                gu = gu + np.asarray(w["experts_b_gate_up"][e])
+            act = np.asarray(
+                moe.expert_activation(jnp.asarray(gu[:I], jnp.float32), jnp.asarray(gu[I:], jnp.float32), m)
+            )
+            y = quant.reference_matmul(down.rows(int(e)), act[:, None])[:, 0]
+            if w["experts_b_down"] is not None:
+                y = y + np.asarray(w["experts_b_down"][e])
+            out[:, t] += weights[t, j] * y
+    return out
+
+
+@pytest.mark.parametrize("path", [pytest.param("cpu", marks=needs_kernel), "loop"])
+@pytest.mark.parametrize("kind", quant.KINDS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_quantized_stacks_equal_the_reference(path, kind, family):
+    m = FAMILIES[family]
+    hidden = 96
+    w = _quantized(_weights(m, hidden, seed=3), kind)
+    for T in (1, 5, 40):
+        x = _inputs(T, hidden, seed=10 + T)
+        ref = reference_quantized(x, w, m)
+        got = _run(path, x, w, m)
+        # the activation is quantized again for down: a rounding of the
+        # float activation may move one of its integers, hence the looser bound
+        np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"T={T}")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # quantizing NaN
+@pytest.mark.parametrize("path", [pytest.param("cpu", marks=needs_kernel), "loop"])
+@pytest.mark.parametrize("kind", [None, "q8_0"])
+def test_an_expert_no_token_chose_is_never_read(path, kind):
+    """The experts no token routes to hold NaN: a dense pass over all
+    experts would spread it (0 * NaN), the grouped ones never touch them."""
+    m = FAMILIES["qwen3_moe"]  # 2 tokens choose at most 4 of its 8 experts
+    hidden = 64
+    w = _weights(m, hidden, seed=4)
+    x = _inputs(2, hidden, seed=4)
+    ids, _ = moe.route(moe.router_logits(x.T, w), m)
+    unused = sorted(set(range(m.num_experts)) - set(np.asarray(ids).ravel().tolist()))
+    assert unused, "the test needs an expert no token chose"
+    for name in quant.EXPERT_STACKS:
+        w[name] = w[name].at[np.asarray(unused)].set(jnp.nan)
+    if kind is not None:
+        w = _quantized(w, kind)  # NaN weights quantize to NaN scales
+    got = _run(path, x, w, m)
+    assert np.isfinite(got).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", [None, "q8_0", "q4_1"])
+def test_a_token_does_not_depend_on_the_rest_of_the_batch(kind):
+    """Through the C++ kernel bitwise: each (weight row, token) is summed the
+    same way whatever the expert's group holds, and a token's k results are
+    added in its routing order. The pure-JAX loop within float tolerance
+    (XLA's matmuls of a tile may sum a row differently by tile size)."""
+    m = MoEConfig(num_experts=16, top_k=4, intermediate_size=64)
+    hidden = 128
+    w = _weights(m, hidden, seed=5)
+    if kind is not None:
+        w = _quantized(w, kind)
+    x = _inputs(37, hidden, seed=5)
+    for path in ("cpu", "loop"):
+        full = _run(path, x, w, m)
+        for rows in ([5], [5, 6], list(range(0, 37, 3))):
+            part = _run(path, x[:, np.asarray(rows)], w, m)
+            if path == "cpu":
+                np.testing.assert_array_equal(part, full[:, rows])
+            else:
+                np.testing.assert_allclose(part, full[:, rows], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+def test_tile_rows_follow_the_mean_group():
+    assert moe.tile_rows(8, 128) == 1  # one decode token: one row a visit
+    assert moe.tile_rows(512, 128) == 4
+    assert moe.tile_rows(4096, 128) == 32
+    assert moe.tile_rows(1 << 20, 8) == 64
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_does_not_compute():
+    m = FAMILIES["mixtral"]
+    w = _weights(m, 64, seed=6)
+    x = _inputs(2, 64, seed=6)
+    assert not cpu.moe_serves(w["experts_gate_up"].astype(jnp.bfloat16), w["experts_down"], x)
+    assert not cpu.moe_serves(w["experts_gate_up"], w["experts_gate_up"], x)  # down of the wrong shape
+    with pytest.raises(ValueError, match="moe_cpu takes"):
+        cpu.moe_cpu(x, w["router"], None, w["experts_down"], w["experts_down"], top_k=2)
+    with pytest.raises(ValueError, match="activation"):
+        cpu.moe_cpu(x, w["router"], None, w["experts_gate_up"], w["experts_down"], top_k=2, activation="gelu")
+
+
+def tiny_moe_model(dtype=jnp.float32) -> CausalLM:
+    """A random Qwen3-MoE-shaped decoder (q/k norms, 8 experts of width 64,
+    top 2, every layer MoE) built from its config, no checkpoint."""
+    config = model_config(MoEConfig(num_experts=8, top_k=2, intermediate_size=64))
+    model = CausalLM(config, dtype=dtype, rngs=nnx.Rngs(3))
+    for layer in model.layers:  # the default init (std 0.02) routes near-uniformly: spread the router's logits
+        router = layer.router  # type: ignore[attr-defined]  # set from moe.PARAM_NAMES at init
+        router.set_value(router[...] * 50.0)
+    return model
+
+
+def _logits(model: CausalLM, kernel: Literal["cpu", "reference"], counts: list[int]) -> np.ndarray:
+    c = model.config
+    model.attention = AttentionImpl(kernel=kernel)  # "cpu": the C++ kernels, MoE included
+    block = 16
+    ids, pos, meta = paged_step(
+        c.vocab_size, [0] * len(counts), counts, tokens=sum(counts), block=block, num_blocks=32, table_width=8, seed=2
+    )
+    meta = dataclasses.replace(meta, logits_indices=jnp.arange(sum(counts), dtype=jnp.int32))
+    cache = model.make_kv_cache(32, block)
+    graphdef, state = nnx.split(model)
+    logits, _ = jit_step(graphdef, state, ids, pos, cache, meta)
+    return np.asarray(logits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_the_model_gives_the_same_logits_through_the_kernel_and_pure_jax(quantization):
+    """The decoder's MoE layers through ``moe_cpu`` (the CPU kernels' path)
+    and through the pure-JAX groups (what GPU/TPU run), float32 and with
+    quantized expert stacks (``quant.quantize_model`` quantizes them with
+    the dense matrices; the router stays float)."""
+    model = tiny_moe_model()
+    if quantization is not None:
+        quant.quantize_model(model, quant.QUANTIZATIONS[quantization])
+        stack = model.layers[0].experts_gate_up.get_value()
+        assert stack.kind == quant.QUANTIZATIONS[quantization] and stack.shape == (8, 128, 64)
+        assert model.layers[0].router[...].dtype == jnp.float32
+    counts = [7, 1, 12]
+    a, b = _logits(model, "cpu", counts), _logits(model, "reference", counts)
+    # the same integer dots on both paths: only float sums differ in order
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+    np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
