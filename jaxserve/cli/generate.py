@@ -67,6 +67,7 @@ def generate(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop)
     )
+    request: str | list[int] = prompt
     if chat:
         if getattr(llm.engine.tokenizer, "chat_templates", None) == {}:
             # named as the user gave it (a .gguf file, not the folder derived from it), with the fix
@@ -76,8 +77,10 @@ def generate(
                 "chat_template.jinja beside it); drop --chat to send PROMPT as plain text"
             )
         with user_errors():  # a template that fails to render: one line, not a traceback
-            prompt = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    (out,) = llm.generate([prompt], params)
+            # token ids, as the worker sends them: the template writes its own BOS, and the
+            # rendered text encoded again would start with a second one (Gemma's, Llama 3's)
+            request = llm.engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    (out,) = llm.generate([request], params)
     if out.error is not None:
         raise click.ClickException(f"{out.error.code}: {out.error.message}")
     if as_json:

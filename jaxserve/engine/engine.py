@@ -78,6 +78,7 @@ class Engine:
 
     def __init__(self, args: EngineArgs) -> None:
         from jaxserve.models.loader import load_model
+        from jaxserve.models.registry import family
         from jaxserve.presets import resolve_model
         from jaxserve.tokenizer.tokenizer import Tokenizer
 
@@ -92,7 +93,8 @@ class Engine:
         loaded = load_model(folder, dtype=args.dtype, quantization=args.quantization)
         cfg = loaded.config
         self.model_config = cfg
-        self.tokenizer = Tokenizer.from_folder(folder)
+        # a family without a system role folds a system message into the first user turn
+        self.tokenizer = Tokenizer.from_folder(folder, fold_system=family(cfg.family).fold_system)
         self.eos_token_ids = stop_token_ids(self.tokenizer, cfg)
         self.max_model_len = args.resolve_max_model_len(cfg.max_position_embeddings)
         self.max_num_seqs = args.max_num_seqs

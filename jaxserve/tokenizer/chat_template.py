@@ -202,6 +202,39 @@ def _validate_dict_list(name: str, value: Any) -> Any:
     return _plain(list(value))
 
 
+def fold_system_message(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with a leading system message folded into the user
+    message after it: ``system + "\n\n" + user`` with the user's text
+    trimmed, which is what Gemma 3's own template renders (for the templates
+    of a family that has no system role but refuses the message instead:
+    Gemma 2's, which then renders the same text). None when the messages do
+    not start with a system message and then a user message.
+
+    A content given as parts: the system message's text parts, joined; the
+    user message's first text part takes the prefix (a text part is
+    inserted when it has none)."""
+    chat = validate_messages(messages)
+    if len(chat) < 2 or chat[0]["role"] != "system" or chat[1]["role"] != "user":
+        return None
+    system = chat[0].get("content", "")
+    if not isinstance(system, str):
+        system = "".join(str(p.get("text", "")) for p in system if p.get("type") == "text")
+    prefix = system + "\n\n"
+    user = dict(chat[1])
+    content = user.get("content", "")
+    if isinstance(content, str):
+        user["content"] = prefix + content.strip()
+    else:
+        parts = [dict(p) for p in content]
+        first = next((i for i, p in enumerate(parts) if p.get("type") == "text"), None)
+        if first is None:
+            parts.insert(0, {"type": "text", "text": prefix})
+        else:
+            parts[first]["text"] = prefix + str(parts[first].get("text", "")).strip()
+        user["content"] = parts
+    return [user, *chat[2:]]
+
+
 # ------------------------------------------------------------------ render
 
 

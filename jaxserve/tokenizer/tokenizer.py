@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from jaxserve.tokenizer.chat_template import ChatTemplateError, render_chat_template
+from jaxserve.tokenizer.chat_template import ChatTemplateError, fold_system_message, render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -135,8 +135,13 @@ class Tokenizer:
         chat_templates: Mapping[str, str] | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         path: Path | None = None,
+        fold_system: bool = False,
     ) -> None:
         self._tok = tokenizer
+        #: a leading system message the template refuses is folded into the
+        #: first user message (:meth:`apply_chat_template`): the model's family
+        #: has no system role (``jaxserve.models.family.Family.fold_system``)
+        self.fold_system = fold_system
         self._config: dict[str, Any] = dict(config or {})
         self._chat_templates: dict[str, str] = dict(chat_templates or {})
         self.path = path
@@ -166,7 +171,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike[str]) -> Tokenizer:
+    def from_folder(cls, path: str | os.PathLike[str], *, fold_system: bool = False) -> Tokenizer:
         folder = Path(path)
         tokenizer_file = folder / TOKENIZER_FILE
         if not tokenizer_file.is_file():
@@ -196,6 +201,7 @@ class Tokenizer:
             chat_templates=chat_templates,
             extra_eos_token_ids=extra_eos,
             path=folder,
+            fold_system=fold_system,
         )
 
     # ------------------------------------------------------------ encode/decode
@@ -316,18 +322,33 @@ class Tokenizer:
 
         The named special tokens of tokenizer_config (bos_token, eos_token, ...)
         are template variables; ``kwargs`` are passed too and override them.
+
+        With :attr:`fold_system`, messages that begin with a system message
+        which the template refuses are rendered again with it folded into
+        the first user message (:func:`fold_system_message`); a template
+        that takes them renders them as they are, exactly as transformers.
         """
         template = self.get_chat_template(chat_template, tools)
         variables: dict[str, Any] = dict(self._special_tokens)
         variables.update(kwargs)
-        return render_chat_template(
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            documents=documents,
-            **variables,
-        )
+
+        def render(chat: Sequence[Mapping[str, Any]]) -> str:
+            return render_chat_template(
+                template,
+                chat,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                **variables,
+            )
+
+        try:
+            return render(messages)
+        except ChatTemplateError:
+            folded = fold_system_message(messages) if self.fold_system else None
+            if folded is None:
+                raise
+        return render(folded)
 
     def encode_chat(
         self,
