@@ -22,6 +22,7 @@ import os
 import numpy as np
 import pytest
 
+import gemma_tokenizer as gt
 import gguf_convert as gc
 import model_fixtures as mf
 from jaxserve.models import greedy_generate, load_model
@@ -39,6 +40,11 @@ GGUF_FIXTURES: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"use_sliding_window": False, "layer_types": None},
+    # llama.cpp stores no query_pre_attn_scalar (it takes head_dim) and no
+    # layer pattern (Gemma 2: every other layer slides, Gemma 3: one global
+    # layer in six, so six layers here to have one)
+    "gemma2": {"query_pre_attn_scalar": 24},
+    "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
     # LongRoPE with an original context of 32, so the prompts and their
     # continuations run on both factor sets
     "phi3": {"original": 32},
@@ -65,6 +71,9 @@ WEIGHT_STD = 0.05
 #: SmolLM2's tokenizer; the converter and jaxserve both go by
 #: ``architectures``, so the fixture's model_type only picks the tokenizer class
 TOKENIZER_MODEL_TYPE = {"qwen2": "llama"}
+#: families converted with a Gemma-style SentencePiece tokenizer.model (Gemma
+#: 2's converter reads nothing else), and the chat template each ships
+SENTENCEPIECE_TEMPLATES = {"gemma2": gt.GEMMA2_TEMPLATE, "gemma3": gt.GEMMA3_TEMPLATE}
 #: Phi-3's converter reads a byte-level BPE tokenizer only when
 #: tokenizer_config.json names GPT2Tokenizer (Phi-4-mini's); otherwise it
 #: wants a SentencePiece tokenizer.model
@@ -80,7 +89,10 @@ def files(tmp_path_factory):
     def get(name: str) -> dict[str, str]:
         folder = str(root / name)
         mf.FAMILIES[name](folder, std=WEIGHT_STD, vocab_size=gc.SMOLLM2_VOCAB, **GGUF_FIXTURES[name])
-        gc.with_smollm2_tokenizer(folder)
+        if name in SENTENCEPIECE_TEMPLATES:
+            gt.with_gemma_tokenizer(folder, SENTENCEPIECE_TEMPLATES[name])
+        else:
+            gc.with_smollm2_tokenizer(folder)
         if name in TOKENIZER_MODEL_TYPE:
             mf.edit_config(folder, lambda d: d.update(model_type=TOKENIZER_MODEL_TYPE[name]))
         if name in TOKENIZER_CLASS:
