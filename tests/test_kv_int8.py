@@ -582,3 +582,71 @@ def test_an_int8_cache_holds_about_four_times_the_tokens_in_the_same_memory(pari
         c.num_hidden_layers, 16, c.num_key_value_heads, D, jnp.int8
     )
     assert sizes["int8"].bytes_per_token * 4 * D == sizes["float32"].bytes_per_token * (D + 4)
+
+
+TP_CHILD = """
+import dataclasses, json, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, "tests")
+from test_paged_attention import random_paged_case
+from jaxserve.kernels import cpu
+from jaxserve.kernels.backends import REFERENCE, AttentionImpl, cache_spec, write_and_attend
+from jaxserve.kernels.kv_cache import KVCache
+
+KVH, G, D, BS = 4, 2, 16, 16
+seqs = [(40, 1), (15, 1), (9, 20), (0, 6)]
+q, k0, _, meta, positions = random_paged_case(3, block_size=BS, head_dim=D, kv_heads=KVH, group=G, seqs=seqs)
+T, NB = q.shape[0], k0.shape[0]
+rng = np.random.default_rng(4)
+k_new = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
+v_new = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
+tables = np.asarray(meta.block_tables)
+# every token's context written in this step: the step's tokens, and before them the cached ones
+slots = [int(tables[s, p // BS]) * BS + p % BS if s < len(seqs) else 0
+         for s, p in zip(np.asarray(meta.token_seq), np.asarray(positions))]
+meta = dataclasses.replace(meta, slot_mapping=jnp.asarray(slots, jnp.int32))
+impls = [REFERENCE, AttentionImpl(kernel="gpu", interpret=True, max_kernel_tokens=64)]
+impls += [AttentionImpl(kernel="cpu")] if cpu.available() else []
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+report = {"devices": jax.device_count()}
+for impl in impls:
+    outs = {}
+    for name, m in (("one", None), ("tp", mesh)):
+        sharding = None if m is None else jax.sharding.NamedSharding(m, cache_spec(impl.layout))
+        cache = KVCache.create(1, NB, BS, KVH, D, jnp.int8, sharding=sharding, layout=impl.layout)
+        step = jax.jit(lambda q, k, v, kc, vc, meta, pos, m=m: write_and_attend(
+            impl, q, k, v, kc, vc, meta, pos, block_size=BS, scale=D**-0.5, cache_dtype=jnp.int8, mesh=m))
+        kc, vc, out = step(q, k_new, v_new, cache.k[0], cache.v[0], meta, positions)
+        outs[name] = (np.asarray(out), [np.asarray(x) for x in jax.tree.leaves((kc, vc))])
+        if m is not None:
+            report[impl.kernel + "-scale-sharded"] = str(kc.scale.sharding.spec)
+    report[impl.kernel] = float(np.max(np.abs(outs["one"][0] - outs["tp"][0])))
+    report[impl.kernel + "-cache-equal"] = all(np.array_equal(a, b) for a, b in zip(outs["one"][1], outs["tp"][1]))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_tensor_parallel_int8_cache_equals_one_device():
+    """``write_and_attend`` with a mesh of 2 virtual CPU devices (a child
+    process) over an int8 cache created sharded on its kv heads, scales
+    included: the same cache bytes and the same output as on one device,
+    for the reference, GPU (interpreted) and C++ kernels."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_CHILD], env=env, capture_output=True, text=True, timeout=600, cwd=root
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"child failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    report = json.loads(lines[-1][len("REPORT ") :])
+    assert report.pop("devices") == 2
+    kernels = ["reference", "gpu"] + (["cpu"] if cpu_kernel.available() else [])
+    for kernel in kernels:
+        assert report[kernel] < 3e-5 and report[f"{kernel}-cache-equal"], (kernel, report)
+    assert "'tp'" in report["reference-scale-sharded"] and "'tp'" in report["gpu-scale-sharded"]
