@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.config import NORM_PLACES, ModelConfig, read_base, read_layer_types
+from jaxserve.models.config import NORM_PLACES, ModelConfig, read_activation, read_base, read_layer_types
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import (
@@ -92,7 +92,8 @@ def with_defaults(d: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str
     :func:`read_base` reads (Gemma's configs name it ``hidden_activation``;
     some also carry a ``hidden_act`` that transformers ignores)."""
     merged = {**defaults, **d}
-    merged["hidden_act"] = merged.get("hidden_activation") or defaults["hidden_activation"]
+    merged["hidden_activation"] = merged.get("hidden_activation") or defaults["hidden_activation"]
+    merged["hidden_act"] = merged["hidden_activation"]
     return merged
 
 
@@ -111,6 +112,7 @@ def gemma_config(d: Mapping[str, Any], architecture: str, source: str, *, family
     the embedding scale, the attention scale, biases, the final soft-cap.
     ``d`` already holds the family's defaults (:func:`with_defaults`)."""
     causal_only(d, source)
+    read_activation(d, source, "hidden_activation")  # refused under the name the config uses
     c = read_base(d, architecture, source, family=family)
     bias = bool(d.get("attention_bias"))
     scalar = d.get("query_pre_attn_scalar")
