@@ -50,7 +50,9 @@ def main() -> None:
     compared = "argmax" if args.argmax else "matvec" if args.matvec else "matmul"
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
     from jaxserve.kernels import cpu as cpu_kernels
+    from jaxserve.sampling_params import SamplingParams
 
     loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
@@ -84,7 +86,7 @@ def main() -> None:
             runners[name].warmup()
         finally:
             cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATVEC_TOKENS = default_max, default_matvec
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     rows = {}
     for n in sizes:
         work = [

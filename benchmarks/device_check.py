@@ -240,19 +240,11 @@ def make_runner(model, cfg, impl, *, max_num_seqs: int, context: int, block_size
     )
 
 
-def _row() -> dict:
-    return dict(
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        seed=0,
-        output_index=0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        logprobs=False,
-    )
+def _row():
+    from jaxserve.engine.sampler import SamplingRow
+    from jaxserve.sampling_params import SamplingParams
+
+    return SamplingRow(SamplingParams(temperature=0.0))
 
 
 def decode_case(runner, batch: int, context: int, steps: int, repeats: int) -> dict:

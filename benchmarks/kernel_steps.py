@@ -62,9 +62,11 @@ def main() -> None:
 
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
     from jaxserve.kernels.backends import select_attention
     from jaxserve.models.loader import load_model
     from jaxserve.presets import resolve_model
+    from jaxserve.sampling_params import SamplingParams
 
     loaded = load_model(resolve_model(args.model))
     cfg = loaded.config
@@ -76,7 +78,7 @@ def main() -> None:
         if a is not None and k.startswith(("w",))
     )
     flops_per_token = 2 * layer_params
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     rng = np.random.default_rng(0)
 
     def prefill_work(length: int, n: int) -> list:

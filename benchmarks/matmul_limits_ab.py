@@ -38,7 +38,9 @@ def main() -> None:
     args = ap.parse_args()
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
     from jaxserve.kernels import cpu as cpu_kernels
+    from jaxserve.sampling_params import SamplingParams
 
     loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
@@ -62,7 +64,7 @@ def main() -> None:
             runners[name].warmup()
         finally:
             cpu_kernels.MATMUL_MAX_TOKENS, cpu_kernels.MATMUL_MAX_ROWS = new
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     rng = np.random.default_rng(0)
     steps = {
         "prefill 4 x 128": [

@@ -169,18 +169,10 @@ def _decode_work(num_seqs, context, block_size, first_block=1):
 
 
 def _greedy_row():
-    return {
-        "temperature": 0.0,
-        "top_k": 0,
-        "top_p": 1.0,
-        "min_p": 0.0,
-        "seed": 0,
-        "output_index": 0,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "logprobs": False,
-    }
+    from jaxserve.engine.sampler import SamplingRow
+    from jaxserve.sampling_params import SamplingParams
+
+    return SamplingRow(SamplingParams(temperature=0.0))
 
 
 def profile_programs(llm, num_seqs, contexts, prefill_tokens) -> dict:
@@ -415,20 +407,7 @@ def profile_experiments(num_seqs: int = 64, context: int = 192) -> dict:
     del k_now, v_now, k_t, v_h
 
     # (c) Greedy sampling: the engine's sample() (two lax.conds) vs argmax + the chosen logprob.
-    rows = [
-        {
-            "temperature": 0.0,
-            "top_k": 0,
-            "top_p": 1.0,
-            "min_p": 0.0,
-            "seed": 0,
-            "output_index": 0,
-            "repetition_penalty": 1.0,
-            "frequency_penalty": 0.0,
-            "presence_penalty": 0.0,
-            "logprobs": False,
-        }
-    ] * num_seqs
+    rows = [_greedy_row()] * num_seqs
     tensors = SamplingTensors(**{k: jnp.asarray(v) for k, v in host_sampling_tensors(rows, num_seqs, 256).items()})
     h, w = normal(num_seqs, E), normal(E, V)
 

@@ -32,6 +32,8 @@ def main() -> None:
     args = ap.parse_args()
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
+    from jaxserve.sampling_params import SamplingParams
 
     loaded, impl, reason = eb.load_on_default_kernel(args.model)
     cfg = loaded.config
@@ -50,7 +52,7 @@ def main() -> None:
             buckets=Buckets(tokens=tokens, seqs=(1,)),
         )
         runners[name].warmup()
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     blocks = list(range(1, 2 + args.context // 64))
     work = [SeqWork(token_ids=[5], start_pos=args.context, block_ids=blocks, sampling=greedy)]
     tokens = {k: r.execute(work).fetch()[0].tolist() for k, r in runners.items()}

@@ -64,6 +64,8 @@ def main() -> None:
 
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
+    from jaxserve.sampling_params import SamplingParams
 
     loaded, impl, reason = eb.load_on_default_kernel(args.model, args.quantization)
     cfg = loaded.config
@@ -93,7 +95,7 @@ def main() -> None:
         **sizes,
     )
     runner.warmup()
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     rng = np.random.default_rng(0)
     if args.step == "mixed":
         work = [

@@ -13,7 +13,8 @@ import pytest
 from engine_fixtures import build_engine_checkpoint
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.engine import Engine
-from jaxserve.engine.sampler import sampler_seed
+from jaxserve.engine.sampler import host_sampling_tensors, sampler_seed
+from jaxserve.engine.step_inputs import sampling_row
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams
 
@@ -229,8 +230,9 @@ def test_the_reported_job_runs(engine):
     )
     assert sorted(got) == ["plain", "seed-1", "seed2**64-1"]
     assert len(got["plain"]) == 5
-    req_seed = engine._sampling_row  # the row the sampler gets carries the folded seed
+    # the sampler's seed array carries the request's seed folded into uint32
     engine.add_request("row", [11, 12], SamplingParams(max_tokens=1, temperature=0.7, seed=-1))
-    row = req_seed(engine.scheduler.get_request("row"))
-    assert row["seed"] == sampler_seed(-1) and 0 <= row["seed"] < 2**32
+    row = sampling_row(engine.scheduler.get_request("row"))
+    (seed,) = host_sampling_tensors([row], 1, 0)["seed"]
+    assert seed == sampler_seed(-1) and 0 <= seed < 2**32
     engine.abort("row")

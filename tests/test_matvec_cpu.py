@@ -161,6 +161,8 @@ def test_one_sequence_decodes_in_a_one_token_program_with_the_eight_token_progra
     its smallest bucket."""
     from jaxserve.engine.buckets import Buckets
     from jaxserve.engine.runner import ModelRunner, SeqWork
+    from jaxserve.engine.sampler import SamplingRow
+    from jaxserve.sampling_params import SamplingParams
 
     loaded = load_model(mf.llama2(str(tmp_path / "ck")))
     cfg, model = loaded.config, loaded.model
@@ -186,7 +188,7 @@ def test_one_sequence_decodes_in_a_one_token_program_with_the_eight_token_progra
     tokens, logprobs = {}, {}
     for name, r in (("one", one), ("eight", eight)):
         for with_logprobs in (False, True):
-            sampling = {"temperature": 0.0, "logprobs": with_logprobs}
+            sampling = SamplingRow(SamplingParams(temperature=0.0, logprobs=with_logprobs))
             first = r.execute([SeqWork(token_ids=prompt, start_pos=0, block_ids=[1], sampling=sampling)]).fetch()[0]
             seq, lps = [int(first[0])], []
             for step in range(3):

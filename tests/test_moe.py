@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from jaxserve.kernels import cpu
-from jaxserve.kernels.backends import AttentionImpl
+from jaxserve.kernels.backends import AttentionImpl, cache_spec
 from jaxserve.models import moe, quant
 from jaxserve.models.config import ModelConfig, MoEConfig, RopeConfig
 from jaxserve.models.decoder import CausalLM
@@ -47,7 +47,7 @@ FAMILIES = {
 TOKENS = [1, 5, 40]
 
 
-def model_config(m: MoEConfig, hidden: int = 64) -> ModelConfig:
+def model_config(m: MoEConfig, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> ModelConfig:
     """A Qwen3-MoE-shaped config around the experts ``m`` (every layer MoE)."""
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
@@ -56,9 +56,9 @@ def model_config(m: MoEConfig, hidden: int = 64) -> ModelConfig:
         hidden_size=hidden,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads * 2,
         rms_norm_eps=1e-6,
         rope=RopeConfig(theta=10000.0),
         max_position_embeddings=256,
@@ -257,10 +257,10 @@ def test_the_kernel_refuses_what_it_does_not_compute():
         cpu.moe_cpu(x, w["router"], None, w["experts_gate_up"], w["experts_down"], top_k=2, activation="gelu")
 
 
-def tiny_moe_model(dtype=jnp.float32) -> CausalLM:
+def tiny_moe_model(dtype=jnp.float32, heads: int = 4, kv_heads: int = 2) -> CausalLM:
     """A random Qwen3-MoE-shaped decoder (q/k norms, 8 experts of width 64,
     top 2, every layer MoE) built from its config, no checkpoint."""
-    config = model_config(MoEConfig(num_experts=8, top_k=2, intermediate_size=64))
+    config = model_config(MoEConfig(num_experts=8, top_k=2, intermediate_size=64), heads=heads, kv_heads=kv_heads)
     model = CausalLM(config, dtype=dtype, rngs=nnx.Rngs(3))
     for layer in model.layers:  # the default init (std 0.02) routes near-uniformly: spread the router's logits
         router = layer.router  # type: ignore[attr-defined]  # set from moe.PARAM_NAMES at init
@@ -277,6 +277,11 @@ def _logits(model: CausalLM, kernel: Literal["cpu", "reference"], counts: list[i
     )
     meta = dataclasses.replace(meta, logits_indices=jnp.arange(sum(counts), dtype=jnp.int32))
     cache = model.make_kv_cache(32, block)
+    if model.mesh is not None:  # sharded on its kv heads, as the runner makes it
+        spec = jax.sharding.NamedSharding(model.mesh, cache_spec(cache.layout))
+        cache = cache.replace(
+            k=[jax.device_put(a, spec) for a in cache.k], v=[jax.device_put(a, spec) for a in cache.v]
+        )
     graphdef, state = nnx.split(model)
     logits, _ = jit_step(graphdef, state, ids, pos, cache, meta)
     return np.asarray(logits)
@@ -300,3 +305,61 @@ def test_the_model_gives_the_same_logits_through_the_kernel_and_pure_jax(quantiz
     # the same integer dots on both paths: only float sums differ in order
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+
+
+TENSOR_PARALLEL_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import jax, numpy as np
+from test_moe import tiny_moe_model, _logits
+from jaxserve.models.sharding import shard_model, tensor_parallel_mesh
+
+counts = [7, 1, 12]
+ref = _logits(tiny_moe_model(heads=8, kv_heads=4), "reference", counts)
+out = {"devices": jax.device_count()}
+for size in (2, 4):
+    model = tiny_moe_model(heads=8, kv_heads=4)
+    shard_model(model, tensor_parallel_mesh(model.config, size))
+    got = _logits(model, "reference", counts)
+    layer = model.layers[0]
+    out[size] = {
+        "max_diff": float(np.abs(got - ref).max()),
+        "scale": float(np.abs(ref).max()),
+        "same_argmax": bool((got.argmax(-1) == ref.argmax(-1)).all()),
+        "shards": {
+            name: [list(s.data.shape) for s in getattr(layer, name)[...].addressable_shards]
+            for name in ("router", "experts_gate_up", "experts_down")
+        },
+    }
+print(json.dumps(out))
+"""
+
+
+def test_tensor_parallel_splits_each_expert_and_gives_the_same_logits():
+    """On 2 and 4 virtual CPU devices (a child process: XLA fixes the host
+    device count at start-up): every device holds every expert with its
+    share of the intermediate rows (gate/up rows, down columns), the router
+    whole, and the sharded model's logits equal one device's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL_CHILD, tests], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    X, I, E = 8, 64, 64
+    for size in ("2", "4"):
+        r = out[size]
+        n = int(size)
+        assert r["shards"]["router"] == [[X, E]] * n
+        assert r["shards"]["experts_gate_up"] == [[X, 2 * I // n, E]] * n
+        assert r["shards"]["experts_down"] == [[X, E, I // n]] * n
+        assert r["same_argmax"]
+        assert r["max_diff"] <= 1e-5 * r["scale"], r

@@ -6,25 +6,24 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import SamplingTensors, argmax, chosen_logprobs, host_sampling_tensors, sample
+from jaxserve.engine.sampler import (
+    SamplingRow,
+    SamplingTensors,
+    argmax,
+    chosen_logprobs,
+    host_sampling_tensors,
+    sample,
+)
+from jaxserve.sampling_params import SamplingParams
 
 VOCAB = 50
 
 
-def _row(**overrides):
-    row = dict(
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        min_p=0.0,
-        seed=0,
-        output_index=0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-    )
-    row.update(overrides)
-    return row
+def _row(output_index=0, history=None, num_prompt=0, **params):
+    """A greedy, unpenalized row with seed 0, but for ``params``
+    (``SamplingParams`` fields)."""
+    params = SamplingParams(**{"temperature": 0.0, "seed": 0, **params})
+    return SamplingRow(params, output_index=output_index, history=history, num_prompt=num_prompt)
 
 
 def _run(logits, rows, history_len=8):
@@ -83,7 +82,7 @@ def test_plain_temperature_draws_from_the_scaled_logits_whatever_shares_the_batc
 
     plain = [_row(temperature=0.8, seed=s, output_index=s % 3) for s in (7, 11, 13, 17)]
     alone, _ = _run(logits, plain)
-    assert alone.tolist() == [expected(logits[i], r["seed"], r["output_index"], 0.8) for i, r in enumerate(plain)]
+    assert alone.tolist() == [expected(logits[i], r.params.seed, r.output_index, 0.8) for i, r in enumerate(plain)]
     with_filters = [
         plain[0],
         _row(temperature=1.0, top_p=0.5, seed=3),
@@ -117,9 +116,9 @@ def test_penalties_change_the_greedy_choice():
     logits[:, 4] = 1.5
     history = [3, 3, 3]
     rows = [
-        dict(_row(repetition_penalty=2.0), history=history, num_prompt=3),  # prompt counts for repetition
-        dict(_row(frequency_penalty=0.3), history=[9] + history, num_prompt=1),  # 3 outputs * 0.3
-        dict(_row(presence_penalty=0.4), history=[3, 3], num_prompt=2),  # prompt only: no effect
+        _row(repetition_penalty=2.0, history=history, num_prompt=3),  # prompt counts for repetition
+        _row(frequency_penalty=0.3, history=[9] + history, num_prompt=1),  # 3 outputs * 0.3
+        _row(presence_penalty=0.4, history=[3, 3], num_prompt=2),  # prompt only: no effect
     ]
     tokens, _ = _run(logits, rows)
     assert tokens.tolist() == [4, 4, 3]

@@ -52,12 +52,12 @@ CHILD = textwrap.dedent(
         import jax.numpy as jnp
         from jaxserve.engine.buckets import Buckets
         from jaxserve.engine.runner import ModelRunner, SeqWork
+        from jaxserve.engine.sampler import SamplingRow
         from jaxserve.kernels.backends import REFERENCE, AttentionImpl
         from jaxserve.models.loader import load_model
         from jaxserve.models.sharding import shard_model, tensor_parallel_mesh
 
-        row = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, output_index=0,
-                   repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, logprobs=False)
+        row = SamplingRow(SamplingParams(temperature=0.0))
         out = {}
         prompts = [rng.integers(10, 500, size=n).tolist() for n in (13, 9)]
         tables = [[3, 9, 1, 12], [7, 2, 16, 5]]

@@ -14,10 +14,11 @@ import pytest
 import model_fixtures as mf
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.runner import ModelRunner, SeqWork
-from jaxserve.engine.sampler import argmax
+from jaxserve.engine.sampler import SamplingRow, argmax
 from jaxserve.kernels import cpu
 from jaxserve.kernels.backends import AttentionImpl
 from jaxserve.models import load_model
+from jaxserve.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(not cpu.available(), reason="the C++ kernel did not build here")
 
@@ -93,7 +94,7 @@ def test_the_runners_greedy_programs_take_it_with_the_same_tokens(tmp_path):
     on, off = _runner(loaded.model, cfg), _runner(loaded.model, cfg, cpu_argmax=False)
     assert on.cpu_argmax  # the default on the CPU kernel path
     assert cpu.TARGET_ARGMAX in on._forward[16].as_text() and cpu.TARGET_ARGMAX not in off._forward[16].as_text()
-    greedy = {"temperature": 0.0, "logprobs": False}
+    greedy = SamplingRow(SamplingParams(temperature=0.0))
     rng = np.random.default_rng(1)
     prompts = [
         SeqWork(

@@ -43,7 +43,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner, StepResult
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.score_processor import ScoreProcessor
-from jaxserve.engine.step_inputs import fill_masks, sampling_row, seq_work
+from jaxserve.engine.step_inputs import sampling_row, seq_work, structured_masks
 from jaxserve.engine.step_modes import Collected, by_request, choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
 from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
@@ -414,15 +414,15 @@ class Engine:
     def _launch(self, plan: SchedulerOutput, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
         """Build a plan's work and launch it on the device (``_in_flight``)."""
         now = time.monotonic()
+        masks = structured_masks(self.structured, plan, self.scheduler.requests, self._constraints)
         work = []
         for s in plan.scheduled:
             req = cast(Request, self.scheduler.get_request(s.request_id))  # scheduled: it is there
             self._metrics[s.request_id].setdefault("first_scheduled", now)
-            w = seq_work(s, self._sampling_row(req) if s.sample else None, prev)
+            w = seq_work(s, sampling_row(req, masks.get(s.request_id)) if s.sample else None, prev)
             if self.runner.long_rope_original is not None:  # longrope: one factor set per request (families/phi3.py)
                 w.long_rope_from = 0 if req.cache_salt == self._long_rope_salt else self.max_model_len
             work.append(w)
-        fill_masks(self.structured, work)
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
         result = self.runner.execute(
             work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies
@@ -557,9 +557,6 @@ class Engine:
                 )
             )
         return outputs
-
-    def _sampling_row(self, req: Request) -> dict:
-        return sampling_row(req, self._constraints.get(req.request_id))
 
     def _keep_top(self, request_ids: list[str], top) -> None:
         """Hold the ``top_logprobs`` alternatives of collected tokens until

@@ -50,10 +50,13 @@ from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
 from jaxserve.engine.sampler import (
+    SamplingRow,
     SamplingTensors,
+    abstract_tensors,
     argmax,
     chosen_logprobs,
     host_sampling_tensors,
+    is_plain_greedy,
     mask_words,
     sample_with_top,
 )
@@ -295,26 +298,6 @@ class ModelRunner:
             long_rope_from=None if self.long_rope_original is None else _spec((self.max_num_seqs + 1,), i32),
         )
 
-    def _abstract_tensors(self, num_seqs: int) -> SamplingTensors:
-        f32, i32 = jnp.float32, jnp.int32
-        vec = lambda dt: _spec((num_seqs,), dt)  # noqa: E731
-        return SamplingTensors(
-            temperature=vec(f32),
-            top_k=vec(i32),
-            top_p=vec(f32),
-            min_p=vec(f32),
-            seed=vec(jnp.uint32),
-            output_index=vec(i32),
-            repetition_penalty=vec(f32),
-            frequency_penalty=vec(f32),
-            presence_penalty=vec(f32),
-            history=_spec((num_seqs, self.max_model_len), i32),
-            num_prompt=vec(i32),
-            token_mask=_spec((num_seqs, self.num_mask_words), i32),
-            masked=vec(jnp.bool_),
-            top_logprobs=vec(i32),
-        )
-
     def warmup(self) -> None:
         """Compile every bucket ahead of time (hits the persistent cache on restart)."""
         started = time.perf_counter()
@@ -354,7 +337,9 @@ class ModelRunner:
                 rows = jax.ShapeDtypeStruct((s,), i32)
                 self._score[s] = scorer.lower(state_spec, hidden, rows, jax.ShapeDtypeStruct((), i32)).compile()
             if s not in self._sample:
-                self._sample[s] = sampler.lower(state_spec, hidden, self._abstract_tensors(s)).compile()
+                self._sample[s] = sampler.lower(
+                    state_spec, hidden, abstract_tensors(s, self.max_model_len, self.num_mask_words)
+                ).compile()
                 for with_logprobs in (False, True):
                     self._greedy[s, with_logprobs] = greedy.lower(
                         state_spec, hidden, num_rows=s, logprobs=with_logprobs
@@ -440,8 +425,8 @@ class ModelRunner:
             long_rope_from=step.long_rope_from,
         )
         t_bucket, sampling_rows, num_score_rows = step.t_bucket, step.sampling_rows, step.num_score_rows
-        greedy = bool(sampling_rows) and all(_is_plain_greedy(r) for r in sampling_rows)
-        with_logprobs = greedy and any(r.get("logprobs", True) for r in sampling_rows)
+        greedy = bool(sampling_rows) and all(is_plain_greedy(r) for r in sampling_rows)
+        with_logprobs = greedy and any(r.params.logprobs for r in sampling_rows)
         in_forward = greedy and not with_logprobs and not num_score_rows and self._greedy_in_forward(t_bucket)
         hidden, self.kv_cache, fwd_tokens = self._forward[t_bucket](
             self.state,
@@ -476,9 +461,11 @@ class ModelRunner:
         if greedy:
             tokens, logprobs = self._greedy[s_bucket, with_logprobs](self.state, hidden)
         else:
-            tensors = SamplingTensors(**self._sampling_arrays(sampling_rows, s_bucket))
-            tokens, logprobs, top_values, top_ids = self._sample[s_bucket](self.state, hidden, tensors)
-            if any(r.get("top_logprobs") for r in sampling_rows):
+            arrays = self._sampling_arrays(sampling_rows, s_bucket)
+            tokens, logprobs, top_values, top_ids = self._sample[s_bucket](
+                self.state, hidden, SamplingTensors(**arrays)
+            )
+            if np.any(arrays["top_logprobs"]):
                 top_values.copy_to_host_async()
                 top_ids.copy_to_host_async()
                 top = {"top_logprobs": top_values, "top_ids": top_ids}
@@ -494,8 +481,8 @@ class ModelRunner:
             **top,
         )
 
-    def _sampling_arrays(self, rows: list[dict], s_bucket: int) -> dict:
-        if any(r.get("mask") is not None for r in rows):
+    def _sampling_arrays(self, rows: list[SamplingRow], s_bucket: int) -> dict:
+        if any(r.mask is not None for r in rows):
             arrays = self._history_arrays(rows, s_bucket, self.num_mask_words)
         else:
             # No constrained row: one device array of -1 per bucket stands for
@@ -508,8 +495,8 @@ class ModelRunner:
             arrays["token_mask"] = self._no_mask[s_bucket]
         return arrays
 
-    def _history_arrays(self, rows: list[dict], s_bucket: int, num_mask_words: int) -> dict:
-        needs_history = any(r.get("history") is not None for r in rows)
+    def _history_arrays(self, rows: list[SamplingRow], s_bucket: int, num_mask_words: int) -> dict:
+        needs_history = any(r.history is not None for r in rows)
         if needs_history:
             return host_sampling_tensors(rows, s_bucket, self.max_model_len, num_mask_words)
         arrays: dict[str, Any] = host_sampling_tensors(rows, s_bucket, 0, num_mask_words)
@@ -521,15 +508,3 @@ class ModelRunner:
             )
         arrays["history"] = self._no_history[s_bucket]
         return arrays
-
-
-def _is_plain_greedy(row: dict) -> bool:
-    # A row carries a ``history`` exactly when a penalty is active; a
-    # constrained row (``mask``) or one reporting alternatives
-    # (``top_logprobs``) needs the sampling program.
-    return (
-        row["temperature"] == 0
-        and row.get("history") is None
-        and row.get("mask") is None
-        and not row.get("top_logprobs")
-    )

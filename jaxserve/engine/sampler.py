@@ -21,17 +21,80 @@ and before temperature, filtering and the draw. The mask is an array
 argument like every other knob, so one compiled program serves any mix,
 and it is applied under ``lax.cond``: a batch with no constrained row skips
 it, and a row whose flag is off keeps its logits bit for bit.
+
+On the host a row is a :class:`SamplingRow`: the request's
+:class:`~jaxserve.sampling_params.SamplingParams` as they are, and where the
+request stands. Each array of :class:`SamplingTensors` is declared once,
+with how it is read from a row, its padding value and whether the greedy
+programs may ignore it (:class:`Knob`); filling the arrays
+(:func:`host_sampling_tensors`), their shapes for compilation
+(:func:`abstract_tensors`) and the choice of the greedy programs
+(:func:`is_plain_greedy`) all follow from those declarations. A new knob is
+a field of ``SamplingParams``, a knob here with its use in :func:`sample`,
+and its line in ``tests/test_sampling_knobs.py``, which fails for a field
+the sampler does not read or a knob the greedy check would wrongly ignore.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.sampling_params import SamplingParams
+
 _NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """One sampling row of a step on the host: the request's parameters and
+    where the request stands (``jaxserve.engine.step_inputs.sampling_row``
+    builds it from a request)."""
+
+    params: SamplingParams
+    #: tokens the request has generated so far: its draw's ``fold_in`` index
+    output_index: int = 0
+    #: the token ids the penalties look at, prompt first, then output; None
+    #: when no penalty is active
+    history: Sequence[int] | None = None
+    #: how many leading ``history`` ids are prompt
+    num_prompt: int = 0
+    #: structured output: the allowed-token bits (``token_mask``'s layout)
+    mask: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    """How the host fills one per-row array of :class:`SamplingTensors`."""
+
+    dtype: type
+    #: a padding row's value, greedy and neutral: what the greedy programs assume
+    pad: Any
+    #: the value for a real row
+    read: Callable[[SamplingRow], Any]
+    #: a row the greedy programs may serve (temperature 0, every other knob at
+    #: its ``pad``) takes the argmax whatever this value is
+    greedy_ignores: bool = False
+
+
+def _knob(dtype: type, pad: Any, read: Callable[[SamplingRow], Any], *, greedy_ignores: bool = False) -> Any:
+    return dataclasses.field(metadata={"knob": Knob(dtype, pad, read, greedy_ignores)})
+
+
+def _ids() -> Any:
+    """An i32 ``[S, width]`` array per step, -1 for padding (filled by
+    :func:`host_sampling_tensors` itself)."""
+    return dataclasses.field(metadata={"ids": True})
+
+
+def _seed(row: SamplingRow) -> int:
+    seed = row.params.seed
+    return 0 if seed is None else sampler_seed(seed)  # the engine gives every request one
 
 
 @jax.tree_util.register_dataclass
@@ -39,26 +102,38 @@ _NEG_INF = -1e30
 class SamplingTensors:
     """Per-row sampling parameters for one step (``S`` rows, ``H`` history).
 
-    ``history`` holds, per row, the token ids the penalties look at, padded
-    with -1: prompt ids first, then output ids. ``num_prompt`` says how many
-    leading entries are prompt (repetition penalty covers both, frequency
-    and presence penalties only the output, as in OpenAI and vLLM).
+    Every field but ``history`` and ``token_mask`` is a :class:`Knob`, one
+    value per row. ``history`` holds, per row, the token ids the penalties
+    look at, padded with -1: prompt ids first, then output ids.
+    ``num_prompt`` says how many leading entries are prompt (repetition
+    penalty covers both, frequency and presence penalties only the output,
+    as in OpenAI and vLLM).
     """
 
-    temperature: jax.Array  # f32 [S]; 0 means greedy
-    top_k: jax.Array  # i32 [S]; <= 0 disables
-    top_p: jax.Array  # f32 [S]
-    min_p: jax.Array  # f32 [S]
-    seed: jax.Array  # u32 [S]
-    output_index: jax.Array  # i32 [S]: tokens generated so far
-    repetition_penalty: jax.Array  # f32 [S]
-    frequency_penalty: jax.Array  # f32 [S]
-    presence_penalty: jax.Array  # f32 [S]
-    history: jax.Array  # i32 [S, H]
-    num_prompt: jax.Array  # i32 [S]
-    token_mask: jax.Array  # i32 [S, W]: allowed-token bits of constrained rows (W = ceil(vocab / 32))
-    masked: jax.Array  # bool [S]: the row is constrained (its token_mask applies)
-    top_logprobs: jax.Array  # i32 [S]: how many most likely tokens to report (0-20)
+    temperature: jax.Array = _knob(np.float32, 0.0, lambda r: r.params.temperature)  # 0 means greedy
+    top_k: jax.Array = _knob(np.int32, 0, lambda r: r.params.top_k, greedy_ignores=True)  # <= 0 disables
+    top_p: jax.Array = _knob(np.float32, 1.0, lambda r: r.params.top_p, greedy_ignores=True)
+    min_p: jax.Array = _knob(np.float32, 0.0, lambda r: r.params.min_p, greedy_ignores=True)
+    seed: jax.Array = _knob(np.uint32, 0, _seed, greedy_ignores=True)
+    output_index: jax.Array = _knob(np.int32, 0, lambda r: r.output_index, greedy_ignores=True)
+    repetition_penalty: jax.Array = _knob(np.float32, 1.0, lambda r: r.params.repetition_penalty)
+    frequency_penalty: jax.Array = _knob(np.float32, 0.0, lambda r: r.params.frequency_penalty)
+    presence_penalty: jax.Array = _knob(np.float32, 0.0, lambda r: r.params.presence_penalty)
+    history: jax.Array = _ids()  # i32 [S, H]
+    num_prompt: jax.Array = _knob(np.int32, 0, lambda r: r.num_prompt, greedy_ignores=True)
+    #: i32 [S, W]: allowed-token bits of constrained rows (W = ceil(vocab / 32))
+    token_mask: jax.Array = _ids()
+    #: the row is constrained (its token_mask applies)
+    masked: jax.Array = _knob(np.bool_, False, lambda r: r.mask is not None)
+    #: how many most likely tokens to report (0-20)
+    top_logprobs: jax.Array = _knob(np.int32, 0, lambda r: r.params.top_logprobs if r.params.logprobs else 0)
+
+
+#: the per-row knobs, by field name, in field order
+KNOBS: tuple[tuple[str, Knob], ...] = tuple(
+    (f.name, f.metadata["knob"]) for f in dataclasses.fields(SamplingTensors) if "knob" in f.metadata
+)
+_GREEDY_READS = tuple(knob for _, knob in KNOBS if not knob.greedy_ignores)
 
 
 #: most alternatives a row may ask for (OpenAI's ``top_logprobs`` limit)
@@ -261,59 +336,48 @@ def sampler_seed(seed: int) -> int:
     return (z ^ (z >> 32)) & _U32
 
 
+def is_plain_greedy(row: SamplingRow) -> bool:
+    """Whether the greedy programs (an argmax over the raw logits: no
+    penalty, no mask, no draw, no alternatives) give ``row`` exactly what
+    :func:`sample` would: every knob they do not ignore is at its padding
+    value. A knob is read here unless it is declared ``greedy_ignores``."""
+    return all(knob.read(row) == knob.pad for knob in _GREEDY_READS)
+
+
 def host_sampling_tensors(
-    rows: list[dict],
+    rows: Sequence[SamplingRow],
     num_rows: int,
     history_len: int,
     num_mask_words: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Build the numpy arrays of a :class:`SamplingTensors` for ``num_rows``.
-
-    ``rows`` has one dict per real sequence with keys ``temperature``,
-    ``top_k``, ``top_p``, ``min_p``, ``seed``, ``output_index``,
-    ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` and,
-    when a penalty is active, ``history`` (list of ids) and ``num_prompt``;
-    optionally ``top_logprobs`` (int) and, for a constrained row, ``mask``
-    (int32 ``[num_mask_words]``). Padding rows are greedy with neutral
-    penalties and no mask.
-    """
-    out = {
-        "temperature": np.zeros(num_rows, np.float32),
-        "top_k": np.zeros(num_rows, np.int32),
-        "top_p": np.ones(num_rows, np.float32),
-        "min_p": np.zeros(num_rows, np.float32),
-        "seed": np.zeros(num_rows, np.uint32),
-        "output_index": np.zeros(num_rows, np.int32),
-        "repetition_penalty": np.ones(num_rows, np.float32),
-        "frequency_penalty": np.zeros(num_rows, np.float32),
-        "presence_penalty": np.zeros(num_rows, np.float32),
-        "history": np.full((num_rows, history_len), -1, np.int32),
-        "num_prompt": np.zeros(num_rows, np.int32),
-        "token_mask": np.full((num_rows, num_mask_words), -1, np.int32),
-        "masked": np.zeros(num_rows, np.bool_),
-        "top_logprobs": np.zeros(num_rows, np.int32),
-    }
+    """The numpy arrays of a :class:`SamplingTensors` for ``num_rows``
+    rows, the first ``len(rows)`` of them ``rows``. Padding rows are greedy
+    with neutral penalties and no mask (each knob's ``pad``). A row's
+    ``history`` keeps its last ``history_len`` ids (0: none is asked for,
+    and no row may carry one)."""
+    n = len(rows)
+    out: dict[str, np.ndarray] = {}
+    for name, knob in KNOBS:
+        array: np.ndarray = np.full(num_rows, knob.pad, knob.dtype)
+        array[:n] = [knob.read(row) for row in rows]
+        out[name] = array
+    history = np.full((num_rows, history_len), -1, np.int32)
+    token_mask = np.full((num_rows, num_mask_words), -1, np.int32)
     for i, row in enumerate(rows):
-        out["top_logprobs"][i] = row.get("top_logprobs", 0)
-        mask = row.get("mask")
-        if mask is not None:
-            out["token_mask"][i] = mask
-            out["masked"][i] = True
-        for name in (
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "seed",
-            "output_index",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
-            out[name][i] = row[name]
-        history = row.get("history")
-        if history is not None:
-            history = history[-history_len:]
-            out["history"][i, : len(history)] = history
-            out["num_prompt"][i] = row.get("num_prompt", 0)
+        if row.history is not None:
+            ids = row.history[-history_len:]
+            history[i, : len(ids)] = ids
+        if row.mask is not None:
+            token_mask[i] = row.mask
+    out["history"] = history
+    out["token_mask"] = token_mask
     return out
+
+
+def abstract_tensors(num_rows: int, history_len: int, num_mask_words: int) -> SamplingTensors:
+    """The shapes and dtypes of a step's :class:`SamplingTensors`, to
+    compile the sampling program for ``num_rows`` rows."""
+    spec: dict[str, Any] = {name: jax.ShapeDtypeStruct((num_rows,), knob.dtype) for name, knob in KNOBS}
+    spec["history"] = jax.ShapeDtypeStruct((num_rows, history_len), np.int32)
+    spec["token_mask"] = jax.ShapeDtypeStruct((num_rows, num_mask_words), np.int32)
+    return SamplingTensors(**spec)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxserve.engine.buckets import Buckets
+from jaxserve.engine.sampler import SamplingRow
 
 
 @dataclasses.dataclass
@@ -30,13 +31,13 @@ class SeqWork:
     position ``start_pos``; ``block_ids`` is the sequence's whole block table
     (it must already cover ``start_pos + len(token_ids)`` slots). When
     ``sampling`` is set the step samples the token after the last one, with
-    those per-request parameters (see ``host_sampling_tensors``).
+    that row's parameters (``sampler.SamplingRow``).
     """
 
     token_ids: Sequence[int]
     start_pos: int
     block_ids: Sequence[int]
-    sampling: dict | None = None
+    sampling: SamplingRow | None = None
     #: the first token is still on the device: row ``pending_row`` of the
     #: ``prev_tokens`` given to ``execute`` (the previous step's tokens)
     pending_row: int | None = None
@@ -73,7 +74,7 @@ class StepArrays:
     context_lens: np.ndarray
     feed: np.ndarray
     has_pending: bool  # some token reads the previous step's (``SeqWork.pending_row``)
-    sampling_rows: list[dict]
+    sampling_rows: list[SamplingRow]
     score_targets: list[int]
     num_score_rows: int
     logits_indices: np.ndarray

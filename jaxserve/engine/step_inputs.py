@@ -2,51 +2,56 @@
 request, with its sampling row.
 
 The scheduler's plan says which tokens to compute; the runner also needs
-each sampling request's parameters (temperature, seed folded for the
-sampler, penalties' history, a structured-output mask). Built on the host
-right before the launch (``Engine._launch``); the masks of a step's
-constrained rows are computed together (``StructuredBackend.fill_masks``).
+each sampling request's :class:`~jaxserve.engine.sampler.SamplingRow` (its
+``SamplingParams`` as they are, how many tokens it has generated, the
+penalties' history, a structured-output mask). Built on the host right
+before the launch (``Engine._launch``); the masks of a step's constrained
+rows are computed together (``StructuredBackend.fill_masks``).
 Tests: ``tests/test_engine_params.py``, ``tests/test_structured.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Mapping
 
 import jax
+import numpy as np
 
-from jaxserve.engine.plan import ScheduledRequest
+from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput
 from jaxserve.engine.request import PENDING_TOKEN, Request
-from jaxserve.engine.sampler import sampler_seed
+from jaxserve.engine.sampler import SamplingRow
 from jaxserve.engine.step_arrays import SeqWork
 from jaxserve.engine.structured import Constraint, StructuredBackend
 
 
-def sampling_row(req: Request, constraint: Constraint | None) -> dict:
-    """The sampler's parameters for ``req``'s next token."""
+def sampling_row(req: Request, mask: np.ndarray | None = None) -> SamplingRow:
+    """The sampler's row for ``req``'s next token (``mask``: its
+    structured-output mask, from :func:`structured_masks`). The penalties'
+    history is handed over only when a penalty is active."""
     p = req.sampling_params
-    row: dict[str, Any] = {
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "min_p": p.min_p,
-        "seed": sampler_seed(cast(int, p.seed)),  # add_request gave it one
-        "output_index": req.num_output_tokens,
-        "repetition_penalty": p.repetition_penalty,
-        "frequency_penalty": p.frequency_penalty,
-        "presence_penalty": p.presence_penalty,
-        "logprobs": p.logprobs,
-        "top_logprobs": p.top_logprobs if p.logprobs else 0,
-    }
-    if constraint is not None:
-        row["constraint"] = (constraint, req.output_token_ids)  # its mask: fill_masks, the step's rows at once
     if p.has_penalties:
-        row["history"] = req.all_token_ids
-        row["num_prompt"] = req.num_prompt_tokens
-    return row
+        return SamplingRow(p, req.num_output_tokens, req.all_token_ids, req.num_prompt_tokens, mask)
+    return SamplingRow(p, req.num_output_tokens, mask=mask)
 
 
-def seq_work(s: ScheduledRequest, sampling: dict | None, prev: tuple[jax.Array, dict[str, int]] | None) -> SeqWork:
+def structured_masks(
+    backend: StructuredBackend,
+    plan: SchedulerOutput,
+    requests: Mapping[str, Request],
+    constraints: Mapping[str, Constraint],
+) -> dict[str, np.ndarray]:
+    """The token masks of the plan's constrained sampling rows, by request,
+    computed together (``StructuredBackend.fill_masks``)."""
+    rows = [s.request_id for s in plan.scheduled if s.sample and s.request_id in constraints]
+    if not rows:
+        return {}
+    masks = backend.fill_masks([(constraints[rid], requests[rid].output_token_ids) for rid in rows])
+    return dict(zip(rows, masks))
+
+
+def seq_work(
+    s: ScheduledRequest, sampling: SamplingRow | None, prev: tuple[jax.Array, dict[str, int]] | None
+) -> SeqWork:
     """One scheduled request's work. ``prev``: the in-flight step's device
     tokens and each sampling request's row in them; a request planned with
     a pending token (overlapped steps) reads its token from that row."""
@@ -63,14 +68,3 @@ def seq_work(s: ScheduledRequest, sampling: dict | None, prev: tuple[jax.Array, 
         pending_row=pending_row,
         score_targets=s.score_targets,
     )
-
-
-def fill_masks(backend: StructuredBackend, work: list[SeqWork]) -> None:
-    """Structured output: the token masks of a step's constrained rows,
-    computed together (``StructuredBackend.fill_masks``)."""
-    rows = [w.sampling for w in work if w.sampling is not None and "constraint" in w.sampling]
-    if not rows:
-        return
-    masks = backend.fill_masks([row.pop("constraint") for row in rows])
-    for row, mask in zip(rows, masks):
-        row["mask"] = mask

@@ -17,6 +17,22 @@ and attention (``jaxserve.kernels.backends.write_and_attend``):
 - ``w_gate_up`` ``[2 I, E]``: column-parallel, reordered group-major (gate
   then up rows per device) like ``wqkv``; ``w_down`` ``[E, I]``
   row-parallel.
+- Mixture-of-experts stacks (``jaxserve.models.moe``): each expert split
+  the way the dense MLP is, every device holding every expert's ``1/N`` of
+  its intermediate width: ``experts_gate_up`` ``[X, 2I, E]`` on its rows
+  (axis 1, group-major: each device its gate rows then the matching up
+  rows), ``experts_b_gate_up`` likewise, ``experts_down`` ``[X, E, I]`` on
+  its input axis. The router, ``b_router`` and ``experts_b_down`` are
+  replicated. So every device routes every token the same way and computes
+  every (token, expert) pair on its slice, a ``shard_map`` whose one
+  ``psum`` adds the slices. Chosen over experts on devices (expert
+  parallelism) because the work then does not depend on routing: with a
+  whole expert per device, a decode step's ``k`` experts land unevenly (one
+  device 5 of 8, another 3) and the step waits for the busiest; a slice of
+  every expert gives each device ``1/N`` of every step, and the weight bytes
+  each reads are the same ``1/N`` either way. The price is ``I / N`` rows per
+  expert per device (768 / 4 = 192 for Qwen3-30B-A3B: still whole blocks of
+  32 for quantized weights).
 - Embedding, ``lm_head``, the norms and the row-parallel biases:
   replicated. ``lm_head`` stays whole on purpose: the sampler (sort-based
   top-k/top-p, penalties, log-probabilities) works on whole vocabulary rows
@@ -62,6 +78,10 @@ def check_tensor_parallel(config: ModelConfig, size: int, num_devices: int | Non
         )
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={config.intermediate_size}")
+    if config.moe is not None and config.moe.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the experts' intermediate_size={config.moe.intermediate_size}"
+        )
     if num_devices is None:
         num_devices = jax.device_count()
     if size > num_devices:
@@ -91,20 +111,27 @@ def _group_major(parts: list[int], groups: int) -> np.ndarray:
 
 
 #: per-layer parameter -> (PartitionSpec, fused parts to reorder group-major,
-#: or None); a weight not listed (norms, q/k norms) is replicated
-def _layer_plan(config: ModelConfig) -> dict[str, tuple[P, list[int] | None]]:
+#: or None, the axis they are on); a weight not listed (norms, q/k norms,
+#: the router) is replicated
+def _layer_plan(config: ModelConfig) -> dict[str, tuple[P, list[int] | None, int]]:
     c = config
     qkv = [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
     gate_up = [c.intermediate_size, c.intermediate_size]
-    return {
-        "wqkv": (P(TP_AXIS, None), qkv),
-        "bqkv": (P(TP_AXIS), qkv),
-        "wo": (P(None, TP_AXIS), None),
-        "sinks": (P(TP_AXIS), None),  # per query head: each device its own heads'
-        "w_gate_up": (P(TP_AXIS, None), gate_up),
-        "b_gate_up": (P(TP_AXIS), gate_up),
-        "w_down": (P(None, TP_AXIS), None),
+    plan = {
+        "wqkv": (P(TP_AXIS, None), qkv, 0),
+        "bqkv": (P(TP_AXIS), qkv, 0),
+        "wo": (P(None, TP_AXIS), None, 0),
+        "sinks": (P(TP_AXIS), None, 0),  # per query head: each device its own heads'
+        "w_gate_up": (P(TP_AXIS, None), gate_up, 0),
+        "b_gate_up": (P(TP_AXIS), gate_up, 0),
+        "w_down": (P(None, TP_AXIS), None, 0),
     }
+    if c.moe is not None:  # each expert split as the dense MLP is (see the module docstring)
+        experts = [c.moe.intermediate_size, c.moe.intermediate_size]
+        plan["experts_gate_up"] = (P(None, TP_AXIS, None), experts, 1)
+        plan["experts_b_gate_up"] = (P(None, TP_AXIS), experts, 1)
+        plan["experts_down"] = (P(None, None, TP_AXIS), None, 0)
+    return plan
 
 
 def shard_model(model, mesh: Mesh) -> None:
@@ -120,10 +147,10 @@ def shard_model(model, mesh: Mesh) -> None:
             param = getattr(layer, name)
             if param is None:
                 continue
-            spec, parts = plan.get(name, (P(), None))
+            spec, parts, axis = plan.get(name, (P(), None, 0))
             value = param[...]
             if parts is not None:
-                value = value[_group_major(parts, size)]
+                value = jax.numpy.take(value, _group_major(parts, size), axis=axis)
             param.set_value(jax.device_put(value, NamedSharding(mesh, spec)))
     for param in (model.embed, model.norm, model.lm_head):
         if param is not None:
