@@ -6,27 +6,22 @@ parent's prompt is computed it is *parked*: it keeps its KV blocks, its
 forks become known to the scheduler, and each step starts as many of them
 as sequence slots and blocks allow. A fork shares the parent's full blocks
 and gets its own copy of the partial last block (a ``block_copies`` entry of
-the next plan). Kept apart from the planning rules because nothing else in
-the scheduler forks; tests: ``tests/test_scheduler_forks.py``.
+the next plan). This table keeps the books (which parents are parked,
+which fork starts next, the block copies the next plan makes); the
+scheduler moves the requests themselves, between its running list and its
+block tables, as it moves every other request (``Scheduler._park``,
+``Scheduler._start_forks``). Kept apart from the planning rules because
+nothing else in the scheduler forks; tests: ``tests/test_scheduler_forks.py``.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
-
 from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.types import RequestClass
-from jaxserve.request_error import RequestError
-
-if TYPE_CHECKING:
-    from jaxserve.engine.scheduler import Scheduler
 
 
 class ForkTable:
     """The scheduler's parked parents (oldest first) and the block copies
-    queued for the next plan. Its methods act on the scheduler that owns it
-    (they move requests between its queues)."""
+    queued for the next plan."""
 
     def __init__(self) -> None:
         self.parked: list[Request] = []  # prefill-only requests with forks still to start
@@ -37,56 +32,32 @@ class ForkTable:
         copies, self.copies = self.copies, []
         return copies
 
-    def start(self, sched: Scheduler) -> None:
-        """Start the forks of parked requests while sequence slots and blocks
-        allow, oldest parent first. A fork begins running at its parent's
-        computed tokens: it references the parent's full blocks and gets its
-        own copy of the partial last block (queued in ``copies``, made by the
-        runner before the step's forward). A parent whose forks have all
-        started is finished, releasing its references."""
-        cfg = sched.config
-        while self.parked:
-            parent = self.parked[0]
-            computed = parent.num_computed_tokens
-            full, partial = divmod(computed, sched.block_size)
-            shared = parent.block_ids[:full]
-            while parent.fork_children:
-                child = parent.fork_children[0]
-                limit = cfg.max_num_seqs - (
-                    cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0
-                )
-                if len(sched.running) >= limit:
-                    return
-                new: list[int] = []
-                if partial:
-                    if sched.free_blocks_for(child) < 1:
-                        return
-                    new = sched.allocator.allocate(1) or []
-                    if not new:
-                        return
-                    self.copies.append((parent.block_ids[full], new[0]))
-                parent.fork_children.pop(0)
-                sched.allocator.touch(shared)
-                child.block_ids = shared + new
-                child.num_computed_tokens = computed
-                child.num_registered_blocks = min(full, parent.num_registered_blocks)
-                child.status = RequestStatus.RUNNING
-                child.first_scheduled_time = time.monotonic()
-                sched.running.append(child)
-            sched.finish_request(parent.request_id, RequestStatus.FINISHED_STOPPED)  # leaves parked
-
-    def park(self, sched: Scheduler, req: Request) -> None:
-        """A prefill-only request computed its prompt: register its forks
-        with the scheduler and keep its blocks until they have all started."""
-        sched.running.remove(req)
-        req.status = RequestStatus.PARKED
+    def park(self, req: Request) -> list[Request]:
+        """A prefill-only request computed its prompt: it waits here, keeping
+        its blocks, until its forks have all started; returns the forks, for
+        the scheduler to make known. Each must continue its tokens."""
         for child in req.fork_children:
-            if child.request_id in sched.requests:
-                raise RequestError("invalid_request", f"duplicate request id {child.request_id!r}")
             if child.all_token_ids[: req.num_tokens] != req.all_token_ids:
                 raise ValueError(f"fork {child.request_id!r} does not continue {req.request_id!r}'s tokens")
-            sched.register(child)
         self.parked.append(req)
+        return list(req.fork_children)
+
+    def next_fork(self) -> tuple[Request, Request | None] | None:
+        """The oldest parked parent and its next fork to start (None when
+        all of them have started: the parent can end), or None when nothing
+        is parked."""
+        if not self.parked:
+            return None
+        parent = self.parked[0]
+        return parent, parent.fork_children[0] if parent.fork_children else None
+
+    def started(self, parent: Request, child: Request, copy: tuple[int, int] | None) -> None:
+        """``child``, ``parent``'s next fork, is running; ``copy``: its own
+        copy of the parent's partial last block ``(source, destination)``,
+        for the next plan to make before its forward."""
+        parent.fork_children.remove(child)
+        if copy is not None:
+            self.copies.append(copy)
 
     def unpark(self, req: Request, status: RequestStatus) -> list[str]:
         """A parked parent ends: the forks that never started end with it

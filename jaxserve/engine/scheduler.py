@@ -48,13 +48,14 @@ sends a request of the failed step back to waiting with only its delivered
 tokens, and :meth:`Scheduler.schedule_isolated` plans a step for one request
 alone.
 
-Why this module is longer than the others (about 650 lines): every method
-left here moves requests between the same waiting lines, running list and
-block tables, and they keep one invariant together (a request is in exactly
-one place, and its blocks are freed exactly once). What does not touch that
-state lives apart: the plan's types (:mod:`jaxserve.engine.plan`), the
-waiting line (:mod:`jaxserve.engine.waiting_queue`), the latency rules
-(:mod:`jaxserve.engine.latency_policy`) and label scoring's forks
+Why this module is longer than the others: every method left here moves
+requests between the same waiting lines, running list and block tables
+(label scoring's forks included: parking a parent, starting its forks), and
+they keep one invariant together (a request is in exactly one place, and
+its blocks are freed exactly once). What does not touch that state lives
+apart: the plan's types (:mod:`jaxserve.engine.plan`), the waiting line
+(:mod:`jaxserve.engine.waiting_queue`), the latency rules
+(:mod:`jaxserve.engine.latency_policy`) and the forks' books
 (:mod:`jaxserve.engine.forks`).
 """
 
@@ -195,7 +196,7 @@ class Scheduler:
         planned: dict[str, tuple[Request, int, bool]] = {}
         preempted: list[Request] = []
 
-        self.forks.start(self)
+        self._start_forks()
         self.running.sort(key=self._key)
         self._rows_left = cfg.max_num_seqs  # logits rows: samples and score rows
         interactive = [r for r in self.running if r.request_class == RequestClass.INTERACTIVE]
@@ -402,6 +403,56 @@ class Scheduler:
         self.running.append(req)
         planned[req.request_id] = (req, admission.num_tokens, True)
 
+    # ------------------------------------------------------------ forks
+
+    def _park(self, req: Request) -> None:
+        """A prefill-only request computed its prompt: it leaves the running
+        list, keeping its blocks, and its forks become known
+        (:mod:`jaxserve.engine.forks`)."""
+        self.running.remove(req)
+        req.status = RequestStatus.PARKED
+        for child in self.forks.park(req):
+            if child.request_id in self.requests:
+                raise RequestError("invalid_request", f"duplicate request id {child.request_id!r}")
+            self.register(child)
+
+    def _start_forks(self) -> None:
+        """Start the forks of parked requests while sequence slots and blocks
+        allow, oldest parent first. A fork begins running at its parent's
+        computed tokens: it references the parent's full blocks and gets its
+        own copy of the partial last block (made by the runner before the
+        next plan's forward). A parent whose forks have all started is
+        finished, releasing its references."""
+        cfg = self.config
+        while (fork := self.forks.next_fork()) is not None:
+            parent, child = fork
+            if child is None:
+                self.finish_request(parent.request_id, RequestStatus.FINISHED_STOPPED)  # leaves parked
+                continue
+            limit = cfg.max_num_seqs - (
+                cfg.interactive_reserved_seqs if child.request_class == RequestClass.BATCH else 0
+            )
+            if len(self.running) >= limit:
+                return
+            computed = parent.num_computed_tokens
+            full, partial = divmod(computed, self.block_size)
+            own: list[int] = []
+            if partial:
+                if self.free_blocks_for(child) < 1:
+                    return
+                own = self.allocator.allocate(1) or []
+                if not own:
+                    return
+            self.forks.started(parent, child, (parent.block_ids[full], own[0]) if own else None)
+            shared = parent.block_ids[:full]
+            self.allocator.touch(shared)
+            child.block_ids = shared + own
+            child.num_computed_tokens = computed
+            child.num_registered_blocks = min(full, parent.num_registered_blocks)
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = time.monotonic()
+            self.running.append(child)
+
     # ------------------------------------------------------------ isolation
 
     def schedule_isolated(self, request_id: str) -> SchedulerOutput:
@@ -561,7 +612,7 @@ class Scheduler:
             if not req.samples:
                 if req.num_computed_tokens == req.num_tokens:
                     if req.prefill_only:
-                        self.forks.park(self, req)  # its forks take over
+                        self._park(req)  # its forks take over
                     else:  # a scoring request has all its score rows
                         self._finish(req, RequestStatus.FINISHED_STOPPED)
                         finished.append(req.request_id)
