@@ -5,7 +5,7 @@ device memory less the weights, as before; with neither the cache is sized
 to need: ``max_num_seqs`` sequences of ``min(max_model_len, 1024)`` tokens,
 at least one of ``max_model_len``, within a quarter of device memory. The
 numbers below are SmolLM2-135M's (30 layers, 3 kv heads of 64), the model
-a default ``jaxserve worker`` reserved 5.9 GiB for before."""
+a default ``jaxserve worker`` reserved 6.0 GB for before."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ GIB = 2**30
 
 @pytest.fixture
 def memory(monkeypatch):
-    """Device memory as the test says (23 GiB: the machine the 5.9 GiB was seen on)."""
+    """Device memory as the test says (23 GiB: the machine the 6.0 GB were seen on)."""
     size = {"bytes": 23 * GIB}
     monkeypatch.setattr(args_module, "device_memory_bytes", lambda: size["bytes"])
     return size
@@ -34,8 +34,8 @@ def _size(args: EngineArgs, *, max_model_len: int, dtype="float32", weight_bytes
 def test_the_serving_default_for_smollm2_holds_32_sequences_of_1024_tokens(memory):
     """``jaxserve worker --model smollm2-135m`` (32 sequences, max_model_len
     4096 from the model's 8192): 32 x 1024 tokens and the null block, 1.4
-    GiB of float32 (it was 32 x 4096 tokens capped at a quarter of memory,
-    5.75 GiB here), 0.37 GiB of int8."""
+    GiB of float32 (it was 32 x 4096 tokens and the null block, 6.0 GB),
+    0.37 GiB of int8."""
     args = EngineArgs.for_profile("serve")
     f32 = _size(args, max_model_len=4096)
     per_block = bytes_per_block(**SMOLLM2, block_size=64, dtype="float32")

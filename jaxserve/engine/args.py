@@ -285,9 +285,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 #: room for one of ``max_model_len``), and when many long ones run together
 #: the scheduler preempts, as it does whenever blocks run out. Before it, a
 #: ``jaxserve worker`` serving SmolLM2-135M (context 8192, taken as 4096)
-#: with 32 sequences reserved 32 x 4096 tokens x 45 KiB = 5.9 GiB of float32
-#: cache (a quarter of this 23 GiB machine, the cap); with it 1.5 GiB, or
-#: 0.4 GiB as int8.
+#: with 32 sequences reserved 32 x 4096 tokens x 45 KiB = 6.0 GB of float32
+#: cache (within a quarter of this 25 GB machine); with it 1.5 GB, or
+#: 0.4 GB as int8.
 DEFAULT_KV_TOKENS_PER_SEQ = 1024
 
 

@@ -52,8 +52,18 @@ above (accelerators fuse that transpose into the gather); it is what
 accelerator steps the Pallas kernels do not take run on
 (``pallas_attention.py``). Per layer only, without block-major decode.
 
-One module of about 500 lines: the gathering walk, the tiled rows and
-block-major decode are three paths of one :func:`paged_attention` call,
+An int8 cache (``kv_cache.QuantizedPages``: int8 values, a float32 scale
+per token and kv head) is read by every path above: the gathered int8
+blocks are widened to the queries' dtype (exact), each score is multiplied
+by its key's scale and each softmax weight by its value's scale before the
+values' matmul (the normaliser keeps the unscaled weights), so no element
+is dequantized on its own; ``write_kv`` quantizes each new token's vector by
+itself (``tests/test_kv_int8.py``). Block-major decode converts the whole
+int8 cache to the queries' dtype for its matmuls: a copy on the CPU (where
+the C++ kernel serves by default), fused into the matmul by accelerators.
+
+One module: the gathering walk, the tiled rows and block-major decode
+are three paths of one :func:`paged_attention` call,
 sharing its metadata and shape conventions, and the dense reference beside
 them is what ``tests/test_paged_attention.py`` holds every path to.
 """
