@@ -10,7 +10,7 @@ wrapped around its methods on the instance):
    ``schedule`` (scheduler), ``execute_host`` (building the step's numpy
    arrays), ``dispatch`` (calling the compiled forward and sampler),
    ``wait`` (``StepResult.fetch``: the device finishing), ``update``
-   (``Scheduler.update_from_output``), ``detokenize`` (``Engine._process``,
+   (``Scheduler.update_from_output``), ``detokenize`` (``Engine.process``,
    where it exists) and ``other_host`` (the rest of the step). Steps are
    split into prefill-carrying steps and pure decode steps by the plan they
    dispatch (the engine pipelines: a step waits for the previous one).
@@ -117,7 +117,7 @@ def profile_steps(llm, prompts, output_len) -> dict:
     engine.step = step
     # Finer host phases where the engine has them (names may change; skipped if absent).
     patched = []
-    for obj, name, key in ((engine.scheduler, "update_from_output", "update"), (engine, "_process", "detokenize")):
+    for obj, name, key in ((engine.scheduler, "update_from_output", "update"), (engine, "process", "detokenize")):
         if hasattr(obj, name):
             patched.append((obj, name, getattr(obj, name)))
             setattr(obj, name, timed(getattr(obj, name), key))

@@ -389,9 +389,13 @@ def test_interactive_outputs_are_handed_over_before_the_next_plan(checkpoint):
         first_handed: dict[str, int] = {}
         if hooked:
             engine.before_plan = lambda: events.append(("plan",))
+            for part in ("collect", "launch"):  # the step parts the modes call, recorded in order
+                original = getattr(engine, part)
+                setattr(engine, part, lambda *a, _f=original, _p=part, **k: (events.append((_p,)), _f(*a, **k))[1])
 
             def urgent(outs):
-                assert engine._in_flight is None  # the next step is not launched yet
+                since_collect = events[len(events) - 1 - events[::-1].index(("collect",)) :]
+                assert ("launch",) not in since_collect  # the next step is not launched yet
                 events.append(("urgent", sorted(o.request_id for o in outs)))
                 for o in outs:
                     first_handed.setdefault(o.request_id, step)

@@ -98,7 +98,7 @@ def _run(engine: Engine, prompts: dict[str, list[int]], params_for, on_step=None
     finally:
         engine.on_urgent_outputs = None
     assert engine.allocator.num_used_blocks == 0
-    assert not engine._suspects
+    assert not engine.containment.suspects
     return finals, streamed
 
 
@@ -148,16 +148,16 @@ def _check_contained(finals, streamed, alone, *, error_fragment: str, bad_tokens
 def test_greedy_step_failure_fails_only_the_culprit(engines, monkeypatch, async_scheduling, stage):
     engine = engines[async_scheduling]
     alone = _alone(engine, _greedy)
-    failed0, isolated0 = engine.num_failed_steps, engine.num_isolated_steps
+    failed0, isolated0 = engine.containment.num_failed_steps, engine.containment.num_isolated_steps
     faults = _inject(monkeypatch, engine, stage, after_tokens=2)
     finals, streamed = _run(engine, _prompts(), _greedy)
     _check_contained(finals, streamed, alone, error_fragment="RuntimeError('injected fault')", bad_tokens=2)
     # One batched failure (with async scheduling on, in the overlapped path:
     # "bad"'s token still on the device), then "bad" failed alone.
     assert faults == [async_scheduling, False]
-    assert engine.num_failed_steps == failed0 + 1
+    assert engine.containment.num_failed_steps == failed0 + 1
     # the six others passed one sampling step alone each, "bad" failed in its first
-    assert engine.num_isolated_steps == isolated0 + NUM_GOOD + 1
+    assert engine.containment.num_isolated_steps == isolated0 + NUM_GOOD + 1
 
 
 @pytest.mark.parametrize("after_tokens", [0, 2])
@@ -182,7 +182,7 @@ def test_seeded_sampling_survives_a_bad_row_in_the_sampler_arrays(engines, async
     is corrupted after admission (validation refuses it at the door)."""
     engine = engines[async_scheduling]
     alone = _alone(engine, _seeded)
-    isolated0 = engine.num_isolated_steps
+    isolated0 = engine.containment.num_isolated_steps
 
     def corrupt(step):
         if step == 3:
@@ -193,7 +193,7 @@ def test_seeded_sampling_survives_a_bad_row_in_the_sampler_arrays(engines, async
     finals, streamed = _run(engine, _prompts(), _seeded, on_step=corrupt)
     _check_contained(finals, streamed, alone, error_fragment="OverflowError", bad_tokens=2)
     # every request of the failed step ran alone at least once
-    assert engine.num_isolated_steps - isolated0 >= NUM_GOOD + 1
+    assert engine.containment.num_isolated_steps - isolated0 >= NUM_GOOD + 1
 
 
 def test_planning_failure_isolates_everyone_and_fails_the_culprit(engines, monkeypatch):
@@ -224,12 +224,12 @@ def test_detokenizer_failure_is_the_requests_own(engines, monkeypatch):
     once: no recomputation, no isolation."""
     engine = engines[True]
     alone = _alone(engine, _greedy)
-    failed0, isolated0 = engine.num_failed_steps, engine.num_isolated_steps
+    failed0, isolated0 = engine.containment.num_failed_steps, engine.containment.num_isolated_steps
     faults = _inject(monkeypatch, engine, "process", after_tokens=2)
     finals, streamed = _run(engine, _prompts(), _greedy)
     _check_contained(finals, streamed, alone, error_fragment="injected fault", bad_tokens=2)
     assert len(faults) == 1
-    assert (engine.num_failed_steps, engine.num_isolated_steps) == (failed0, isolated0)
+    assert (engine.containment.num_failed_steps, engine.containment.num_isolated_steps) == (failed0, isolated0)
 
 
 def test_lost_kv_cache_raises_engine_broken(checkpoint, monkeypatch):
@@ -266,7 +266,7 @@ def test_a_suspect_aborted_during_the_isolation_is_dropped(engines, monkeypatch)
     aborted = []
 
     def abort_g3(_step):
-        if "g3" in engine._suspects and not aborted:
+        if "g3" in engine.containment.suspects and not aborted:
             aborted.append(engine.abort("g3"))
 
     finals, streamed = _run(engine, _prompts(), _greedy, on_step=abort_g3)

@@ -8,14 +8,16 @@ text deltas and stop decisions.
 The engine is single-threaded by design. The queue worker runs it on its own
 thread and talks to it through commands, so nothing here needs locks.
 
-The step itself is one of four run modes (:mod:`jaxserve.engine.step_modes`);
-a failed step is contained so that only its culprit fails
-(:mod:`jaxserve.engine.containment`); label scoring keeps its books in
-:mod:`jaxserve.engine.score_processor`. What is left here (about 540
-lines) is the :class:`Engine` itself: its per-request state (requests,
-output states, constraints, the step in flight) and the methods that read
-and write that state on every step, which would only be spread across
-modules sharing private attributes if split further.
+The step itself is one of four run modes (:mod:`jaxserve.engine.step_modes`),
+each composed of the step parts the engine offers them (``schedule``,
+``launch``, ``collect``, ``process``: the ``StepParts`` protocol); a failed
+step is contained so that only its culprit fails
+(:mod:`jaxserve.engine.containment`, whose books the engine holds in
+``containment``); label scoring keeps its books in
+:mod:`jaxserve.engine.score_processor`. What is left here is the
+:class:`Engine` itself: its per-request state (requests, output states,
+constraints, the step in flight) and the step parts, which read and write
+that state on every step.
 """
 
 from __future__ import annotations
@@ -36,17 +38,19 @@ import structlog
 
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.block_allocator import BlockAllocator
+from jaxserve.engine.containment import Containment
 from jaxserve.engine.cpu_threads import configure as configure_cpu_threads
+from jaxserve.engine.in_flight import Collected, InFlight, Pending, by_request
 from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.placement import enable_compilation_cache, place_model
-from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.runner import ModelRunner, StepResult
+from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.score_processor import ScoreProcessor
 from jaxserve.engine.step_inputs import sampling_row, seq_work, structured_masks
-from jaxserve.engine.step_modes import Collected, by_request, choose
+from jaxserve.engine.step_modes import choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
-from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
+from jaxserve.engine.types import RequestClass, RequestOutput
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams
 
@@ -141,18 +145,12 @@ class Engine:
         self.num_computed_tokens = 0  # tokens computed by every step (prefix-cache hits excluded)
         # Every request not yet reported finished, by id (the scheduler forgets
         # a request when it finishes it; recovery from a failed step may have
-        # to bring it back, see containment.recover).
+        # to bring it back, see Containment.recover).
         self._requests: dict[str, Request] = {}
-        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # dispatched but not collected
-        # Failure containment (see step): requests of a failed step, in service
-        # order, each to be run alone until it passes a sampling step.
-        self._suspects: dict[str, None] = {}
-        self._touched: list[SchedulerOutput] = []  # plans the batched step in progress has used
-        self._planning = False  # the scheduler is planning (a failure there touches everyone)
-        self._broken: EngineBroken | None = None
+        self._in_flight: InFlight | None = None  # launched, not collected; the step modes take and return it
+        #: failure containment's books: suspects, touched plans, lost state (see step)
+        self.containment = Containment()
         self._carried: list[RequestOutput] = []  # outputs of a step() that raised
-        self.num_failed_steps = 0  # batched steps that failed and were contained
-        self.num_isolated_steps = 0  # steps run for one suspect alone
         self._metrics: dict[str, dict[str, float]] = {}
         # label scoring (add_score_request): its jobs and their members
         self.scores = ScoreProcessor(self.scheduler, self._states, self._metrics, self._forget)
@@ -316,7 +314,7 @@ class Engine:
         is past the original context rotates every position with the long
         factors, the others with the short ones (``families/phi3.py``): its
         salt says so, keeping the two kinds of keys apart in the cache, and
-        ``_launch`` reads it to tell the model."""
+        ``launch`` reads it to tell the model."""
         original = self.runner.long_rope_original
         if original is not None and num_prompt_tokens > original:
             return self._long_rope_salt
@@ -345,7 +343,7 @@ class Engine:
         self._states.pop(request_id, None)
         self._metrics.pop(request_id, None)
         self._requests.pop(request_id, None)
-        self._suspects.pop(request_id, None)
+        self.containment.clear(request_id)
         self._constraints.pop(request_id, None)
         self._top.pop(request_id, None)
 
@@ -372,14 +370,14 @@ class Engine:
         later call; it also re-raises a failure that touched no request.
         Outputs gathered by a call that raised are returned by the next one.
         """
-        if self._broken is not None:
-            raise EngineBroken(str(self._broken)) from self._broken
+        self.containment.check()
         outputs, self._carried = self._carried, []
         try:
             outputs.extend(self._expire_waiting())
-            for request_id in [rid for rid in self._suspects if not self._schedulable(rid)]:
-                del self._suspects[request_id]  # ended meanwhile (aborted, expired), or parked
-            outputs.extend(choose(self).run(self))
+            self.containment.keep_suspects(self._schedulable)
+            in_flight, self._in_flight = self._in_flight, None
+            stepped, self._in_flight = choose(self, in_flight).run(self, in_flight)
+            outputs.extend(stepped)
             outputs = self.scores.route(outputs)
         except BaseException:
             self._carried = outputs
@@ -398,97 +396,86 @@ class Engine:
         replace it to raise for a chosen request, as a failing array build,
         device program, fetch or detokenizer would."""
 
-    def _dispatch(self, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
-        """Plan and launch the next step. ``prev``: the in-flight step's device
-        tokens and each sampling request's row in them, for tokens still
-        pending (see ``step_modes.OverlappedStep``)."""
+    # ------------------------------------------------- the step's parts
+    # What the step modes compose (step_modes.StepParts), in a step's order:
+    # schedule, launch, collect, process.
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next batched step, after ``before_plan`` admitted what
+        other threads queued. The plan counts as touched by the batched step
+        in progress (``Containment.plan``)."""
         if self.before_plan is not None:
             self.before_plan()
-        self._planning = True
-        plan = self.scheduler.schedule()
-        self._planning = False
-        self._touched.append(plan)
-        if not plan.is_empty:
-            self._launch(plan, prev)
+        return self.containment.plan(self.scheduler.schedule)
 
-    def _launch(self, plan: SchedulerOutput, prev: tuple[jax.Array, dict[str, int]] | None = None) -> None:
-        """Build a plan's work and launch it on the device (``_in_flight``)."""
+    def launch(self, plan: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """Build a plan's work and launch it on the device. ``prev``: the step
+        in flight whose tokens are still pending on the device (an overlapped
+        step reads them there, ``step_modes.OverlappedStep``)."""
         now = time.monotonic()
         masks = structured_masks(self.structured, plan, self.scheduler.requests, self._constraints)
+        feed = None if prev is None else prev.feed()
         work = []
         for s in plan.scheduled:
             req = cast(Request, self.scheduler.get_request(s.request_id))  # scheduled: it is there
             self._metrics[s.request_id].setdefault("first_scheduled", now)
-            w = seq_work(s, sampling_row(req, masks.get(s.request_id)) if s.sample else None, prev)
+            w = seq_work(s, sampling_row(req, masks.get(s.request_id)) if s.sample else None, feed)
             if self.runner.long_rope_original is not None:  # longrope: one factor set per request (families/phi3.py)
                 w.long_rope_from = 0 if req.cache_salt == self._long_rope_salt else self.max_model_len
             work.append(w)
         self._fault_point("execute", [s.request_id for s in plan.scheduled])
         result = self.runner.execute(
-            work, prev_tokens=None if prev is None else prev[0], block_copies=plan.block_copies
+            work, prev_tokens=None if feed is None else feed[0], block_copies=plan.block_copies
         )
-        self._in_flight = (plan, result)
         self.num_steps += 1
         self.num_computed_tokens += plan.total_num_scheduled_tokens
+        return InFlight(plan, result)
 
-    def _fail_request(self, request_id: str, exc: Exception) -> RequestOutput | None:
-        """End a request whose own work raised, with an ``internal`` error."""
-        log.error("engine.request_failed", request_id=request_id, error=repr(exc), exc_info=exc)
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)  # no-op if it already ended
-        state = self._states.get(request_id)
-        if state is None:
-            self._forget(request_id)
-            return None
-        return self._ended_with(
-            request_id, state, RequestError("internal", f"engine step failed for this request: {exc!r}", retryable=True)
-        )
+    def hold_pending(self, in_flight: InFlight) -> Pending:
+        """Overlapped steps: the scheduler takes the in-flight step's tokens as
+        placeholders, so that the next step can be planned before they are
+        fetched (:meth:`collect` fills them in)."""
+        self.num_overlapped_steps += 1
+        sampling = in_flight.sampling_ids
+        requests = {rid: self.scheduler.get_request(rid) for rid in sampling}
+        finished_by_length = self.scheduler.update_from_output(in_flight.plan, dict.fromkeys(sampling, PENDING_TOKEN))
+        return Pending(requests, set(finished_by_length))
 
-    def _ended_with(self, request_id: str, state: OutputState, error: RequestError) -> RequestOutput:
-        """The final output of a request ended by ``error`` (the scheduler
-        already finished it); the engine forgets it."""
-        metrics = self._metrics.get(request_id, {})
-        self._forget(request_id)
-        return state.error_output(request_id, error, metrics, time.monotonic())
-
-    def _collect(self) -> Collected | None:
-        """Wait for the in-flight step and apply its tokens to the scheduler
-        (None when nothing is in flight)."""
-        if self._in_flight is None:
-            return None
-        plan, result = self._in_flight
-        self._in_flight = None
-        sampling = [s.request_id for s in plan.scheduled if s.sample]
+    def collect(self, in_flight: InFlight, pending: Pending | None = None) -> Collected:
+        """Wait for a launched step's tokens and apply them to the scheduler
+        (``pending``: it holds them as placeholders already, to fill in)."""
+        plan, result = in_flight.plan, in_flight.result
+        sampling = in_flight.sampling_ids
         self._fault_point("fetch", [s.request_id for s in plan.scheduled])
         sampled, sampled_logprobs = by_request(sampling, *result.fetch())
         self._keep_top(sampling, result.fetch_top())
         scores = result.fetch_scores()
-        finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
-        self.scores.record(plan, scores)
+        if pending is None:
+            finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+        else:
+            pending.resolve(sampled)
+            finished_by_length = pending.finished_by_length
+        self.scores.record(plan, scores)  # (a feedable step has no score rows; parents may park)
         self._finish_stopped(sampled, finished_by_length)
-        return sampled, sampled_logprobs, finished_by_length
+        return Collected(sampled, sampled_logprobs, finished_by_length)
 
-    def _finish_stopped(self, sampled: dict[str, int], finished_by_length: set[str]) -> None:
-        # EOS / stop id: end it before the next plan, so it takes no slot there.
-        for request_id, token in sampled.items():
-            state = self._states.get(request_id)
-            if state is not None and token in state.stop_ids and request_id not in finished_by_length:
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-
-    def _process(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
-        """Detokenize collected tokens, apply stop strings, build outputs.
+    def process(self, collected: Collected) -> list[RequestOutput]:
+        """Detokenize collected tokens, apply stop strings, build outputs
+        (the outputs of scoring jobs that finished first).
 
         Each request's token is handled on its own: when that raises (the
         detokenizer, a stop check), the failure is this request's, and it
         alone is finished with an ``internal`` error."""
         outputs = self.scores.take_outputs()
-        outputs.extend(self._process_tokens(sampled, sampled_logprobs, finished_by_length))
+        outputs.extend(self.process_tokens(collected))
         return outputs
 
-    def _process_tokens(self, sampled, sampled_logprobs, finished_by_length) -> list[RequestOutput]:
-        """``_process`` for the requests of ``sampled`` only."""
+    def process_tokens(self, collected: Collected) -> list[RequestOutput]:
+        """:meth:`process` for the collected tokens only."""
         outputs = []
         now = time.monotonic()
-        for request_id, token in sampled.items():
+        finished_by_length = collected.finished_by_length
+        for request_id, token in collected.sampled.items():
             state = self._states.get(request_id)
             if state is None:  # aborted while the step ran
                 continue
@@ -502,7 +489,7 @@ class Engine:
                     continue
                 verdict = state.add_token(
                     token,
-                    sampled_logprobs[request_id] if state.params.logprobs else None,
+                    collected.logprobs[request_id] if state.params.logprobs else None,
                     self._top.pop(request_id, None),
                 )
                 finish = verdict.finish_reason
@@ -510,16 +497,61 @@ class Engine:
                     finish = "length"  # max_model_len reached before max_tokens
                     verdict.delta += state.force_finish("length")
                 elif finish is not None and request_id not in finished_by_length:
-                    # A stop string (or stop id, already ended in _collect: then a no-op).
+                    # A stop string (or stop id, already ended in collect: then a no-op).
                     self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
                 out = self._output(request_id, state, verdict.delta, [token] if verdict.accepted else [], finish, now)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
-                failed = self._fail_request(request_id, exc)
+                failed = self.fail_request(request_id, exc)
                 if failed is not None:
                     outputs.append(failed)
                 continue
             outputs.append(out)
         return outputs
+
+    def fail_request(self, request_id: str, exc: Exception) -> RequestOutput | None:
+        """End a request whose own work raised, with an ``internal`` error."""
+        log.error("engine.request_failed", request_id=request_id, error=repr(exc), exc_info=exc)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)  # no-op if it already ended
+        state = self._states.get(request_id)
+        if state is None:
+            self._forget(request_id)
+            return None
+        return self._ended_with(
+            request_id, state, RequestError("internal", f"engine step failed for this request: {exc!r}", retryable=True)
+        )
+
+    def is_urgent(self, request_id: str) -> bool:
+        """An interactive request whose outputs are its own (not a member of
+        a scoring job): ``on_urgent_outputs`` takes them first."""
+        req = self._requests.get(request_id)
+        return (
+            req is not None and req.request_class is RequestClass.INTERACTIVE and not self.scores.is_member(request_id)
+        )
+
+    def awaits_first_token(self, request_id: str) -> bool:
+        """The request has produced no output token yet."""
+        state = self._states.get(request_id)
+        return state is not None and not state.token_ids
+
+    def recomputable(self, request_ids: list[str]) -> list[tuple[Request, int]]:
+        """Those of ``request_ids`` the engine still serves, each with how
+        many of its output tokens the caller has received: failure
+        containment recomputes them from there (``Containment.recover``)."""
+        return [(self._requests[rid], self._states[rid].num_tokens_seen) for rid in request_ids if rid in self._states]
+
+    def _ended_with(self, request_id: str, state: OutputState, error: RequestError) -> RequestOutput:
+        """The final output of a request ended by ``error`` (the scheduler
+        already finished it); the engine forgets it."""
+        metrics = self._metrics.get(request_id, {})
+        self._forget(request_id)
+        return state.error_output(request_id, error, metrics, time.monotonic())
+
+    def _finish_stopped(self, sampled: dict[str, int], finished_by_length: set[str]) -> None:
+        # EOS / stop id: end it before the next plan, so it takes no slot there.
+        for request_id, token in sampled.items():
+            state = self._states.get(request_id)
+            if state is not None and token in state.stop_ids and request_id not in finished_by_length:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     def _output(self, request_id, state, delta, new_ids, finish, now) -> RequestOutput:
         out = state.output(request_id, delta, new_ids, finish, self._metrics[request_id], now)
@@ -560,7 +592,7 @@ class Engine:
 
     def _keep_top(self, request_ids: list[str], top) -> None:
         """Hold the ``top_logprobs`` alternatives of collected tokens until
-        ``_process_tokens`` gives them to the request's output state."""
+        ``process_tokens`` gives them to the request's output state."""
         if top is None:
             return
         values, ids = top

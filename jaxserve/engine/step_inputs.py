@@ -5,7 +5,7 @@ The scheduler's plan says which tokens to compute; the runner also needs
 each sampling request's :class:`~jaxserve.engine.sampler.SamplingRow` (its
 ``SamplingParams`` as they are, how many tokens it has generated, the
 penalties' history, a structured-output mask). Built on the host right
-before the launch (``Engine._launch``); the masks of a step's constrained
+before the launch (``Engine.launch``); the masks of a step's constrained
 rows are computed together (``StructuredBackend.fill_masks``).
 Tests: ``tests/test_engine_params.py``, ``tests/test_structured.py``.
 """

@@ -1,9 +1,13 @@
 """How one ``Engine.step`` runs: schedule, run, process, in one of four modes.
 
-Every mode plans with the scheduler, runs the plan on the device
-(``Engine._launch``), collects the sampled tokens (``Engine._collect``) and
-processes them into outputs (``Engine._process``); they differ in the order
-of those calls, i.e. in what the host does while the device computes.
+Every mode composes the engine's step parts (:class:`StepParts`): it plans
+with the scheduler and launches the plan on the device (``schedule``,
+``launch``), collects the sampled tokens of the step in flight
+(``collect``) and processes them into outputs (``process``); the modes
+differ in the order of those calls, i.e. in what the host does while the
+device computes. A mode takes the step in flight (:class:`InFlight`, or
+None) and returns its outputs with the step it leaves in flight, which
+``Engine.step`` hands to the next call; modes hold no other state.
 :func:`choose` picks the mode of each step:
 
 - :class:`IsolatedStep` while failed work is being recomputed (suspects, see
@@ -20,113 +24,151 @@ of those calls, i.e. in what the host does while the device computes.
   launch the next, then detokenize the collected tokens while the device
   runs the new step.
 
-The batched modes contain their failures (``containment.recover``). The
-modes are the engine's own parts and use its private step primitives; they
-hold no state between steps (tests: ``tests/test_engine.py``,
-``tests/test_engine_containment.py``, ``tests/test_engine_thread.py``).
+The batched modes contain their failures (``Containment.recover``). Tests:
+``tests/test_engine.py``, ``tests/test_engine_containment.py``,
+``tests/test_engine_thread.py``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
-import jax
-import numpy as np
-
-from jaxserve.engine.containment import raise_if_device_lost, recover
-from jaxserve.engine.request import PENDING_TOKEN
-from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.engine.containment import Containment, Recoverable
+from jaxserve.engine.in_flight import Collected, InFlight, Pending
+from jaxserve.engine.types import RequestOutput
 
 if TYPE_CHECKING:
-    from jaxserve.engine.engine import Engine
+    from jaxserve.engine.plan import SchedulerOutput
 
-#: a collected step: sampled token and its log-probability by request, and
-#: the requests the scheduler finished by length
-Collected = tuple[dict[str, int], dict[str, float], set[str]]
+#: a mode's result: its outputs, and the step it leaves in flight
+Stepped = tuple[list[RequestOutput], InFlight | None]
 
 
-def by_request(
-    request_ids: list[str], tokens: np.ndarray, logprobs: np.ndarray
-) -> tuple[dict[str, int], dict[str, float]]:
-    """A step's sampled tokens and log-probabilities keyed by request, in
-    the order the plan's sampling requests were given (``tolist`` makes the
-    Python numbers in one call: ``int()`` per numpy scalar took ~5% of the
-    engine thread's samples in a 64-sequence offline run, py-spy)."""
-    sampled = dict(zip(request_ids, np.asarray(tokens).tolist()))
-    return sampled, dict(zip(request_ids, np.asarray(logprobs).tolist()))
+class StepParts(Recoverable, Protocol):
+    """The parts of a step that the modes compose (``Engine`` has them)."""
+
+    containment: Containment
+    async_scheduling: bool
+    on_urgent_outputs: Callable[[list[RequestOutput]], None] | None
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next batched step."""
+        ...
+
+    def launch(self, plan: SchedulerOutput, prev: InFlight | None = None) -> InFlight:
+        """Launch a plan on the device (``prev``: the step whose pending
+        tokens it reads there)."""
+        ...
+
+    def hold_pending(self, in_flight: InFlight) -> Pending:
+        """Let the scheduler take the step's tokens as placeholders."""
+        ...
+
+    def collect(self, in_flight: InFlight, pending: Pending | None = None) -> Collected:
+        """Wait for the step's tokens and apply them."""
+        ...
+
+    def process(self, collected: Collected) -> list[RequestOutput]:
+        """Outputs of a collected step, finished scoring jobs first."""
+        ...
+
+    def process_tokens(self, collected: Collected) -> list[RequestOutput]:
+        """Outputs of the collected tokens only."""
+        ...
+
+    def fail_request(self, request_id: str, exc: Exception) -> RequestOutput | None:
+        """End a request whose own work raised."""
+        ...
+
+    def is_urgent(self, request_id: str) -> bool:
+        """An interactive request, not a member of a scoring job."""
+        ...
+
+    def awaits_first_token(self, request_id: str) -> bool:
+        """The request has produced no token yet."""
+        ...
+
+
+def _next_step(parts: StepParts, prev: InFlight | None = None) -> InFlight | None:
+    """Plan the next step and launch it (None: nothing to run)."""
+    plan = parts.schedule()
+    return None if plan.is_empty else parts.launch(plan, prev)
 
 
 class StepMode:
     """One way to run a step."""
 
-    def run(self, engine: Engine) -> list[RequestOutput]:
+    def run(self, parts: StepParts, in_flight: InFlight | None) -> Stepped:
         raise NotImplementedError
 
 
 class IsolatedStep(StepMode):
-    """One step of a suspect alone, not pipelined (``Engine.step``'s
-    failure containment): a failure anywhere in it is this request's; a step
-    in which it sampled a token (or a scoring member's step, which samples
-    none) clears it."""
+    """One step of a suspect alone, not pipelined (failure containment): a
+    failure anywhere in it is this request's; a step in which it sampled a
+    token (or a scoring member's step, which samples none) clears it. No
+    step is in flight while there are suspects (recovery dropped it)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
 
-    def run(self, engine: Engine) -> list[RequestOutput]:
+    def run(self, parts: StepParts, in_flight: InFlight | None) -> Stepped:
         request_id = self.request_id
-        engine.num_isolated_steps += 1
+        books = parts.containment
+        books.num_isolated_steps += 1
         try:
-            plan = engine.scheduler.schedule_isolated(request_id)
-            engine._launch(plan)
-            collected = engine._collect()
-            assert collected is not None  # just launched
-            outputs = engine._process(*collected)
+            plan = parts.scheduler.schedule_isolated(request_id)
+            outputs = parts.process(parts.collect(parts.launch(plan)))
         except Exception as exc:  # noqa: BLE001 - it failed alone: it is the culprit
-            engine._in_flight = None
-            raise_if_device_lost(engine, exc)
-            failed = engine._fail_request(request_id, exc)
-            return [] if failed is None else [failed]
-        req = engine.scheduler.get_request(request_id)
+            books.raise_if_device_lost(parts.runner, exc)
+            failed = parts.fail_request(request_id, exc)
+            return ([] if failed is None else [failed]), None
+        req = parts.scheduler.get_request(request_id)
         if plan.scheduled[0].sample or req is None or not req.samples:
-            engine._suspects.pop(request_id, None)  # passed a whole step alone
-        return outputs
+            books.clear(request_id)  # passed a whole step alone
+        return outputs, None
 
 
 class BatchedStep(StepMode):
     """A step of the whole batch, its failures contained: any exception
     while collecting, planning or launching cannot be pinned on one request,
-    so ``containment.recover`` sends every request it touched back to be
-    recomputed, and the step returns nothing."""
+    so ``Containment.recover`` sends every request it touched back to be
+    recomputed, the step in flight is dropped, and the step returns
+    nothing."""
 
-    def run(self, engine: Engine) -> list[RequestOutput]:
-        engine._touched = [] if engine._in_flight is None else [engine._in_flight[0]]
+    def run(self, parts: StepParts, in_flight: InFlight | None) -> Stepped:
+        books = parts.containment
+        books.begin(None if in_flight is None else in_flight.plan)
         try:
-            collected, extra = self.advance(engine)
+            collected, extra, launched = self.advance(parts, in_flight)
         except Exception as exc:  # noqa: BLE001 - contained, see Engine.step
-            recover(engine, exc)
-            return []
+            books.recover(parts, exc)
+            return [], None
         finally:
-            engine._touched = []
-            engine._planning = False
-        outputs = [] if collected is None else engine._process(*collected)
+            books.end()
+        outputs = [] if collected is None else parts.process(collected)
         if extra is not None:
-            outputs.extend(engine._process_tokens(*extra))
-        return outputs
+            outputs.extend(parts.process_tokens(extra))
+        return outputs, launched
 
-    def advance(self, engine: Engine) -> tuple[Collected | None, Collected | None]:
+    def advance(
+        self, parts: StepParts, in_flight: InFlight | None
+    ) -> tuple[Collected | None, Collected | None, InFlight | None]:
         """Collect the step in flight and launch the next; returns what was
-        collected (None: nothing was in flight), and tokens collected later
-        in the call to process after it (or None)."""
+        collected (None: nothing was in flight), tokens collected later in
+        the call to process after it (or None), and the step now in
+        flight."""
         raise NotImplementedError
 
 
 class PipelinedStep(BatchedStep):
     """Collect, plan and launch, then process while the device computes."""
 
-    def advance(self, engine: Engine) -> tuple[Collected | None, Collected | None]:
-        collected = engine._collect()
-        engine._dispatch()
-        return collected, None
+    def advance(
+        self, parts: StepParts, in_flight: InFlight | None
+    ) -> tuple[Collected | None, Collected | None, InFlight | None]:
+        collected = None if in_flight is None else parts.collect(in_flight)
+        return collected, None, _next_step(parts)
 
 
 class InteractiveFirstStep(BatchedStep):
@@ -138,60 +180,42 @@ class InteractiveFirstStep(BatchedStep):
     first tokens handed over in this call, before the batch rows collected
     earlier are processed."""
 
-    def advance(self, engine: Engine) -> tuple[Collected | None, Collected | None]:
+    def advance(
+        self, parts: StepParts, in_flight: InFlight | None
+    ) -> tuple[Collected | None, Collected | None, InFlight | None]:
+        collected = None if in_flight is None else self._emit_urgent(parts, parts.collect(in_flight))
+        launched = _next_step(parts)
         extra = None
-        collected = engine._collect()
-        if collected is not None:
-            collected = self._emit_urgent(engine, collected)
-        engine._dispatch()
-        if self._first_tokens_in_flight(engine):
-            more = engine._collect()
-            assert more is not None  # just launched
-            more = self._emit_urgent(engine, more)
-            engine._dispatch()
-            if more[0]:
+        if launched is not None and self._first_tokens(parts, launched):
+            more = self._emit_urgent(parts, parts.collect(launched))
+            launched = _next_step(parts)
+            if more.sampled:
                 extra = more
-        return collected, extra
+        return collected, extra, launched
 
     @staticmethod
-    def _first_tokens_in_flight(engine: Engine) -> bool:
-        """Whether the step in flight holds interactive requests only (no
+    def _first_tokens(parts: StepParts, launched: InFlight) -> bool:
+        """Whether the launched step holds interactive requests only (no
         scoring job's members), one of them about to sample its first
         token."""
-        if engine._in_flight is None:
-            return False
-        first = False
-        for s in engine._in_flight[0].scheduled:
-            req = engine._requests.get(s.request_id)
-            if (
-                req is None
-                or req.request_class is not RequestClass.INTERACTIVE
-                or engine.scores.is_member(s.request_id)
-            ):
-                return False
-            state = engine._states.get(s.request_id)
-            first = first or (s.sample and state is not None and not state.token_ids)
-        return first
+        rows = launched.plan.scheduled
+        return all(parts.is_urgent(s.request_id) for s in rows) and any(
+            s.sample and parts.awaits_first_token(s.request_id) for s in rows
+        )
 
     @staticmethod
-    def _emit_urgent(engine: Engine, collected: Collected) -> Collected:
+    def _emit_urgent(parts: StepParts, collected: Collected) -> Collected:
         """Process the collected tokens of interactive requests now and hand
         their outputs to ``on_urgent_outputs``; returns the rest of the
         collected step, to process after the next launch. Members of a
         scoring job are never urgent (their outputs are the job's)."""
-        sampled, sampled_logprobs, finished_by_length = collected
-        urgent = {}
-        for rid in sampled:
-            req = engine._requests.get(rid)
-            if req is not None and req.request_class is RequestClass.INTERACTIVE and not engine.scores.is_member(rid):
-                urgent[rid] = sampled[rid]
-        if not urgent:
+        urgent, rest = collected.split(parts.is_urgent)
+        if not urgent.sampled:
             return collected
-        rest = {rid: tok for rid, tok in sampled.items() if rid not in urgent}
-        outputs = engine._process_tokens(urgent, sampled_logprobs, finished_by_length)
-        if outputs and engine.on_urgent_outputs is not None:
-            engine.on_urgent_outputs(outputs)
-        return rest, sampled_logprobs, finished_by_length
+        outputs = parts.process_tokens(urgent)
+        if outputs and parts.on_urgent_outputs is not None:
+            parts.on_urgent_outputs(outputs)
+        return rest
 
 
 class OverlappedStep(BatchedStep):
@@ -205,28 +229,15 @@ class OverlappedStep(BatchedStep):
     a row in the launched step, whose token for them is dropped, as for stop
     strings). The device so never idles while the host plans. Used when the
     in-flight step's tokens came from the forward program's greedy pick
-    (``StepResult.feedable``)."""
+    (``InFlight.feedable``)."""
 
-    def advance(self, engine: Engine) -> tuple[Collected | None, Collected | None]:
-        assert engine._in_flight is not None  # choose() checked
-        plan, result = engine._in_flight
-        engine._in_flight = None
-        engine.num_overlapped_steps += 1
-        sampling = [s.request_id for s in plan.scheduled if s.sample]
-        requests = {rid: engine.scheduler.get_request(rid) for rid in sampling}
-        placeholders = dict.fromkeys(sampling, PENDING_TOKEN)
-        finished_by_length = set(engine.scheduler.update_from_output(plan, placeholders))
-        tokens = cast(jax.Array, result.tokens)  # feedable: still on the device
-        engine._dispatch(prev=(tokens, {rid: i for i, rid in enumerate(sampling)}))
-        engine._fault_point("fetch", [s.request_id for s in plan.scheduled])
-        sampled, sampled_logprobs = by_request(sampling, *result.fetch())
-        for request_id, token in sampled.items():
-            req = requests[request_id]
-            if req is not None and req.pending_index is not None:
-                req.resolve_pending(token)
-        engine.scores.record(plan, result.fetch_scores())  # (a feedable step has no score rows; parents may park)
-        engine._finish_stopped(sampled, finished_by_length)
-        return (sampled, sampled_logprobs, finished_by_length), None
+    def advance(
+        self, parts: StepParts, in_flight: InFlight | None
+    ) -> tuple[Collected | None, Collected | None, InFlight | None]:
+        assert in_flight is not None  # choose() checked
+        pending = parts.hold_pending(in_flight)
+        launched = _next_step(parts, prev=in_flight)
+        return parts.collect(in_flight, pending), None, launched
 
 
 _PIPELINED = PipelinedStep()
@@ -234,12 +245,13 @@ _INTERACTIVE_FIRST = InteractiveFirstStep()
 _OVERLAPPED = OverlappedStep()
 
 
-def choose(engine: Engine) -> StepMode:
+def choose(parts: StepParts, in_flight: InFlight | None) -> StepMode:
     """The mode of the next step (see the module docstring)."""
-    if engine._suspects:
-        return IsolatedStep(next(iter(engine._suspects)))
-    if engine.async_scheduling and engine._in_flight is not None and engine._in_flight[1].feedable:
+    suspect = parts.containment.next_suspect()
+    if suspect is not None:
+        return IsolatedStep(suspect)
+    if parts.async_scheduling and in_flight is not None and in_flight.feedable:
         return _OVERLAPPED
-    if engine.on_urgent_outputs is not None:
+    if parts.on_urgent_outputs is not None:
         return _INTERACTIVE_FIRST
     return _PIPELINED
