@@ -30,6 +30,15 @@ Two ways to read a tensor:
     Q4_1 = f16 scale, f16 min + the same nibbles (w = d*q + m).
     ``QuantizedBlocks.dequantize()`` gives the same array as ``get``.
 
+Mixtures of experts: llama.cpp stacks each layer's experts into one tensor
+(``blk.N.ffn_up_exps``, ``[X, I, E]`` in Hugging Face order); a family's
+per-expert names (``GGUFSpec.expert_names``:
+``model.layers.N.mlp.experts.J.up_proj.weight``) are answered by ``get``
+and ``raw_blocks`` with expert J's slice of it, read from the memory map
+alone. A Hugging Face tensor the converter split into several
+(``GGUFSpec.joined_names``: gpt-oss's interleaved gate/up) is joined back
+for ``get``; it has no stored blocks of its own.
+
 What differs by family (llama.cpp's architecture name, tensor names,
 whether Q/K rows were permuted, Gemma's shifted norm weights, the metadata
 keys of its settings) comes from the family's
