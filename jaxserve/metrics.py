@@ -141,8 +141,8 @@ class EngineMetrics:
             ["model_name", "tenant", "currency"],
             registry=r,
         )
-        # Jobs that accepted a degraded answer instead of overloaded (issue
-        # 28, jaxserve.worker.fallback): re-routed to a fallback model
+        # Jobs that accepted a degraded answer instead of overloaded
+        # (jaxserve.worker.fallback): re-routed to a fallback model
         # ("fallback", counted by the model that passed them on) or run with
         # their degrade.max_tokens ("max_tokens").
         self.degradations = Counter(

@@ -1,4 +1,4 @@
-"""One contract for the engine host (issue 26, item 2): both hosts, the
+"""One contract for the engine host (``EngineHost``): both hosts, the
 engine thread and the engine process, over every engine double the tests
 use (EchoEngine of the queue tests, FakeEngine of test_engine_thread.py,
 ScriptedEngine of test_engine_process.py), answer the same checks through
@@ -143,7 +143,7 @@ def test_the_real_engine_is_a_hosted_engine():
 
 def test_a_partial_engine_is_not_a_hosted_engine():
     """The protocol check can fail: an engine without ``add_score_request``
-    (FakeEngine before issue 26) is not one."""
+    (FakeEngine before commit 31f38c8) is not one."""
 
     class NoScoring:
         def add_request(self, request_id, prompt, params, **kw): ...

@@ -1,4 +1,4 @@
-"""Cost in the worker (issue 28 part 3), against the real RabbitMQ (and the
+"""Cost in the worker (``jaxserve.cost.jobs``), against the real RabbitMQ (and the
 real Redis where the limiter is Redis's): ``jaxserve worker`` as a
 subprocess with the echo engine and its price flags or prices file.
 

@@ -1,4 +1,4 @@
-"""Routing by model, fallbacks and degraded answers, worker side (issue 28),
+"""Routing by model, fallbacks and degraded answers, worker side,
 against the real broker: two workers serve two models on one prefix, jobs
 reach the worker of the model they name, an unknown model is answered at
 once, and a job that would be ``overloaded`` is answered by its fallback

@@ -1,4 +1,4 @@
-"""Routing by model against the real broker (issue 28): jobs reach the queue
+"""Routing by model against the real broker: jobs reach the queue
 of the model they name, a model nobody serves is answered unknown_model at
 once, and the worker-side pieces (jaxserve.worker.routing) find a fallback
 and re-route a job to it exactly once."""

@@ -1,4 +1,4 @@
-"""Routing by model, the parts that need no broker (issue 28): queue names,
+"""Routing by model, the parts that need no broker: queue names,
 routing keys, the new job fields' validation and the result fields."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every engine setting's default is written once (issue 26, item 4).
+"""Every engine setting's default is written once.
 
 ``EngineArgs``' field defaults are the source; ``SchedulerConfig`` reads
 the ones it shares, ``EngineArgs.scheduler_config`` carries every shared
@@ -149,7 +149,7 @@ def test_the_worker_shows_the_serving_profile_and_forwards_only_what_is_given():
     for name in engine_options:
         assert options[name].default is None, name
         assert options[name].show_default == str(serve[name]), name
-    assert "compute_nice" not in options  # measured and dropped (issue 26)
+    assert "compute_nice" not in options  # measured and dropped (commit c56ee78)
 
 
 @pytest.mark.parametrize("command", [generate, bench_offline], ids=["generate", "bench offline"])

@@ -49,10 +49,10 @@ import structlog
 from jaxserve.engine.types import EngineBroken
 
 if TYPE_CHECKING:
-    from jaxserve.engine.plan import SchedulerOutput
     from jaxserve.engine.request import Request
     from jaxserve.engine.runner import ModelRunner
     from jaxserve.engine.scheduler import Scheduler
+    from jaxserve.engine.scheduler_output import SchedulerOutput
 
 log = structlog.get_logger(__name__)
 

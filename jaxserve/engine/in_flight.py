@@ -17,9 +17,9 @@ from typing import cast
 import jax
 import numpy as np
 
-from jaxserve.engine.plan import SchedulerOutput
 from jaxserve.engine.request import Request
 from jaxserve.engine.runner import StepResult
+from jaxserve.engine.scheduler_output import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,12 +27,13 @@ A step's host arrays are packed by :mod:`jaxserve.engine.step_arrays`
 executables directly (rather than a ``jax.jit`` wrapper) makes an unplanned
 shape an error instead of a silent compilation in the middle of serving.
 
-This stays one module (over 500 lines) on purpose: the traced program
-functions, the abstract shapes :meth:`ModelRunner.warmup` compiles them for
-and :meth:`ModelRunner.execute`'s choice of bucket must agree on every shape
-and donated buffer, and apart they could drift into the unplanned-shape error
-above. What does not share those shapes already lives elsewhere
-(:mod:`jaxserve.engine.step_arrays`).
+This stays one module on purpose: the traced program functions, the
+abstract shapes :meth:`ModelRunner.warmup` compiles them for and
+:meth:`ModelRunner.execute`'s choice of bucket must agree on every shape and
+donated buffer, and apart they could drift into the unplanned-shape error
+above. What does not share those shapes lives elsewhere: the step's host
+arrays (:mod:`jaxserve.engine.step_arrays`) and the sampling tensors and
+the choice of the greedy programs (:mod:`jaxserve.engine.sampler`).
 """
 
 from __future__ import annotations

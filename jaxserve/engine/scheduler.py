@@ -53,7 +53,7 @@ requests between the same waiting lines, running list and block tables
 (label scoring's forks included: parking a parent, starting its forks), and
 they keep one invariant together (a request is in exactly one place, and
 its blocks are freed exactly once). What does not touch that state lives
-apart: the plan's types (:mod:`jaxserve.engine.plan`), the waiting line
+apart: the plan's types (:mod:`jaxserve.engine.scheduler_output`), the waiting line
 (:mod:`jaxserve.engine.waiting_queue`), the latency rules
 (:mod:`jaxserve.engine.latency_policy`) and the forks' books
 (:mod:`jaxserve.engine.forks`).
@@ -71,8 +71,8 @@ from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.config import SchedulerConfig
 from jaxserve.engine.forks import ForkTable
 from jaxserve.engine.latency_policy import LatencyPolicy
-from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from jaxserve.engine.types import RequestClass
 from jaxserve.engine.waiting_queue import WaitingQueue
 from jaxserve.request_error import RequestError

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from jaxserve.engine.output_processor import OutputState
-from jaxserve.engine.plan import SchedulerOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_output import SchedulerOutput
 from jaxserve.engine.types import RequestClass, RequestOutput
 
 #: at most this many labels per scoring request (the wire allows 64)

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from jaxserve.engine.plan import ScheduledRequest, SchedulerOutput
 from jaxserve.engine.request import PENDING_TOKEN, Request
 from jaxserve.engine.sampler import SamplingRow
+from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.engine.step_arrays import SeqWork
 from jaxserve.engine.structured import Constraint, StructuredBackend
 

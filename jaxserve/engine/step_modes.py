@@ -39,7 +39,7 @@ from jaxserve.engine.in_flight import Collected, InFlight, Pending
 from jaxserve.engine.types import RequestOutput
 
 if TYPE_CHECKING:
-    from jaxserve.engine.plan import SchedulerOutput
+    from jaxserve.engine.scheduler_output import SchedulerOutput
 
 #: a mode's result: its outputs, and the step it leaves in flight
 Stepped = tuple[list[RequestOutput], InFlight | None]

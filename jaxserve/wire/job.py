@@ -102,7 +102,7 @@ class Job:
     calibrate: bool = False
     calibration_input: str = "N/A"
     few_shot: tuple[tuple[str, str], ...] = ()  # (text, label)
-    fallback_models: tuple[str, ...] = ()  # in order; () keeps today's behaviour (issue 28)
+    fallback_models: tuple[str, ...] = ()  # in order; (): no fallback
     degrade_max_tokens: int | None = None  # the smaller limit the job accepts instead of overloaded
 
     @property

@@ -21,7 +21,7 @@ from jaxserve.wire.errors import ERROR_CODES, is_retryable
 # pydantic reads the runtime tuple; a type checker cannot build a Literal from it
 ErrorCode = Literal[ERROR_CODES]  # type: ignore[valid-type]
 FinishReason = Literal["stop", "length"]
-#: what a degraded answer gave up (issue 28): "model" the job was re-routed
+#: what a degraded answer gave up: "model" the job was re-routed
 #: to one of its fallback_models; "max_tokens" it ran with degrade.max_tokens
 Degradation = Literal["model", "max_tokens"]
 
@@ -41,7 +41,7 @@ class _Reply(BaseModel):
 
 
 class UsageCost(TypedDict):
-    """What a job's tokens cost (issue 28): a plain mapping on the wire and
+    """What a job's tokens cost: a plain mapping on the wire and
     in Python, so readers index it (``usage.cost["amount"]``)."""
 
     amount: Annotated[float, Field(ge=0.0)]

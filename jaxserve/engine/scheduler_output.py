@@ -1,9 +1,12 @@
-"""A step's plan as the scheduler hands it to the engine: plain data.
+"""What the scheduler hands out: a step's plan (:class:`SchedulerOutput`,
+one :class:`ScheduledRequest` per request) and a snapshot for metrics
+(:class:`SchedulerStats`), plain data.
 
 The scheduler decides (host bookkeeping); the engine turns a
 :class:`SchedulerOutput` into device work and runs it; neither reaches into
 the other's state through these objects (vLLM v1's split, see
-``jaxserve/engine/scheduler.py``).
+``jaxserve/engine/scheduler.py``). Named after vLLM's, and apart from
+:mod:`jaxserve.planning`, which plans capacity, not steps.
 """
 
 from __future__ import annotations
