@@ -5,8 +5,9 @@ Quality is not a speed: nothing alternates, the figures are computed once.
 - ``accuracy``: ``benchmarks/classify_accuracy.py`` (labelled documents in
   ``benchmarks/data/``: accuracy per scoring method, confusion matrix, and
   jaxserve's label log-likelihoods against transformers');
-- ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 against f32:
-  greedy agreement, largest logprob difference, perplexity);
+- ``quant-quality``: ``benchmarks/quant_quality.py`` (int8/int4 weights and
+  the int8 KV cache against f32: greedy agreement, largest logprob
+  difference, perplexity);
 - ``structured``: ``benchmarks/structured_bench.py`` (a full batch's decode
   step with 0, 1 and every row constrained, and extraction jobs/s with and
   without a JSON Schema; its own rounds alternate the variants).
@@ -16,9 +17,9 @@ How the suite runs them: ``classify_accuracy.py --out FILE`` and
 the run's working folder, then reads the JSON report. The figures: for
 ``accuracy``, the accuracy of the default method and of the plain, chat,
 calibrated and few-shot methods, and the largest log-likelihood difference
-from transformers (:func:`accuracy_figures`); for ``quant-quality``, int8's
-and int4's greedy agreement with f32 and their perplexity against f32's
-(:func:`quant_figures`); for a report of another shape, its ``headline``, a
+from transformers (:func:`accuracy_figures`); for ``quant-quality``, int8's,
+int4's and the int8 KV cache's greedy agreement with f32 and their
+perplexity against f32's (:func:`quant_figures`); for a report of another shape, its ``headline``, a
 list of ``{"what", "value", "unit", "label"?, "goal"?, "goal_value"?,
 "higher_is_better"?}`` or a mapping of name to number, failing that the
 numbers of its ``summary``.
@@ -116,16 +117,17 @@ def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
         return headline_figures(data, source)
     f32 = res["f32"]
     model = _model_label(str(data.get("model") or "smollm2-135m"))
-    goals = {"int8": (0.90, 1.02), "int4": (None, 1.10)}
+    goals = {"int8": (0.90, 1.02), "int4": (None, 1.10), "kv-int8": (0.97, 1.01)}
+    labels = {"int8": "jaxserve int8", "int4": "jaxserve int4", "kv-int8": "jaxserve f32, int8 KV cache"}
     out = []
-    for kind in ("int8", "int4"):
+    for kind in ("int8", "int4", "kv-int8"):
         r = res.get(kind)
         if r is None:
             continue
         agree_goal, ppl_goal = goals[kind]
         f = Figure(
             f"greedy tokens equal to f32's over fixed prompts ({r.get('positions')} positions), {model}, {data.get('path')}",
-            Stat(f"jaxserve {kind}", "%", [round(100 * r["greedy_agreement"], 1)]),
+            Stat(labels[kind], "%", [round(100 * r["greedy_agreement"], 1)]),
             note=f"(largest per-token logprob difference {r['max_token_logprob_diff']:.3g})",
         )
         if agree_goal is not None:
@@ -134,7 +136,7 @@ def quant_figures(data: dict[str, Any], source: str) -> list[Figure]:
         out.append(
             Figure(
                 f"perplexity on benchmarks/data/perplexity.txt ({r.get('perplexity_tokens')} tokens), {model}",
-                Stat(f"jaxserve {kind}", "", [round(r["perplexity"], 4)]),
+                Stat(labels[kind], "", [round(r["perplexity"], 4)]),
                 Stat("jaxserve f32", "", [round(f32["perplexity"], 4)]),
                 [round(r["perplexity"] / f32["perplexity"], 4)],
                 goal=f"<= {ppl_goal}x",
@@ -300,7 +302,8 @@ STRUCTURED = ExternalScenario(
 QUANT_QUALITY = ExternalScenario(
     "quant-quality",
     "quant_quality.py",
-    "int8/int4 against f32 on SmolLM2-135M: greedy agreement, logprob difference, perplexity",
+    "int8/int4 weights and the int8 KV cache against f32 on SmolLM2-135M: greedy agreement, logprob difference, "
+    "perplexity",
     quant_figures,
     "--output-dir",
 )
