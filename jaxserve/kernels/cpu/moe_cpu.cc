@@ -135,9 +135,32 @@ struct Stack {
 // -8 * sum for q4_0, 0 for q4_1) and dx * sum (q4_1); or float32 rows.
 struct Inputs {
   int64_t K = 0, G = 0;
-  std::unique_ptr<int8_t[]> xq;
-  std::unique_ptr<float[]> dx, dxs, xf;
-  std::unique_ptr<int32_t[]> start;
+  int8_t* xq = nullptr;
+  float *dx = nullptr, *dxs = nullptr, *xf = nullptr;
+  int32_t* start = nullptr;
+};
+
+// A buffer that only grows: the calls of one XLA thread reuse it, so a
+// layer's scratch (the pairs' activations and outputs: 6 MB in a
+// 64-sequence decode step of Qwen3-30B-A3B's shape) is not mapped afresh,
+// page-faulted and zeroed by the kernel on every call. Uninitialised.
+template <class T>
+struct Grow {
+  std::unique_ptr<T[]> data;
+  int64_t capacity = 0;
+  T* Get(int64_t n) {
+    if (n > capacity) {
+      data.reset(new T[n]);
+      capacity = n;
+    }
+    return data.get();
+  }
+};
+
+struct InputsBuffers {
+  Grow<int8_t> xq;
+  Grow<float> dx, dxs, xf;
+  Grow<int32_t> start;
 };
 
 // Quantizes one row of K floats into row `r` of `in` (as
@@ -149,7 +172,7 @@ void QuantizeRow(const float* x, int64_t r, int32_t kind, Inputs& in, int64_t b0
   const int32_t per_block = kind == kQ8_0 ? 128 : (kind == kQ4_0 ? 8 : 0);
   for (int64_t b = b0; b < b1; ++b) {
     const float* v = x + b * kGroup;
-    int8_t* q = in.xq.get() + r * K + b * kGroup;
+    int8_t* q = in.xq + r * K + b * kGroup;
     int32_t sum = 0;
 #if defined(JAXSERVE_MOE_VNNI)
     const __m512 sign = _mm512_set1_ps(-0.0f);
@@ -181,16 +204,16 @@ void QuantizeRow(const float* x, int64_t r, int32_t kind, Inputs& in, int64_t b0
   }
 }
 
-void AllocateInputs(Inputs& in, int64_t rows, int64_t K, bool quantized) {
+void AllocateInputs(Inputs& in, InputsBuffers& b, int64_t rows, int64_t K, bool quantized) {
   in.K = K;
   in.G = K / kGroup;
   if (quantized) {
-    in.xq.reset(new int8_t[rows * K]);
-    in.dx.reset(new float[rows * in.G]);
-    in.dxs.reset(new float[rows * in.G]);
-    in.start.reset(new int32_t[rows * in.G]);
+    in.xq = b.xq.Get(rows * K);
+    in.dx = b.dx.Get(rows * in.G);
+    in.dxs = b.dxs.Get(rows * in.G);
+    in.start = b.start.Get(rows * in.G);
   } else {
-    in.xf.reset(new float[rows * K]);
+    in.xf = b.xf.Get(rows * K);
   }
 }
 
@@ -207,12 +230,12 @@ void PortableTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const In
       float a = 0.0f;
       if (w.kind == kF32) {
         const float* wr = reinterpret_cast<const float*>(w.Row(e, o0 + r));
-        const float* x = in.xf.get() + t * K;
+        const float* x = in.xf + t * K;
         for (int64_t f = 0; f < K; ++f) a = std::fma(wr[f], x[f], a);
       } else {
         const uint8_t* wr = w.Row(e, o0 + r);
         const uint16_t* sc = w.Scales(e, o0 + r);
-        const int8_t* x = in.xq.get() + t * K;
+        const int8_t* x = in.xq + t * K;
         for (int64_t b = 0; b < G; ++b) {
           int32_t dot = 0;
           for (int k = 0; k < kGroup; ++k) {
@@ -328,7 +351,7 @@ void QuantTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Input
     const int64_t b0 = 2 * c;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = rows[i];
-      const int8_t* x = in.xq.get() + t * K + c * 64;
+      const int8_t* x = in.xq + t * K + c * 64;
       const int64_t at = t * G + b0;
       __m512 a = _mm512_loadu_ps(acc + i * 16);
       __m512i dot0 = _mm512_set1_epi32(in.start[at]);
@@ -370,7 +393,7 @@ void FloatTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Input
     }
     Transpose16(v);
     for (int64_t i = 0; i < n; ++i) {
-      const float* x = in.xf.get() + rows[i] * K + f0;
+      const float* x = in.xf + rows[i] * K + f0;
       __m512 a = _mm512_loadu_ps(acc + i * 16);
       for (int64_t j = 0; j < valid; ++j) a = _mm512_fmadd_ps(_mm512_castsi512_ps(v[j]), _mm512_set1_ps(x[j]), a);
       _mm512_storeu_ps(acc + i * 16, a);
@@ -395,7 +418,43 @@ void Tile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in
 #endif
 }
 
-float Sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+// e^x, written so that a loop of it vectorises (glibc's expf is a call per
+// element: 512 pairs x 768 rows of a 64-sequence decode step's layer took a
+// call each): x = n ln 2 + r with ln 2 in two parts (the product n ln 2
+// exact in the first), e^r by its Taylor series to r^7 (|r| <= 0.35: a
+// remainder below 1e-8), 2^n from the exponent bits; x clamped to [-87, 88],
+// whose e^x are float32's ends (a sigmoid there is 0 or 1 either way).
+[[gnu::always_inline]] inline float Exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// The experts' activation over `count` (gate, up) values, into g: silu(g) *
+// u, or gpt-oss's (clamp(u) + 1) * g' * sigmoid(alpha * g') with g' = min(g,
+// limit) (moe.expert_activation). Branch-free loops, so both vectorise.
+void Activate(float* g, const float* u, int64_t count, int32_t activation, float limit, float alpha) {
+  if (activation == kSwigluOss) {
+    for (int64_t i = 0; i < count; ++i) {
+      const float gv = std::min(g[i], limit), uv = std::min(std::max(u[i], -limit), limit);
+      g[i] = (uv + 1.0f) * (gv / (1.0f + Exp(-alpha * gv)));
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) g[i] = g[i] / (1.0f + Exp(-g[i])) * u[i];
+  }
+}
 
 struct Moe {
   int64_t E = 0, T = 0, k = 0, X = 0, I = 0, P = 0;
@@ -417,8 +476,8 @@ struct Moe {
   Inputs x_float;  // per token, float32 (the router's, and a float32 gate_up's)
   Inputs x_in;     // per token, quantized for a quantized gate_up
   Inputs act_in;  // per sorted row, for down
-  std::unique_ptr<float[]> act;  // [P, I] (the float act when down is quantized)
-  std::unique_ptr<float[]> y;    // [P, E]
+  float* act = nullptr;  // [P, I] (the float act when down is quantized)
+  float* y = nullptr;    // [P, E]
   struct Item {
     int32_t expert;
     int32_t r0, r1;
@@ -481,27 +540,22 @@ void UpItem(Moe& m, const Moe::Item& it) {
     Tile(m.gate_up, e, r, nrows, in, rows, n, g.data(), m.gate_up.Row(e, I + r));
     const uint8_t* next = r + kTileRows < I ? m.gate_up.Row(e, r + kTileRows) : nullptr;
     Tile(m.gate_up, e, I + r, nrows, in, rows, n, u.data(), next);
-    const float* bg = m.b_gate_up ? m.b_gate_up + e * 2 * I + r : nullptr;
-    const float* bu = m.b_gate_up ? m.b_gate_up + e * 2 * I + I + r : nullptr;
+    if (m.b_gate_up) {
+      const float* bg = m.b_gate_up + e * 2 * I + r;
+      const float* bu = bg + I;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < nrows; ++j) g[i * kTileRows + j] += bg[j], u[i * kTileRows + j] += bu[j];
+    }
+    Activate(g.data(), u.data(), n * kTileRows, m.activation, m.limit, m.alpha);
     for (int64_t i = 0; i < n; ++i) {
-      float* dst = (quantized_down ? m.act.get() : m.act_in.xf.get()) + (m.offset[e] + i) * I + r;
-      for (int64_t j = 0; j < nrows; ++j) {
-        float gv = g[i * kTileRows + j], uv = u[i * kTileRows + j];
-        if (bg) gv += bg[j], uv += bu[j];
-        if (m.activation == kSwigluOss) {
-          gv = std::min(gv, m.limit);
-          uv = std::min(std::max(uv, -m.limit), m.limit);
-          dst[j] = (uv + 1.0f) * (gv * Sigmoid(m.alpha * gv));
-        } else {
-          dst[j] = gv * Sigmoid(gv) * uv;
-        }
-      }
+      float* dst = (quantized_down ? m.act : m.act_in.xf) + (m.offset[e] + i) * I + r;
+      std::memcpy(dst, g.data() + i * kTileRows, sizeof(float) * nrows);
     }
   }
   if (quantized_down) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = m.offset[e] + i;
-      QuantizeRow(m.act.get() + s * I, s, m.down.kind, m.act_in, it.r0 / kGroup, it.r1 / kGroup);
+      QuantizeRow(m.act + s * I, s, m.down.kind, m.act_in, it.r0 / kGroup, it.r1 / kGroup);
     }
   }
 }
@@ -517,7 +571,7 @@ void DownItem(Moe& m, const Moe::Item& it) {
     Tile(m.down, e, r, nrows, m.act_in, rows, n, acc.data(), next);
     const float* b = m.b_down ? m.b_down + e * E + r : nullptr;
     for (int64_t i = 0; i < n; ++i) {
-      float* dst = m.y.get() + (m.offset[e] + i) * E + r;
+      float* dst = m.y + (m.offset[e] + i) * E + r;
       for (int64_t j = 0; j < nrows; ++j) dst[j] = b ? acc[i * kTileRows + j] + b[j] : acc[i * kTileRows + j];
     }
   }
@@ -531,7 +585,7 @@ void CombineItem(Moe& m, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) sum[r - r0] = 0.0f;
     for (int64_t j = 0; j < k; ++j) {
       const float wj = m.weights[t * k + j];
-      const float* y = m.y.get() + static_cast<int64_t>(m.sorted_of_pair[t * k + j]) * E;
+      const float* y = m.y + static_cast<int64_t>(m.sorted_of_pair[t * k + j]) * E;
       for (int64_t r = r0; r < r1; ++r) sum[r - r0] += wj * y[r];
     }
     for (int64_t r = r0; r < r1; ++r) m.out[r * T + t] = sum[r - r0];
@@ -652,12 +706,15 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
   // The inputs token-major in float32 (the router's), quantized for a quantized gate_up.
   const float* xf = x.typed_data();
-  AllocateInputs(m.x_float, T, E, false);
+  // scratch of this calling thread, kept for its next call (see Grow)
+  thread_local InputsBuffers x_float_buffers, x_buffers, act_buffers;
+  thread_local Grow<float> act_buffer, y_buffer;
+  AllocateInputs(m.x_float, x_float_buffers, T, E, false);
   for (int64_t f = 0; f < E; ++f)
     for (int64_t t = 0; t < T; ++t) m.x_float.xf[t * E + f] = xf[f * T + t];
   if (kind_gate_up != kF32) {
-    AllocateInputs(m.x_in, T, E, true);
-    for (int64_t t = 0; t < T; ++t) QuantizeRow(m.x_float.xf.get() + t * E, t, kind_gate_up, m.x_in);
+    AllocateInputs(m.x_in, x_buffers, T, E, true);
+    for (int64_t t = 0; t < T; ++t) QuantizeRow(m.x_float.xf + t * E, t, kind_gate_up, m.x_in);
   }
 
   // Step R: logits, then each token's experts.
@@ -682,9 +739,9 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     m.token[s] = static_cast<int32_t>(p / k);
     m.sorted_of_pair[p] = static_cast<int32_t>(s);
   }
-  AllocateInputs(m.act_in, m.P, I, kind_down != kF32);
-  if (kind_down != kF32) m.act.reset(new float[m.P * I]);
-  m.y.reset(new float[m.P * E]);
+  AllocateInputs(m.act_in, act_buffers, m.P, I, kind_down != kF32);
+  if (kind_down != kF32) m.act = act_buffer.Get(m.P * I);
+  m.y = y_buffer.Get(m.P * E);
 
   for (int64_t e = 0; e < X; ++e) {
     if (m.count[e] == 0) continue;
