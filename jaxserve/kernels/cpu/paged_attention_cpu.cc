@@ -62,6 +62,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -135,13 +139,22 @@ inline VW LoadW(const float* p) {
   return v;
 }
 
-// kW int8 values of an int8 cache, widened to floats (exactly: |x| <= 127).
-typedef int8_t I8W __attribute__((vector_size(kW)));
-
+// kW int8 values of an int8 cache, widened to floats (exactly: |x| <= 127):
+// one sign-extending load (vpmovsxbd) and one conversion (vcvtdq2ps) per
+// vector. Written with intrinsics because GCC 12 lowers the same thing
+// spelt as __builtin_convertvector (int8 -> float, or int8 -> int32 ->
+// float) to a scalar conversion or scalar shifts per lane (seen in the
+// disassembly), which made the int8 loops 2.5x slower than the float32 ones.
 inline VW LoadW(const int8_t* p) {
-  I8W v;
-  std::memcpy(&v, p, sizeof v);
-  return __builtin_convertvector(v, VW);
+#if defined(__AVX512F__)
+  return reinterpret_cast<VW>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<VW>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  VW v;
+  for (int i = 0; i < kW; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
 }
 
 // Whether KV is an int8 cache's element (scales to apply) or float32.
