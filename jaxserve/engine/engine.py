@@ -50,7 +50,7 @@ from jaxserve.engine.score_processor import ScoreProcessor
 from jaxserve.engine.step_inputs import sampling_row, seq_work, structured_masks
 from jaxserve.engine.step_modes import choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
-from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams
 
@@ -218,10 +218,17 @@ class Engine:
         request_class: RequestClass | str = RequestClass.BATCH,
         priority: int = 0,
         deadline: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> None:
         """Queue a request. Raises :class:`RequestError` (with a public error
         code) when it can never run: bad parameters, an over-long prompt, a
-        duplicate id, an expired deadline."""
+        duplicate id, an expired deadline, a ``prior`` output it cannot have
+        produced.
+
+        ``prior``: output an earlier run of this request produced (a worker
+        that died mid-generation saved it). It is computed with the prompt
+        and generation goes on after it, as the earlier run would have gone
+        on (``_resume``); the first output's ``new_text`` carries its text."""
         params = params or SamplingParams()
         params.validate()
         vocab = self.model_config.vocab_size
@@ -244,6 +251,7 @@ class Engine:
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._seed_rng.getrandbits(31))
         constraint = None if params.structured is None else self.structured.start(params.structured)
+        state, output_ids = self._resume(request_id, params, prompt_ids, prior, constraint)
         request = Request(
             request_id,
             prompt_ids,
@@ -252,8 +260,8 @@ class Engine:
             priority=priority,
             deadline=deadline,
             cache_salt=self._cache_salt(len(prompt_ids)),
+            output_token_ids=output_ids,
         )
-        state = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
         # The scheduler refuses duplicate ids, empty prompts, over-long requests
         # (context_length_exceeded) and a full waiting line (overloaded). After
         # it accepts, nothing here can fail: no half-admitted request.
@@ -263,6 +271,48 @@ class Engine:
         if constraint is not None:
             self._constraints[request_id] = constraint
         self._metrics[request_id] = {"arrival": time.monotonic()}
+
+    def _resume(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        prior: PriorOutput | None,
+        constraint: Constraint | None,
+    ) -> tuple[OutputState, list[int]]:
+        """A new request's output state, and the output it starts with: the
+        ``prior`` tokens up to (not including) the first that would end it
+        (a stop id, a stop string, ``max_tokens``), which it samples again.
+        Everything that depends on the output so far reads these tokens as
+        its own: the scheduler computes them with the prompt and counts
+        them as output, the sampler's seeded stream goes on at their count
+        (``SamplingRow.output_index``), the penalties see them in the
+        history, the grammar's matcher has consumed them (checked here), and
+        their logprobs come back in the final output."""
+        state = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
+        if prior is None or not prior.token_ids:
+            return state, []
+        ids = list(prior.token_ids)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError("invalid_request", f"prior output token ids out of range [0, {vocab}): {bad[:5]}")
+        logprobs = prior.logprobs if params.logprobs else None
+        top = prior.top_logprobs if params.logprobs and params.top_logprobs else None
+        if (logprobs is not None and len(logprobs) != len(ids)) or (top is not None and len(top) != len(ids)):
+            raise RequestError("invalid_request", f"request {request_id!r}: prior logprobs do not match its tokens")
+        if params.logprobs and (logprobs is None or (params.top_logprobs and top is None)):
+            raise RequestError("invalid_request", f"request {request_id!r} asks for logprobs its prior output lacks")
+        taken = state.resume(ids, logprobs, top)
+        if taken < len(ids):  # a token that ends it: replay the ones before it on a fresh state
+            ids = ids[:taken]
+            state = OutputState(self.tokenizer, params, self.eos_token_ids, prompt_ids)
+            state.resume(ids, None if logprobs is None else logprobs[:taken], None if top is None else top[:taken])
+        if constraint is not None:
+            constraint.catch_up(ids)
+            if constraint.error is not None:
+                raise RequestError("invalid_request", f"request {request_id!r}: prior output {constraint.error}")
+        return state, ids
 
     def add_score_request(
         self,

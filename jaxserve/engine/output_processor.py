@@ -84,6 +84,32 @@ class OutputState:
             self.finish_reason = "length"
         return TokenVerdict(True, self._release(final=self.finish_reason is not None), self.finish_reason)
 
+    def resume(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
+    ) -> int:
+        """Take output an earlier run of the request produced (``PriorOutput``)
+        as if each token had just come: detokenized, counted toward
+        ``max_tokens``, checked against the stop strings. Stops before a
+        token that would end the request (the request samples it again,
+        and ends then); returns how many were taken. Their text is not
+        released here: the next delta carries it, so a request's deltas
+        still concatenate to its whole text."""
+        taken = 0
+        for i, token in enumerate(token_ids):
+            verdict = self.add_token(
+                int(token),
+                None if logprobs is None else logprobs[i],
+                None if top_logprobs is None else [(int(t), float(lp)) for t, lp in top_logprobs[i]],
+            )
+            if verdict.finish_reason is not None:
+                break
+            taken += 1
+        self.emitted = 0
+        return taken
+
     def force_finish(self, reason: FinishReason) -> str:
         """End the request for a reason decided elsewhere (``max_model_len``);
         returns the text still held back."""
@@ -112,6 +138,10 @@ class OutputState:
             completion_tokens=len(self.token_ids),
             metrics=metrics,
         )
+        if self.params.logprobs and new_ids:
+            out.new_logprobs = self.logprobs[-len(new_ids) :]
+            if self.params.top_logprobs:
+                out.new_top_logprobs = self.top_logprobs[-len(new_ids) :]
         if finish is not None:
             metrics["finished"] = now
             out.text = self.text

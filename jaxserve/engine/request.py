@@ -76,6 +76,7 @@ class Request:
         arrival_time: float | None = None,
         deadline: float | None = None,
         cache_salt: object = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("invalid_request", f"request_id must be a non-empty string, got {request_id!r}")
@@ -98,8 +99,11 @@ class Request:
         self.deadline = None if deadline is None else float(deadline)
         self.cache_salt = cache_salt
 
-        self.output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(prompt)
+        # Output produced before (a run that ended before finishing it:
+        # Engine.add_request's ``prior``): computed with the prompt, as a
+        # preempted request's output is.
+        self.output_token_ids: list[int] = [int(t) for t in output_token_ids]
+        self._all_token_ids: list[int] = prompt + self.output_token_ids
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
@@ -115,7 +119,7 @@ class Request:
         # index in all_token_ids of the one output token still on the device, if any
         self.pending_index: int | None = None
         # set by the first output token and never cleared (see is_expired)
-        self.has_produced_output = False
+        self.has_produced_output = bool(self.output_token_ids)
         # Label scoring (Engine.add_score_request). A *prefill-only* request
         # computes its tokens and stops: no sampling (a scoring job's prompt).
         # A *scoring* request never samples either: every position from

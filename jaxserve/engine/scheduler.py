@@ -143,8 +143,12 @@ class Scheduler:
         ``max_tokens`` over ``max_model_len``) or ``overloaded`` (retryable:
         the waiting queue is at ``max_num_waiting``).
         """
-        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+        # A request may come with output of an earlier run (Request's
+        # ``output_token_ids``): computed with its prompt, like a preempted one's.
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
+        if request.num_output_tokens >= request.max_tokens:
+            raise ValueError(f"request {request.request_id!r} has its max_tokens of output already")
         rid = request.request_id
         if rid in self.requests:
             raise RequestError(

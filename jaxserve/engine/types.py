@@ -49,6 +49,21 @@ class EngineBroken(RuntimeError):
     recognise it without loading the engine."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PriorOutput:
+    """Output a request produced before, on a run that ended without
+    finishing it (a worker that died: ``Engine.add_request(prior=...)``).
+    The new run computes these tokens as it computes its prompt, then goes
+    on sampling from there as the first run would have: they count toward
+    ``max_tokens``, stop strings, the penalties' history, a structured
+    output's grammar and the seeded stream's position. ``logprobs`` and
+    ``top_logprobs`` are theirs, for a request that asks for them."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+
 @dataclasses.dataclass
 class RequestOutput:
     """One request's progress after a step.
@@ -72,6 +87,10 @@ class RequestOutput:
     #: per completion token, its ``top_logprobs`` most likely alternatives as
     #: ``(token id, logprob)``, most likely first (``SamplingParams.top_logprobs``)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: what this step added to ``logprobs`` and ``top_logprobs`` (one entry per
+    #: new token id), for a request that asks for them
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
     #: label scoring (``Engine.add_score_request``): each label's summed token
     #: log-probabilities, in the labels' order
     label_logprobs: list[float] | None = None
