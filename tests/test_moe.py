@@ -363,3 +363,45 @@ def test_tensor_parallel_splits_each_expert_and_gives_the_same_logits():
         assert r["shards"]["experts_down"] == [[X, E, I // n]] * n
         assert r["same_argmax"]
         assert r["max_diff"] <= 1e-5 * r["scale"], r
+
+
+PORTABLE_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from jaxserve.kernels import cpu
+from jaxserve.models import quant
+assert cpu.available()
+from test_moe import FAMILIES, _weights, _inputs, _quantized, _run, per_pair
+for family in ("qwen3_moe", "gpt_oss"):
+    m = FAMILIES[family]
+    w = _weights(m, 96, seed=1)
+    for T in (1, 17):
+        x = _inputs(T, 96, seed=T)
+        ref = per_pair(x, w, m)
+        np.testing.assert_allclose(_run("cpu", x, w, m), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        for kind in quant.KINDS:
+            wq = _quantized(w, kind)
+            ref = _run("loop", x, wq, m)
+            np.testing.assert_allclose(_run("cpu", x, wq, m), ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+print("portable ok")
+"""
+
+
+@needs_kernel
+def test_the_portable_build_equals_the_other_paths():
+    """What a CPU without AVX-512 VNNI compiles (AVX2-only EPYCs among them):
+    the same integer dots and per-(row, token) sums in plain loops, built in
+    a child process with ``-mno-avx512vnni``."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, JAXSERVE_CPU_KERNEL_CFLAGS="-mno-avx512vnni")
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHILD, tests], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "portable ok" in proc.stdout
