@@ -73,6 +73,16 @@ class EngineMetrics:
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", labels, registry=r)
         self.engine_steps = Counter("jaxserve_engine_steps", "Engine iterations", labels, registry=r)
+        # speculative decoding (vLLM's spec_decode_* counters)
+        self.spec_decode_num_drafts = Counter(
+            "jaxserve_spec_decode_num_drafts", "Sequences' steps that carried guessed tokens", labels, registry=r
+        )
+        self.spec_decode_num_draft_tokens = Counter(
+            "jaxserve_spec_decode_num_draft_tokens", "Guessed tokens verified", labels, registry=r
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            "jaxserve_spec_decode_num_accepted_tokens", "Guessed tokens the model kept", labels, registry=r
+        )
         # Latencies, by queue class (interactive | batch). The worker observes
         # them per job (observe_job, observe_tokens): it knows the class.
         qlabels = ["model_name", "queue"]
@@ -212,6 +222,9 @@ class EngineMetrics:
             self.prompt_tokens,
             self.generation_tokens,
             self.engine_steps,
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
             self.step_errors,
             self.kv_cache_bytes,
             self.model_load_seconds,
@@ -239,6 +252,9 @@ class EngineMetrics:
             "prefix_queries": self.prefix_cache_queries.labels(m),
             "prefix_hits": self.prefix_cache_hits.labels(m),
             "steps": self.engine_steps.labels(m),
+            "drafts": self.spec_decode_num_drafts.labels(m),
+            "draft_tokens": self.spec_decode_num_draft_tokens.labels(m),
+            "accepted_tokens": self.spec_decode_num_accepted_tokens.labels(m),
             "generation": self.generation_tokens.labels(m),
             "prompt": self.prompt_tokens.labels(m),
         }
@@ -282,6 +298,9 @@ class EngineMetrics:
             c["prefix_queries"].inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
             c["prefix_hits"].inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
             c["steps"].inc(max(0, stats.num_steps - last.num_steps))
+            for name in ("drafts", "draft_tokens", "accepted_tokens"):  # (an engine stand-in's stats may lack them)
+                grown = getattr(stats, f"num_{name}", 0) - getattr(last, f"num_{name}", 0)
+                c[name].inc(max(0, grown))
         self._last_stats = stats
 
     def record_outputs(self, outputs: Iterable) -> None:

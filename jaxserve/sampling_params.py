@@ -28,6 +28,9 @@ SEED_MAX = 2**64 - 1
 #: float32's largest finite value and smallest positive normal value.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38
+#: most guessed tokens a request may ask for per step (speculative decoding;
+#: the engine's ``num_speculative_tokens`` caps it further)
+MAX_SPECULATIVE_TOKENS = 64
 _COLLECTIONS = (list, tuple, set, frozenset)
 
 
@@ -97,6 +100,11 @@ class SamplingParams:
     top_logprobs: int = 0
     #: constrain the output (JSON Schema, regex, choice, grammar); None: free text
     structured: StructuredOutput | None = None
+    #: speculative decoding for this request: at most this many guessed tokens
+    #: per step (0: none); None: the engine's ``num_speculative_tokens``. It
+    #: changes how fast the output comes, never the output
+    #: (``jaxserve.engine.speculative``)
+    num_speculative_tokens: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -171,6 +179,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a boolean, got {getattr(self, name)!r}")
         integer("top_logprobs", 0, 20)
+        if self.num_speculative_tokens is not None:
+            integer("num_speculative_tokens", 0, MAX_SPECULATIVE_TOKENS)
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutput):
                 raise bad(f"structured must be a StructuredOutput, got {self.structured!r}")

@@ -243,7 +243,9 @@ def test_block_major_decode_steps_equal_alone(checkpoint, alone):
     """Four sequences decoding together fill a cache sized for them: decode
     steps run block-major attention (every cache block against its owner's
     query; the pure-JAX kernel's path, so asked for by name: the CPU's
-    default is the C++ kernel), and every output equals the request run alone."""
+    default is the C++ kernel), and every output equals the request run alone.
+    Without speculative decoding: block-major steps take one token per
+    sequence, and guesses make more."""
     engine = Engine(
         EngineArgs(
             model=str(checkpoint),
@@ -253,6 +255,7 @@ def test_block_major_decode_steps_equal_alone(checkpoint, alone):
             block_size=16,
             enable_prefix_caching=False,
             attention_backend="reference",
+            num_speculative_tokens=0,
         )
     )
     engine.warmup()
@@ -486,11 +489,11 @@ def test_batch_prompts_capped_beside_interactive_work_equal_alone(checkpoint, al
                 assert out.error is None, out.error
                 got[out.request_id] = out.token_ids
     assert got == {f"r{i}": alone[f"r{i}"] for i in range(len(prompts))}
-    batch_prompt_tokens = [
+    batch_prompt_tokens = [  # (a decode's guessed tokens, speculative decoding, are no prompt tokens)
         sum(
-            s.num_scheduled_tokens
+            s.num_scheduled_tokens - len(s.draft_token_ids)
             for s in plan.scheduled
-            if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens > 1
+            if int(s.request_id[1:]) not in interactive and s.num_scheduled_tokens - len(s.draft_token_ids) > 1
         )
         for plan in plans
         if any(int(s.request_id[1:]) in interactive for s in plan.scheduled)

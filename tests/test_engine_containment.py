@@ -32,6 +32,9 @@ def _engine(checkpoint, async_scheduling: bool) -> Engine:
     # prompt has produced tokens), so the batch prompt and step caps beside
     # interactive work are off: they follow the wall clock for two seconds
     # after a test with interactive requests and would move those steps.
+    # The async engine runs without speculative decoding, so that its steps
+    # overlap (a row about to be guessed for is planned after its token is
+    # fetched); the sync one guesses, so failed steps carry guesses too.
     engine = Engine(
         EngineArgs(
             model=str(checkpoint),
@@ -42,6 +45,7 @@ def _engine(checkpoint, async_scheduling: bool) -> Engine:
             async_scheduling=async_scheduling,
             interactive_batch_prefill_tokens=0,
             interactive_step_tokens=0,
+            num_speculative_tokens=0 if async_scheduling else EngineArgs().num_speculative_tokens,
         )
     )
     engine.warmup()

@@ -58,6 +58,7 @@ CHANGED: dict[str, tuple[object, dict]] = {
     "logprobs": (True, {"top_logprobs": 3}),
     "top_logprobs": (3, {"logprobs": True}),
     "structured": (StructuredOutput("regex", "a+"), {}),
+    "num_speculative_tokens": (0, {}),
 }
 
 #: fields the sampler does not read, and who does
@@ -66,6 +67,7 @@ READ_ELSEWHERE = {
     "stop": "the output processor (OutputState) ends a request at a stop string",
     "stop_token_ids": "the output processor (OutputState) ends a request at a stop id",
     "ignore_eos": "the output processor (OutputState) does not stop at EOS",
+    "num_speculative_tokens": "the scheduler's drafter (how many guessed tokens a step verifies, never which tokens come)",
 }
 
 

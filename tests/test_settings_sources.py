@@ -84,6 +84,7 @@ def test_scheduler_config_carries_every_shared_field():
         interactive_batch_prefill_tokens=5,
         interactive_recent_s=0.5,
         interactive_step_tokens=7,
+        num_speculative_tokens=2,
     )
     assert set(changed) == set(SHARED)
     assert all(value != ENGINE_FIELDS[name].default for name, value in changed.items())

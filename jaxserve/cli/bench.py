@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option, speculative_options
 
 
 @click.group()
@@ -35,6 +35,7 @@ def bench() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @quantization_option
 @kv_cache_dtype_option("offline")
+@speculative_options("offline")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @engine_option(
@@ -54,6 +55,8 @@ def offline(
     dtype,
     quantization,
     kv_cache_dtype,
+    num_speculative_tokens,
+    speculative_method,
     seed,
     as_json,
     tensor_parallel_size,
@@ -74,6 +77,8 @@ def offline(
             dtype=None if dtype == "auto" else dtype,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_method=speculative_method,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max(input_len + output_len, 64),
@@ -111,6 +116,7 @@ def offline(
         "tensor_parallel_size": tensor_parallel_size,
         "attention": llm.engine.attention.kernel,
         "quantization": quantization,
+        "num_speculative_tokens": num_speculative_tokens,
     }
     if as_json:
         click.echo(orjson.dumps(result).decode())

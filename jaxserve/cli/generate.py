@@ -8,7 +8,7 @@ import click
 import orjson
 
 from jaxserve.cli.errors import user_errors
-from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option, speculative_options
 
 
 @click.command()
@@ -22,6 +22,7 @@ from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantizat
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True)
 @quantization_option
 @kv_cache_dtype_option("offline")
+@speculative_options("offline")
 @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message and render the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text and token_ids.")
 @engine_option(
@@ -43,6 +44,8 @@ def generate(
     dtype,
     quantization,
     kv_cache_dtype,
+    num_speculative_tokens,
+    speculative_method,
     chat,
     as_json,
     tensor_parallel_size,
@@ -61,6 +64,8 @@ def generate(
             dtype=None if dtype == "auto" else dtype,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            num_speculative_tokens=num_speculative_tokens,
+            speculative_method=speculative_method,
             max_num_seqs=1,
             tensor_parallel_size=tensor_parallel_size,
         )

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from jaxserve.engine.args import KV_CACHE_DTYPES, ProfileName, profile_values
+from jaxserve.engine.speculative import SPECULATIVE_METHODS
 
 #: ``--quantization`` of ``generate``, ``bench offline`` and ``worker``; the
 #: choices are :data:`jaxserve.models.quant.QUANTIZATIONS` (spelled out here:
@@ -38,6 +39,41 @@ def kv_cache_dtype_option(profile: ProfileName, forward_unset: bool = False) -> 
         type=click.Choice(list(KV_CACHE_DTYPES)),
         help=KV_CACHE_DTYPE_HELP,
     )
+
+
+#: ``--num-speculative-tokens`` / ``--speculative-method`` (vLLM's names) of
+#: ``generate``, ``bench offline`` and ``worker``
+NUM_SPECULATIVE_TOKENS_HELP = (
+    "Speculative decoding: most guessed tokens a sequence carries into one engine step, verified there by the "
+    "model (the output is the one without them; 0 turns it off). Guesses are made where they pay for the bigger "
+    "step: copying from the prompt, repeats, a grammar's forced tokens."
+)
+SPECULATIVE_METHOD_HELP = (
+    "Where guesses come from: ngram (the sequence's last tokens matched earlier in its prompt and output; under "
+    "a grammar, the tokens it forces)."
+)
+
+
+def speculative_options(profile: ProfileName, forward_unset: bool = False) -> Any:
+    """``--num-speculative-tokens`` and ``--speculative-method`` with
+    ``profile``'s defaults (``engine_option``)."""
+    tokens = engine_option(
+        "--num-speculative-tokens",
+        field="num_speculative_tokens",
+        profile=profile,
+        forward_unset=forward_unset,
+        type=click.IntRange(min=0),
+        help=NUM_SPECULATIVE_TOKENS_HELP,
+    )
+    method = engine_option(
+        "--speculative-method",
+        field="speculative_method",
+        profile=profile,
+        forward_unset=forward_unset,
+        type=click.Choice(list(SPECULATIVE_METHODS)),
+        help=SPECULATIVE_METHOD_HELP,
+    )
+    return lambda command: tokens(method(command))
 
 
 def engine_option(*decls: str, field: str, profile: ProfileName, forward_unset: bool = False, **attrs: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option
+from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option, speculative_options
 from jaxserve.cli.price_options import price_options, prices_from_options
 from jaxserve.cli.queue_options import amqp_option, prefix_option
 from jaxserve.engine.args import profile_values
@@ -59,6 +59,7 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None, help="Default: the checkpoint's.")
 @quantization_option
 @kv_cache_dtype_option("serve", forward_unset=True)
+@speculative_options("serve", forward_unset=True)
 @_serve_option(
     "--interactive-reserved-seqs",
     field="interactive_reserved_seqs",
@@ -271,6 +272,8 @@ def worker(
     dtype: str | None,
     quantization: str | None,
     kv_cache_dtype: str | None,
+    num_speculative_tokens: int | None,
+    speculative_method: str | None,
     interactive_reserved_seqs: int | None,
     policy: str | None,
     interactive_batch_prefill_tokens: int | None,
@@ -330,6 +333,8 @@ def worker(
         dtype=dtype,
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
+        num_speculative_tokens=num_speculative_tokens,
+        speculative_method=speculative_method,
         interactive_reserved_seqs=interactive_reserved_seqs,
         policy=policy,
         interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,

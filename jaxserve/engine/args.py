@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from jaxserve.engine.config import SchedulerConfig
+    from jaxserve.engine.speculative import SpeculativeConfig
 
 #: the profiles :data:`PROFILES` names
 ProfileName = Literal["engine", "offline", "serve"]
@@ -108,6 +109,22 @@ class EngineArgs:
       ``jaxserve.models.sharding``); it must divide the model's kv heads.
       ``kv_cache_memory`` and the derived cache size are totals over those
       devices.
+    - ``num_speculative_tokens`` / ``speculative_method`` /
+      ``prompt_lookup_max`` / ``prompt_lookup_min`` (vLLM's names):
+      speculative decoding (``jaxserve.engine.speculative``). A decoding
+      sequence may carry up to ``num_speculative_tokens`` guessed tokens
+      into a step, verified there by the model: the output is the one
+      decoding without them gives (greedy token for token, sampled from
+      the same distribution, a seeded job the same text). ``ngram``, the
+      one method: the sequence's last ``prompt_lookup_max`` down to
+      ``prompt_lookup_min`` tokens matched earlier in its prompt and
+      output, the tokens after the match guessed, and under a grammar the
+      tokens it forces. A step carries guesses only where their expected
+      yield pays for the bigger step; rows without a match decode as
+      usual. On by default (4); 0 turns it off, and a job turns it off or
+      lowers it with ``SamplingParams.num_speculative_tokens``. The step's
+      logits rows (``SchedulerConfig.max_num_logits_rows``) grow with it,
+      so the sampling programs are compiled for more rows.
     """
 
     model: str = "tiny"
@@ -136,6 +153,10 @@ class EngineArgs:
     served_model_name: str | None = None
     attention_backend: Literal["auto", "reference", "pallas", "cpu"] = "auto"
     tensor_parallel_size: int = 1
+    num_speculative_tokens: int = 4
+    speculative_method: Literal["ngram"] = "ngram"
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         from jaxserve.kernels.backends import BACKENDS
@@ -147,6 +168,7 @@ class EngineArgs:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        self.speculative_config().validate()
         from jaxserve.models.quant import check_quantization
 
         check_quantization(self.quantization)
@@ -163,6 +185,17 @@ class EngineArgs:
         values = profile_values(profile, max_num_seqs=overrides.get("max_num_seqs"))
         values.update(overrides)
         return cls(**values)
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """The drafter's settings (``jaxserve.engine.speculative``)."""
+        from jaxserve.engine.speculative import SpeculativeConfig
+
+        return SpeculativeConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            method=self.speculative_method,
+            prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
+        )
 
     def scheduler_config(self, *, max_model_len: int, num_blocks: int) -> SchedulerConfig:
         """The scheduler's configuration: every ``SchedulerConfig`` field

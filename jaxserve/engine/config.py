@@ -91,6 +91,11 @@ class SchedulerConfig:
       bucket, so a cap at a bucket size is the one that pays); the batch
       decodes beyond the cap wait a step, served least recently first, so
       each advances in turn.
+    - ``num_speculative_tokens``: most guessed tokens a decoding sequence
+      carries into one step (speculative decoding,
+      ``jaxserve.engine.speculative``; 0: none). Guesses are planned last,
+      in the budget, logits rows and blocks the step leaves, so they never
+      delay a prompt or preempt anyone.
     """
 
     max_num_seqs: int = _engine("max_num_seqs")
@@ -108,6 +113,7 @@ class SchedulerConfig:
     interactive_batch_prefill_tokens: int = _engine("interactive_batch_prefill_tokens")
     interactive_recent_s: float = _engine("interactive_recent_s")
     interactive_step_tokens: int = _engine("interactive_step_tokens")
+    num_speculative_tokens: int = _engine("num_speculative_tokens")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -115,6 +121,16 @@ class SchedulerConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return _cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def max_num_logits_rows(self) -> int:
+        """Rows of logits one step may sample or score: one per sequence,
+        and with speculative decoding one more per guessed token
+        (``num_speculative_tokens`` per sequence at most, within the step's
+        token budget). The runner's programs are compiled for this many."""
+        if not self.num_speculative_tokens:
+            return self.max_num_seqs
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
     def validate(self) -> None:
         _require_int("max_num_seqs", self.max_num_seqs, 1)
@@ -128,6 +144,7 @@ class SchedulerConfig:
         _require_int("max_num_waiting", self.max_num_waiting, 0)
         _require_int("interactive_batch_prefill_tokens", self.interactive_batch_prefill_tokens, 0)
         _require_int("interactive_step_tokens", self.interactive_step_tokens, 0)
+        _require_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         recent = self.interactive_recent_s
         if isinstance(recent, bool) or not isinstance(recent, (int, float)) or not 0 <= recent < float("inf"):
             raise ValueError(f"interactive_recent_s must be a finite number of seconds >= 0, got {recent!r}")

@@ -47,7 +47,8 @@ from jaxserve.engine.request import PENDING_TOKEN, Request, RequestStatus
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.score_processor import ScoreProcessor
-from jaxserve.engine.step_inputs import sampling_row, seq_work, structured_masks
+from jaxserve.engine.speculative import Drafter, accepted_run
+from jaxserve.engine.step_inputs import draft_masks, draft_rows, sampling_row, seq_work, structured_masks
 from jaxserve.engine.step_modes import choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
 from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
@@ -135,13 +136,22 @@ class Engine:
             max_num_batched_tokens=max_batched,
             max_model_len=self.max_model_len,
             cache_dtype=cache_dtype,
+            max_logits_rows=self.scheduler_config.max_num_logits_rows,
         )
         self._states: dict[str, OutputState] = {}
         # Structured output: the grammars (compiled once per distinct
         # constraint) and each constrained request's matcher.
         self.structured = StructuredBackend(folder / "tokenizer.json", cfg.vocab_size, self.eos_token_ids)
         self._constraints: dict[str, Constraint] = {}
-        self._top: dict[str, list[tuple[int, float]]] = {}  # top_logprobs of collected, unprocessed tokens
+        # top_logprobs of collected, unprocessed tokens: per request, one list per new token
+        self._top: dict[str, list[list[tuple[int, float]]]] = {}
+        # Speculative decoding (num_speculative_tokens > 0): the scheduler asks
+        # the drafter for guesses, collect() keeps those the model agrees with.
+        spec = args.speculative_config()
+        self.drafter: Drafter | None = None
+        if spec.num_speculative_tokens:
+            self.drafter = Drafter(spec, self.runner.buckets.tokens, self._constraints, self._stop_ids)
+            self.scheduler.drafter = self.drafter
         self.num_computed_tokens = 0  # tokens computed by every step (prefix-cache hits excluded)
         # Every request not yet reported finished, by id (the scheduler forgets
         # a request when it finishes it; recovery from a failed step may have
@@ -396,6 +406,13 @@ class Engine:
         self.containment.clear(request_id)
         self._constraints.pop(request_id, None)
         self._top.pop(request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
+
+    def _stop_ids(self, request_id: str) -> set[int]:
+        """The tokens that end ``request_id`` (none once it is forgotten)."""
+        state = self._states.get(request_id)
+        return state.stop_ids if state is not None else set()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -464,12 +481,15 @@ class Engine:
         step reads them there, ``step_modes.OverlappedStep``)."""
         now = time.monotonic()
         masks = structured_masks(self.structured, plan, self.scheduler.requests, self._constraints)
+        guess_masks = draft_masks(self.structured, plan, self.scheduler.requests, self._constraints)
         feed = None if prev is None else prev.feed()
         work = []
         for s in plan.scheduled:
             req = cast(Request, self.scheduler.get_request(s.request_id))  # scheduled: it is there
             self._metrics[s.request_id].setdefault("first_scheduled", now)
             w = seq_work(s, sampling_row(req, masks.get(s.request_id)) if s.sample else None, feed)
+            if s.draft_token_ids:  # speculative decoding: a sampled row after each guess
+                w.draft_rows = draft_rows(req, s.draft_token_ids, guess_masks.get(s.request_id))
             if self.runner.long_rope_original is not None:  # longrope: one factor set per request (families/phi3.py)
                 w.long_rope_from = 0 if req.cache_salt == self._long_rope_salt else self.max_model_len
             work.append(w)
@@ -497,17 +517,85 @@ class Engine:
         plan, result = in_flight.plan, in_flight.result
         sampling = in_flight.sampling_ids
         self._fault_point("fetch", [s.request_id for s in plan.scheduled])
-        sampled, sampled_logprobs = by_request(sampling, *result.fetch())
-        self._keep_top(sampling, result.fetch_top())
+        tokens, logprobs = result.fetch()
+        top = result.fetch_top()
+        runs: dict[str, list[int]] = {}
+        run_logprobs: dict[str, list[float]] = {}
+        if in_flight.drafted:
+            sampled, sampled_logprobs = self._verify(plan, tokens, logprobs, top, runs, run_logprobs)
+        else:
+            sampled, sampled_logprobs = by_request(sampling, tokens, logprobs)
+            if top is not None:
+                self._keep_top([(rid, [row]) for row, rid in enumerate(sampling)], top)
         scores = result.fetch_scores()
         if pending is None:
-            finished_by_length = set(self.scheduler.update_from_output(plan, sampled))
+            finished_by_length = set(self.scheduler.update_from_output(plan, {**sampled, **runs} if runs else sampled))
         else:
             pending.resolve(sampled)
             finished_by_length = pending.finished_by_length
         self.scores.record(plan, scores)  # (a feedable step has no score rows; parents may park)
         self._finish_stopped(sampled, finished_by_length)
-        return Collected(sampled, sampled_logprobs, finished_by_length)
+        return Collected(sampled, sampled_logprobs, finished_by_length, runs, run_logprobs)
+
+    def _verify(
+        self,
+        plan: SchedulerOutput,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        top: tuple[np.ndarray, np.ndarray] | None,
+        runs: dict[str, list[int]],
+        run_logprobs: dict[str, list[float]],
+    ) -> tuple[dict[str, int], dict[str, float]]:
+        """Speculative decoding's verdicts on a step whose rows carried
+        guesses: each row sampled after its last known token and after each
+        guess, as if the guesses were its output; a guess is kept while it
+        equals the sample before it (``speculative.accepted_run``). Fills
+        ``runs`` (and their log-probabilities) for the rows that carried
+        guesses, and returns every sampling request's last token as
+        ``by_request`` does. Greedy, a kept guess is the argmax there; sampled,
+        it is the seeded draw of that position (``fold_in(seed,
+        output_index)``), so a seeded job's tokens are those it draws without
+        guesses, and each position's token comes from the target
+        distribution whatever was guessed."""
+        ids, lps = np.asarray(tokens).tolist(), np.asarray(logprobs).tolist()
+        sampled: dict[str, int] = {}
+        sampled_logprobs: dict[str, float] = {}
+        rows: list[tuple[str, list[int]]] = []
+        row = 0
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            rid, guesses = s.request_id, s.draft_token_ids
+            candidates = ids[row : row + 1 + len(guesses)]
+            run = accepted_run(candidates, guesses, self._stop_ids(rid))
+            if guesses:
+                kept = 0
+                while kept < len(guesses) and candidates[kept] == guesses[kept]:
+                    kept += 1
+                if self.drafter is not None:
+                    self.drafter.verified(rid, len(guesses), kept)
+                runs[rid] = run
+                run_logprobs[rid] = lps[row : row + len(run)]
+            sampled[rid] = run[-1]
+            sampled_logprobs[rid] = lps[row + len(run) - 1]
+            rows.append((rid, list(range(row, row + len(run)))))
+            row += 1 + len(guesses)
+        self._keep_top(rows, top)
+        return sampled, sampled_logprobs
+
+    def wants_drafts(self, in_flight: InFlight) -> bool:
+        """Whether a sampling row of the in-flight step is likely to carry
+        guesses in its next step (its known tokens end in an earlier match
+        whose guesses it has been keeping): then that step is planned after
+        the in-flight tokens are fetched, since a row whose last token is
+        still on the device cannot be guessed for (``step_modes.choose``)."""
+        if self.drafter is None:
+            return False
+        for rid in in_flight.sampling_ids:
+            req = self.scheduler.get_request(rid)
+            if req is not None and self.drafter.may_propose(req):
+                return True
+        return False
 
     def process(self, collected: Collected) -> list[RequestOutput]:
         """Detokenize collected tokens, apply stop strings, build outputs
@@ -525,7 +613,7 @@ class Engine:
         outputs = []
         now = time.monotonic()
         finished_by_length = collected.finished_by_length
-        for request_id, token in collected.sampled.items():
+        for request_id in collected.sampled:
             state = self._states.get(request_id)
             if state is None:  # aborted while the step ran
                 continue
@@ -537,19 +625,27 @@ class Engine:
                 if constraint is not None and constraint.error is not None:
                     outputs.append(self._fail_structured(request_id, state, constraint.error))
                     continue
-                verdict = state.add_token(
-                    token,
-                    collected.logprobs[request_id] if state.params.logprobs else None,
-                    self._top.pop(request_id, None),
-                )
-                finish = verdict.finish_reason
+                # one token, or a speculative row's run (cut where it finishes)
+                logprobs = collected.token_logprobs(request_id) if state.params.logprobs else None
+                top = self._top.pop(request_id, None)
+                delta, new_ids, finish = "", [], None
+                for i, new in enumerate(collected.tokens(request_id)):
+                    verdict = state.add_token(
+                        new, None if logprobs is None else logprobs[i], None if top is None else top[i]
+                    )
+                    delta += verdict.delta
+                    if verdict.accepted:
+                        new_ids.append(new)
+                    finish = verdict.finish_reason
+                    if finish is not None:
+                        break
                 if finish is None and request_id in finished_by_length:
                     finish = "length"  # max_model_len reached before max_tokens
-                    verdict.delta += state.force_finish("length")
+                    delta += state.force_finish("length")
                 elif finish is not None and request_id not in finished_by_length:
                     # A stop string (or stop id, already ended in collect: then a no-op).
                     self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-                out = self._output(request_id, state, verdict.delta, [token] if verdict.accepted else [], finish, now)
+                out = self._output(request_id, state, delta, new_ids, finish, now)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 failed = self.fail_request(request_id, exc)
                 if failed is not None:
@@ -640,17 +736,18 @@ class Engine:
             )
         return outputs
 
-    def _keep_top(self, request_ids: list[str], top) -> None:
+    def _keep_top(self, request_rows: list[tuple[str, list[int]]], top) -> None:
         """Hold the ``top_logprobs`` alternatives of collected tokens until
-        ``process_tokens`` gives them to the request's output state."""
+        ``process_tokens`` gives them to the request's output state;
+        ``request_rows``: each request's sampled rows, one per new token."""
         if top is None:
             return
         values, ids = top
-        for row, request_id in enumerate(request_ids):
+        for request_id, rows in request_rows:
             state = self._states.get(request_id)
             n = state.params.top_logprobs if state is not None and state.params.logprobs else 0
             if n:
-                self._top[request_id] = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+                self._top[request_id] = [list(zip(ids[r, :n].tolist(), values[r, :n].tolist())) for r in rows]
 
     def _fail_structured(self, request_id: str, state: OutputState, message: str) -> RequestOutput:
         """End a request whose grammar failed mid-generation (that request

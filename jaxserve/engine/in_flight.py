@@ -36,6 +36,12 @@ class InFlight:
         return [s.request_id for s in self.plan.scheduled if s.sample]
 
     @property
+    def drafted(self) -> bool:
+        """Some row of it carried guessed tokens (speculative decoding): its
+        sampled rows are more than its sampling requests."""
+        return any(s.draft_token_ids for s in self.plan.scheduled)
+
+    @property
     def feedable(self) -> bool:
         """Its tokens stay on the device, where the next step can read them
         (``StepResult.feedable``: an all-greedy step)."""
@@ -69,11 +75,25 @@ class Pending:
 @dataclasses.dataclass(frozen=True)
 class Collected:
     """A collected step: each sampling request's token and its
-    log-probability, and the requests the scheduler finished by length."""
+    log-probability, and the requests the scheduler finished by length.
+
+    A request that carried guessed tokens (speculative decoding) got a run
+    of tokens: ``runs`` holds it whole with ``run_logprobs``, and
+    ``sampled`` its last token (a stop token, when it ends on one)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, float]
     finished_by_length: set[str]
+    runs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    run_logprobs: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def tokens(self, request_id: str) -> list[int]:
+        """The request's new tokens, in order."""
+        return self.runs.get(request_id) or [self.sampled[request_id]]
+
+    def token_logprobs(self, request_id: str) -> list[float]:
+        """Their log-probabilities."""
+        return self.run_logprobs.get(request_id) or [self.logprobs[request_id]]
 
     def split(self, first: Callable[[str], bool]) -> tuple[Collected, Collected]:
         """The tokens of the requests ``first`` picks, and the rest."""

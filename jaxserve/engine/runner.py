@@ -10,7 +10,9 @@ Two compiled programs per step (forward, then sampling):
 - ``forward`` for each token bucket ``T``: embeds the flat batch, runs every
   layer over the paged cache (donated, so updated in place) and returns the
   hidden state of each sampling sequence's last token, ``[max_num_seqs,
-  hidden]`` (rows picked by ``meta.logits_indices``). In buckets of more
+  hidden]`` (rows picked by ``meta.logits_indices``; ``[max_logits_rows,
+  hidden]`` with speculative decoding, whose guessed tokens are sampled
+  rows too: ``SeqWork.draft_rows``). In buckets of more
   tokens than that, the last layer computes only those rows past its
   key/value projection (``tests/test_last_layer_pruning.py``).
 - ``sample`` for each sequence bucket ``S``: takes the first ``S`` of those
@@ -90,8 +92,9 @@ class StepResult:
     tokens: jax.Array | np.ndarray
     logprobs: jax.Array | np.ndarray
     num_sampled: int
-    #: ``tokens`` is a device array of ``max_num_seqs`` rows that the next
-    #: step can read its pending tokens from (``ModelRunner.execute``)
+    #: ``tokens`` is a device array of ``max_logits_rows`` rows that the next
+    #: step can read its pending tokens from (``ModelRunner.execute``; never
+    #: a step that sampled guesses)
     feedable: bool = False
     #: score rows' log-probabilities, in work order (see ``SeqWork.score_targets``)
     scores: Any = None
@@ -145,17 +148,32 @@ class ModelRunner:
         max_model_len: int,
         cache_dtype: Any = jnp.float32,
         buckets: Buckets | None = None,
+        max_logits_rows: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
+        #: rows of the forward's picked hidden states: sampled and scored rows,
+        #: more than sequences when speculative decoding's guesses are sampled
+        #: too (``SchedulerConfig.max_num_logits_rows``)
+        self.max_logits_rows = max(max_num_seqs, max_logits_rows or max_num_seqs)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # One sequence decoding on the C++ kernels (one device) gets a 1-token
         # program: in the 8-token bucket the matrix-vector kernel multiplies
         # every weight by seven padding tokens as well.
         single = getattr(model, "attention", REFERENCE).kernel == "cpu" and getattr(model, "mesh", None) is None
-        self.buckets = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs, single_token=single)
+        base = buckets or Buckets.build(max_num_batched_tokens, max_num_seqs, single_token=single)
+        # greedy tokens inside the forward: the decode-sized buckets (up to
+        # max_num_seqs tokens, or the smallest padded one), and with guesses
+        # the buckets up to max_logits_rows, when the step samples enough rows
+        self._plain_greedy_tokens = max(max_num_seqs, next((t for t in base.tokens if t > 1), 1))
+        self._greedy_forward_tokens = max(self._plain_greedy_tokens, self.max_logits_rows)
+        if buckets is None and self.max_logits_rows > max_num_seqs:
+            base = Buckets.build(
+                max_num_batched_tokens, max_num_seqs, single_token=single, max_logits_rows=self.max_logits_rows
+            )
+        self.buckets = base
         # The model carries its kernel choice (the cache layout it reads) and
         # its tensor-parallel mesh (jaxserve.models.sharding): the cache is
         # created in that layout, sharded on its kv heads over the mesh.
@@ -197,7 +215,7 @@ class ModelRunner:
         self.block_major_min_use = BLOCK_MAJOR_MIN_USE
         self.num_block_major_steps = 0
         # prev_tokens when nothing is pending
-        self._no_prev = jax.device_put(np.zeros(max_num_seqs, np.int32), self._replicated)
+        self._no_prev = jax.device_put(np.zeros(self.max_logits_rows, np.int32), self._replicated)
 
     # ------------------------------------------------------------------ jit
 
@@ -215,16 +233,16 @@ class ModelRunner:
         # only the sampled and scored rows go on (in programs of more tokens
         # than that, the last layer computes just them: CausalLM.__call__)
         hidden, kv_cache = forward_fn(self.graphdef, state, input_ids, positions, kv_cache, meta, meta.logits_indices)
-        rows = min(input_ids.shape[0], self.max_num_seqs)
+        rows = min(input_ids.shape[0], self.max_logits_rows)
         if not self._greedy_in_forward(input_ids.shape[0]):
-            return hidden, kv_cache, jnp.zeros(self.max_num_seqs, jnp.int32)
+            return hidden, kv_cache, jnp.zeros(self.max_logits_rows, jnp.int32)
         tokens = jax.lax.cond(
             greedy,
             lambda h: self._vocab_argmax(logits_t_fn(self.graphdef, state, h[:rows])),
             lambda h: jnp.zeros(rows, jnp.int32),
             hidden,
         )
-        return hidden, kv_cache, jnp.pad(tokens, (0, self.max_num_seqs - rows))
+        return hidden, kv_cache, jnp.pad(tokens, (0, self.max_logits_rows - rows))
 
     def _vocab_argmax(self, logits_t: jax.Array) -> jax.Array:
         """``sampler.argmax`` over the vocabulary (axis 0 of ``[V, rows]``):
@@ -236,9 +254,22 @@ class ModelRunner:
 
     def _greedy_in_forward(self, num_tokens: int) -> bool:
         """Whether the forward program of this token bucket can also pick greedy
-        tokens: the buckets a decode step uses (up to ``max_num_seqs`` tokens)."""
-        smallest_padded = next((t for t in self.buckets.tokens if t > 1), 1)  # past a single-token bucket
-        return num_tokens <= max(self.max_num_seqs, smallest_padded)
+        tokens: the buckets a decode step uses (up to ``max_num_seqs`` tokens,
+        or the smallest padded bucket; with speculative decoding up to
+        ``max_logits_rows``, where a step of guesses samples most of its
+        tokens)."""
+        return num_tokens <= self._greedy_forward_tokens
+
+    def _greedy_in_forward_pays(self, num_tokens: int, num_rows: int) -> bool:
+        """Whether a greedy step of ``num_rows`` sampled rows in this bucket
+        takes its tokens from the forward program, which computes logits for
+        ``min(num_tokens, max_logits_rows)`` rows: always in the
+        decode-sized buckets, in the larger ones only when the step samples
+        at least half of those rows (guesses), else the greedy program of
+        its sequence bucket computes fewer."""
+        if not self._greedy_in_forward(num_tokens):
+            return False
+        return num_tokens <= self._plain_greedy_tokens or 2 * num_rows >= min(num_tokens, self.max_logits_rows)
 
     def _greedy_fn(self, state, hidden, *, num_rows: int, logprobs: bool):
         """All rows greedy and unpenalized: argmax (and, with ``logprobs``, its
@@ -292,7 +323,7 @@ class ModelRunner:
             token_seq=_spec((num_tokens,), i32),
             block_tables=_spec((self.max_num_seqs + 1, self.max_blocks_per_seq), i32),
             context_lens=_spec((self.max_num_seqs + 1,), i32),
-            logits_indices=_spec((self.max_num_seqs,), i32),
+            logits_indices=_spec((self.max_logits_rows,), i32),
             block_owner=_spec((self.num_blocks,), i32),
             block_index=_spec((self.num_blocks,), i32),
             block_major=_spec((), jnp.bool_),
@@ -333,8 +364,10 @@ class ModelRunner:
             self._copy = (
                 jax.jit(self._copy_fn, donate_argnums=(0,), **copy_kw).lower(cache_spec, pairs, pairs, count).compile()
             )
+        # score rows stay within max_num_seqs (the scheduler's), guesses never score
+        score_seqs = self.buckets.seq_bucket(self.max_num_seqs)
         for s in self.buckets.seqs:
-            if s not in self._score:
+            if s not in self._score and s <= score_seqs:
                 rows = jax.ShapeDtypeStruct((s,), i32)
                 self._score[s] = scorer.lower(state_spec, hidden, rows, jax.ShapeDtypeStruct((), i32)).compile()
             if s not in self._sample:
@@ -365,7 +398,7 @@ class ModelRunner:
         ids, positions, meta, greedy flag, previous tokens, feed."""
         ids = jax.ShapeDtypeStruct((num_tokens,), jnp.int32)
         flag = jax.ShapeDtypeStruct((), jnp.bool_)
-        prev = jax.ShapeDtypeStruct((self.max_num_seqs,), jnp.int32)
+        prev = jax.ShapeDtypeStruct((self.max_logits_rows,), jnp.int32)
         return ids, ids, self._abstract_meta(num_tokens), flag, prev, ids
 
     # ----------------------------------------------------------------- step
@@ -401,6 +434,7 @@ class ModelRunner:
             max_blocks_per_seq=self.max_blocks_per_seq,
             block_size=self.block_size,
             long_rope_original=self.long_rope_original,
+            max_logits_rows=self.max_logits_rows,
         )
         if not step.has_pending:
             prev_tokens = self._no_prev
@@ -428,7 +462,12 @@ class ModelRunner:
         t_bucket, sampling_rows, num_score_rows = step.t_bucket, step.sampling_rows, step.num_score_rows
         greedy = bool(sampling_rows) and all(is_plain_greedy(r) for r in sampling_rows)
         with_logprobs = greedy and any(r.params.logprobs for r in sampling_rows)
-        in_forward = greedy and not with_logprobs and not num_score_rows and self._greedy_in_forward(t_bucket)
+        in_forward = (
+            greedy
+            and not with_logprobs
+            and not num_score_rows
+            and self._greedy_in_forward_pays(t_bucket, len(sampling_rows))
+        )
         hidden, self.kv_cache, fwd_tokens = self._forward[t_bucket](
             self.state,
             self.kv_cache,
@@ -456,7 +495,9 @@ class ModelRunner:
         if in_forward:
             fwd_tokens.copy_to_host_async()
             zeros = np.zeros(len(sampling_rows), np.float32)
-            return StepResult(tokens=fwd_tokens, logprobs=zeros, num_sampled=len(sampling_rows), feedable=True)
+            # a step's tokens feed the next one's rows one per sequence: not so with guesses
+            feedable = not any(w.draft_rows for w in work)
+            return StepResult(tokens=fwd_tokens, logprobs=zeros, num_sampled=len(sampling_rows), feedable=feedable)
         s_bucket = self.buckets.seq_bucket(len(sampling_rows))
         top = {}
         if greedy:

@@ -64,7 +64,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 from jaxserve.engine.block_allocator import BlockAllocator
@@ -73,6 +73,7 @@ from jaxserve.engine.forks import ForkTable
 from jaxserve.engine.latency_policy import LatencyPolicy
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from jaxserve.engine.speculative import Drafter
 from jaxserve.engine.types import RequestClass
 from jaxserve.engine.waiting_queue import WaitingQueue
 from jaxserve.request_error import RequestError
@@ -82,6 +83,16 @@ __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "SchedulerStats"]
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _run(sampled: int | Sequence[int] | None) -> list[int]:
+    """A step's tokens for one request: its sampled token, or the run of a
+    request that carried guessed tokens."""
+    if sampled is None:
+        return []
+    if isinstance(sampled, (list, tuple)):
+        return [int(t) for t in sampled]
+    return [int(cast(int, sampled))]
 
 
 @dataclasses.dataclass
@@ -102,9 +113,12 @@ class Scheduler:
         config: SchedulerConfig,
         allocator: BlockAllocator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
     ) -> None:
         """``clock``: seconds, for ``interactive_recent_s`` (tests pass a
-        fake one)."""
+        fake one). ``drafter``: speculative decoding's guesses
+        (``jaxserve.engine.speculative``), used when
+        ``config.num_speculative_tokens`` allows any."""
         config.validate()
         if allocator is None:
             allocator = BlockAllocator(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -132,6 +146,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self._rows_left = config.max_num_seqs  # logits rows left in the step being planned
         self.latency = LatencyPolicy(config, clock)
+        self.drafter = drafter
 
     # ------------------------------------------------------------ admission
 
@@ -216,14 +231,14 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, planned, (RequestClass.INTERACTIVE,), preempted)
         if rules.prefill_started_alone(planned):
-            return self._plan(planned, preempted)
+            return self._plan(planned, preempted, self._draft(planned, rules.step_cap))
         # no interactive prompt could start after all: the batch decodes as usual
         budget = self._plan_running(rules.held, budget, planned, preempted)
         budget = rules.batch_budget(budget, sum(n for _, n, _ in planned.values()))
         budget = self._plan_running([r for r in batch if r.num_tokens_to_compute > 1], budget, planned, preempted)
         if not preempted:
             self._admit_waiting(budget, planned, (RequestClass.BATCH,))
-        return self._plan(planned, preempted)
+        return self._plan(planned, preempted, self._draft(planned, rules.step_cap))
 
     def _plan_running(
         self, reqs: list[Request], budget: int, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]
@@ -281,29 +296,93 @@ class Scheduler:
             return n - 1 if n > 1 else 0  # stop short of the sampling position
         return n
 
-    def _plan(self, planned: dict[str, tuple[Request, int, bool]], preempted: list[Request]) -> SchedulerOutput:
-        """The step's plan from what ``schedule`` (or ``schedule_isolated``) decided."""
+    def _draft(self, planned: dict[str, tuple[Request, int, bool]], step_cap: int) -> dict[str, list[int]]:
+        """Speculative decoding's guesses for the planned sampling chunks,
+        planned last: the drafter (``jaxserve.engine.speculative``) sizes
+        them within the token budget, the logits rows and (while
+        interactive work is about) the step cap the plan leaves, and a
+        guess takes a free block only while every running request could
+        still get one next step. Blocks a guess takes stay with the request
+        (it grows into them); they are registered in the prefix cache only
+        once verified tokens fill them (``_register_full_blocks``)."""
+        cfg = self.config
+        drafter = self.drafter
+        if drafter is None or not cfg.num_speculative_tokens or not planned:
+            return {}
+        base_tokens = sum(n for _, n, _ in planned.values())
+        room = min(
+            cfg.max_num_batched_tokens - base_tokens,
+            cfg.max_num_logits_rows - (cfg.max_num_seqs - self._rows_left),
+        )
+        if step_cap:
+            room = min(room, step_cap - base_tokens)
+        if room <= 0:
+            return {}
+        proposals = []
+        base_rows = 0
+        for req, n, _ in planned.values():
+            if not req.samples or req.num_computed_tokens + n != req.num_tokens:
+                continue
+            base_rows += 1
+            # the run a step yields must stay within max_model_len
+            k = min(drafter.limit(req), cfg.max_model_len - req.num_tokens - 1)
+            proposal = drafter.propose(req, k) if k > 0 else None
+            if proposal is not None:
+                proposals.append(proposal)
+        chosen = drafter.choose(proposals, base_tokens=base_tokens, base_rows=base_rows, max_tokens=room)
+        forced = {p.request_id: p.num_forced for p in proposals}
+        bs = self.block_size
+        drafts: dict[str, list[int]] = {}
+        for rid, tokens in chosen.items():
+            req, n, _ = planned[rid]
+            end = req.num_computed_tokens + n
+            spare = max(0, self.free_blocks_for(req) - len(self.running))
+            tokens = tokens[: max(0, (len(req.block_ids) + spare) * bs - end)]
+            if not tokens:
+                continue
+            need = _cdiv(end + len(tokens), bs) - len(req.block_ids)
+            if need > 0:
+                blocks = self.allocator.allocate(need)
+                assert blocks is not None
+                req.block_ids.extend(blocks)
+            drafter.drafted(rid, tokens, forced[rid])
+            drafts[rid] = tokens
+        return drafts
+
+    def _plan(
+        self,
+        planned: dict[str, tuple[Request, int, bool]],
+        preempted: list[Request],
+        drafts: Mapping[str, list[int]] | None = None,
+    ) -> SchedulerOutput:
+        """The step's plan from what ``schedule`` (or ``schedule_isolated``)
+        decided; ``drafts``: guessed tokens appended to sampling chunks."""
         cfg = self.config
         scheduled = []
         total = 0
+        drafts = drafts or {}
         for req, n, is_new in planned.values():
             self.latency.served(req.request_id, self._step)
             start = req.num_computed_tokens
+            guess = drafts.get(req.request_id, [])
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    num_scheduled_tokens=n,
+                    num_scheduled_tokens=n + len(guess),
                     start_position=start,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=req.all_token_ids[start : start + n] + guess,
                     block_ids=list(req.block_ids),
                     sample=req.samples and start + n == req.num_tokens,
                     is_new=is_new,
                     score_targets=req.score_rows(start, n),
+                    draft_token_ids=list(guess),
                 )
             )
-            total += n
+            total += n + len(guess)
         assert total <= cfg.max_num_batched_tokens and len(scheduled) <= cfg.max_num_seqs
-        assert sum(s.num_logits_rows for s in scheduled) <= cfg.max_num_seqs
+        rows = sum(s.num_logits_rows for s in scheduled)
+        assert rows - sum(len(s.draft_token_ids) for s in scheduled) <= cfg.max_num_seqs
+        assert rows <= cfg.max_num_logits_rows
         out = SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=total,
@@ -581,7 +660,7 @@ class Scheduler:
     # ------------------------------------------------------------ results
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int | None]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int] | None]
     ) -> list[str]:
         """Apply a finished step: advance computed tokens, append sampled
         tokens, cache newly full blocks, finish requests at ``max_tokens``.
@@ -591,6 +670,13 @@ class Scheduler:
         aborted or finished since the plan are skipped. Returns the ids that
         finished by length (their blocks are already freed). Stop tokens and
         strings are the engine's call (:meth:`finish_request`).
+
+        A request that carried guessed tokens (``draft_token_ids``) gets its
+        run instead: a list of 1 to ``len(draft_token_ids) + 1`` tokens, the
+        guesses it kept and the token sampled after them. Its computed
+        tokens then count its last known token and the kept guesses only:
+        the keys and values written for rejected guesses sit past them and
+        are overwritten when those positions are computed again.
         """
         live = []
         for s in scheduler_output.scheduled:
@@ -604,14 +690,23 @@ class Scheduler:
                 )
             if s.sample and sampled_token_ids.get(s.request_id) is None:
                 raise ValueError(f"no sampled token for {s.request_id!r}, whose step was to sample one")
+            if s.sample and not 1 <= len(_run(sampled_token_ids[s.request_id])) <= len(s.draft_token_ids) + 1:
+                raise ValueError(
+                    f"{s.request_id!r} carried {len(s.draft_token_ids)} guessed tokens, so its step yields 1 to "
+                    f"{len(s.draft_token_ids) + 1} tokens, not {sampled_token_ids[s.request_id]!r}"
+                )
             live.append((req, s))
 
         finished: list[str] = []
         limit = self.config.max_model_len
         for req, s in live:
-            req.num_computed_tokens += s.num_scheduled_tokens
             if s.sample:
-                req.append_output_token(cast(int, sampled_token_ids[s.request_id]))  # not None: checked above
+                run = _run(sampled_token_ids[s.request_id])
+                req.num_computed_tokens += s.num_scheduled_tokens - len(s.draft_token_ids) - 1 + len(run)
+                for token in run:
+                    req.append_output_token(token)
+            else:
+                req.num_computed_tokens += s.num_scheduled_tokens
             self._register_full_blocks(req)
             if not req.samples:
                 if req.num_computed_tokens == req.num_tokens:
@@ -717,4 +812,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_steps=self._step,
+            num_drafts=0 if self.drafter is None else self.drafter.num_drafts,
+            num_draft_tokens=0 if self.drafter is None else self.drafter.num_draft_tokens,
+            num_accepted_tokens=0 if self.drafter is None else self.drafter.num_accepted_tokens,
         )

@@ -25,6 +25,12 @@ class ScheduledRequest:
     tokens and the step must sample one token for it from the last row.
     ``is_new`` marks the first step after admission (fresh, or resumed after
     a preemption); then ``start_position > 0`` means a prefix-cache hit.
+
+    Speculative decoding: ``draft_token_ids`` are guesses appended to a
+    sampling chunk (they end ``token_ids``, past the request's known
+    tokens); the step samples at the chunk's known last token and at each
+    guess, and the request keeps the guesses that equal what was sampled
+    (``Scheduler.update_from_output``).
     """
 
     request_id: str
@@ -37,12 +43,14 @@ class ScheduledRequest:
     #: label scoring: the target tokens of the chunk's score rows, which are
     #: its last ``len(score_targets)`` tokens (see ``Request.score_from``)
     score_targets: list[int] = dataclasses.field(default_factory=list)
+    #: speculative decoding: the guessed tokens at the end of ``token_ids``
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_logits_rows(self) -> int:
-        """Rows of the step's logits this request needs: one to sample, or
-        one per score row."""
-        return len(self.score_targets) + int(self.sample)
+        """Rows of the step's logits this request needs: one to sample (and
+        one more per guessed token), or one per score row."""
+        return len(self.score_targets) + int(self.sample) + len(self.draft_token_ids)
 
 
 @dataclasses.dataclass
@@ -102,3 +110,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_steps: int
+    #: speculative decoding (as vLLM's spec_decode counters): steps' rows that
+    #: carried guesses, the guessed tokens, and those the model kept
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -31,7 +31,11 @@ class SeqWork:
     position ``start_pos``; ``block_ids`` is the sequence's whole block table
     (it must already cover ``start_pos + len(token_ids)`` slots). When
     ``sampling`` is set the step samples the token after the last one, with
-    that row's parameters (``sampler.SamplingRow``).
+    that row's parameters (``sampler.SamplingRow``). With ``draft_rows``
+    (speculative decoding: the chunk ends with that many guessed tokens),
+    the step samples after each of the chunk's last ``1 + len(draft_rows)``
+    tokens: ``sampling`` at the first of them, ``draft_rows[i]`` after
+    guess ``i``.
     """
 
     token_ids: Sequence[int]
@@ -50,6 +54,8 @@ class SeqWork:
     #: the original context after the step, else the original context
     #: (transformers' choice for one forward call)
     long_rope_from: int | None = None
+    #: speculative decoding: the sampling rows after each guessed token
+    draft_rows: Sequence[SamplingRow] = ()
 
 
 @dataclasses.dataclass
@@ -90,11 +96,14 @@ def pack_step(
     max_blocks_per_seq: int,
     block_size: int,
     long_rope_original: int | None = None,
+    max_logits_rows: int | None = None,
 ) -> StepArrays:
     """Flatten ``work`` into :class:`StepArrays`; ValueError for a step the
     programs cannot take (no token, too many sequences or rows, a block
     table too short for its tokens). ``long_rope_original``: a longrope
-    model's original context (``long_rope_from`` is filled then)."""
+    model's original context (``long_rope_from`` is filled then).
+    ``max_logits_rows``: the sampling and score rows the programs take
+    (``max_num_seqs`` unless speculative decoding's guesses add some)."""
     num_tokens = sum(len(w.token_ids) for w in work)
     if num_tokens == 0:
         raise ValueError("a step needs at least one token")
@@ -132,15 +141,23 @@ def pack_step(
     if pending:
         at, src = zip(*pending)
         feed[list(at)] = src
-    sampling_rows = [w.sampling for w in work if w.sampling is not None]
-    logits_rows = [int(e) - 1 for w, e in zip(work, ends) if w.sampling is not None]
+    sampling_rows = [row for w in work if w.sampling is not None for row in (w.sampling, *w.draft_rows)]
+    # a chunk with guesses samples after its last known token and after each guess
+    logits_rows = [
+        int(e) - 1 - len(w.draft_rows) + j
+        for w, e in zip(work, ends)
+        if w.sampling is not None
+        for j in range(1 + len(w.draft_rows))
+    ]
     # Score rows follow the sampling rows: each scoring chunk's last tokens.
     score_rows = [int(e) - len(w.score_targets) + j for w, e in zip(work, ends) for j in range(len(w.score_targets))]
-    if len(logits_rows) + len(score_rows) > max_num_seqs:
+    rows_cap = max_num_seqs if max_logits_rows is None else max_logits_rows
+    if len(logits_rows) + len(score_rows) > rows_cap:
         raise ValueError(
-            f"a step of {len(logits_rows)} sampling and {len(score_rows)} score rows exceeds max_num_seqs={max_num_seqs}"
+            f"a step of {len(logits_rows)} sampling and {len(score_rows)} score rows exceeds the {rows_cap} "
+            f"logits rows the programs take"
         )
-    logits_indices = np.zeros(max_num_seqs, np.int32)
+    logits_indices = np.zeros(rows_cap, np.int32)
     logits_indices[: len(logits_rows)] = logits_rows
     logits_indices[len(logits_rows) : len(logits_rows) + len(score_rows)] = score_rows
     long_rope_from = None

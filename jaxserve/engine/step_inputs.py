@@ -7,12 +7,19 @@ each sampling request's :class:`~jaxserve.engine.sampler.SamplingRow` (its
 penalties' history, a structured-output mask). Built on the host right
 before the launch (``Engine.launch``); the masks of a step's constrained
 rows are computed together (``StructuredBackend.fill_masks``).
-Tests: ``tests/test_engine_params.py``, ``tests/test_structured.py``.
+
+Speculative decoding: a row that carries guessed tokens samples after each
+of them too, as the row would after that many more output tokens
+(:func:`draft_rows`: the draw's index, the penalties' history and the
+grammar's mask move on by the guesses before it), so whatever the model
+samples there is what decoding without guesses samples once those tokens
+are its output. Tests: ``tests/test_engine_params.py``,
+``tests/test_structured.py``, ``tests/test_speculative.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -32,6 +39,39 @@ def sampling_row(req: Request, mask: np.ndarray | None = None) -> SamplingRow:
     if p.has_penalties:
         return SamplingRow(p, req.num_output_tokens, req.all_token_ids, req.num_prompt_tokens, mask)
     return SamplingRow(p, req.num_output_tokens, mask=mask)
+
+
+def draft_rows(req: Request, drafts: Sequence[int], masks: np.ndarray | None = None) -> list[SamplingRow]:
+    """The sampler's rows after each of ``req``'s guessed tokens ``drafts``
+    (``masks[i]``: the grammar's mask after guess ``i``, from
+    :func:`draft_masks`): row ``i`` is :func:`sampling_row`'s as it will be
+    once ``drafts[: i + 1]`` are output."""
+    p = req.sampling_params
+    rows = []
+    for i in range(1, len(drafts) + 1):
+        mask = None if masks is None else masks[i - 1]
+        if p.has_penalties:
+            history = [*req.all_token_ids, *drafts[:i]]
+            rows.append(SamplingRow(p, req.num_output_tokens + i, history, req.num_prompt_tokens, mask))
+        else:
+            rows.append(SamplingRow(p, req.num_output_tokens + i, mask=mask))
+    return rows
+
+
+def draft_masks(
+    backend: StructuredBackend,
+    plan: SchedulerOutput,
+    requests: Mapping[str, Request],
+    constraints: Mapping[str, Constraint],
+) -> dict[str, np.ndarray]:
+    """The grammar's masks after each guessed token of the plan's
+    constrained rows, by request: ``[len(draft_token_ids), words]``
+    (``StructuredBackend.fill_draft_masks``)."""
+    rows = [s for s in plan.scheduled if s.sample and s.draft_token_ids and s.request_id in constraints]
+    if not rows:
+        return {}
+    items = [(constraints[s.request_id], requests[s.request_id].output_token_ids, s.draft_token_ids) for s in rows]
+    return dict(zip([s.request_id for s in rows], backend.fill_draft_masks(items)))
 
 
 def structured_masks(

@@ -15,7 +15,10 @@ None) and returns its outputs with the step it leaves in flight, which
   that a failure anywhere in it is this request's.
 - :class:`OverlappedStep` with ``async_scheduling`` when the in-flight
   step's tokens stay on the device (all-greedy steps): the next step is
-  launched before the host waits for them (vLLM's async scheduling).
+  launched before the host waits for them (vLLM's async scheduling). Not
+  when a row of it is likely to carry guessed tokens next (speculative
+  decoding, ``Engine.wants_drafts``): guesses follow a row's last token,
+  which must be known when the step is planned.
 - :class:`InteractiveFirstStep` when the caller takes urgent outputs
   (``Engine.on_urgent_outputs``, the worker): interactive tokens are
   processed and handed over before the next step is planned, and a step that
@@ -87,6 +90,10 @@ class StepParts(Recoverable, Protocol):
 
     def awaits_first_token(self, request_id: str) -> bool:
         """The request has produced no token yet."""
+        ...
+
+    def wants_drafts(self, in_flight: InFlight) -> bool:
+        """A row of the in-flight step is likely to carry guessed tokens next."""
         ...
 
 
@@ -250,7 +257,7 @@ def choose(parts: StepParts, in_flight: InFlight | None) -> StepMode:
     suspect = parts.containment.next_suspect()
     if suspect is not None:
         return IsolatedStep(suspect)
-    if parts.async_scheduling and in_flight is not None and in_flight.feedable:
+    if parts.async_scheduling and in_flight is not None and in_flight.feedable and not parts.wants_drafts(in_flight):
         return _OVERLAPPED
     if parts.on_urgent_outputs is not None:
         return _INTERACTIVE_FIRST

@@ -207,6 +207,45 @@ class StructuredBackend:
             out[i, words:] = 0
         return out
 
+    def fill_draft_masks(self, items: Sequence[tuple[Constraint, Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """Speculative decoding: for each ``(constraint, its request's output
+        so far, guessed tokens)``, the masks after each guess, ``[len(guesses),
+        num_words]``: what :meth:`fill_masks` gives once the guesses are
+        output. llguidance's executor advances each matcher through the
+        guesses and rolls it back, all rows in parallel. The guesses were
+        checked against the grammar when proposed
+        (``jaxserve.engine.speculative``); were one refused, the masks from
+        there on would allow nothing, and no sample there is ever kept (the
+        refused guess cannot equal the sample before it)."""
+        out = [np.zeros((len(drafts), self.num_words), np.int32) for _, _, drafts in items]
+        live = []
+        for i, (constraint, tokens, drafts) in enumerate(items):
+            constraint.catch_up(tokens)
+            if constraint.error is None and drafts:
+                live.append((i, constraint, [int(t) for t in drafts]))
+        if not live:
+            return out
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        words = self._tokenizer_words
+        at = []
+        total = 0
+        for _, _, drafts in live:
+            at.append(total)
+            total += 1 + len(drafts)
+        buf = np.zeros((total, words), np.int32)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(c.matcher, start, drafts) for start, (_, c, drafts) in zip(at, live)], buf.ctypes.data, words * 4, total
+        )
+        for start, (i, constraint, drafts) in zip(at, live):
+            if constraint.matcher.is_error():
+                constraint.error = f"structured output failed: {constraint.matcher.get_error()}"
+                continue
+            out[i][:, :words] = buf[start + 1 : start + 1 + len(drafts)]
+        return out
+
     def start(self, spec: StructuredOutput) -> Constraint:
         """A request's constraint (its own copy of the compiled matcher)."""
         return Constraint(self.compile(spec), self.num_words, self._tokenizer_words)

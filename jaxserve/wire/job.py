@@ -312,6 +312,7 @@ def _translate(body: JobBody, key: str, props: JobProperties, limits: JobLimits,
         logprobs=want_logprobs,
         top_logprobs=top_logprobs,
         structured=structured,
+        num_speculative_tokens=body.num_speculative_tokens,
     )
     params.validate()
     messages = None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import INT32_MAX, SEED_MAX, SEED_MIN
+from jaxserve.sampling_params import INT32_MAX, MAX_SPECULATIVE_TOKENS, SEED_MAX, SEED_MIN
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_TOKENS = 16
@@ -263,4 +263,10 @@ class JobBody(BaseModel):
     )
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
         default=None, description="0-20 most likely alternatives per token; needs logprobs true."
+    )
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)] | None = Field(
+        default=None,
+        description="Speculative decoding for this job: at most this many guessed tokens per engine step, 0 "
+        "for none (absent: the worker's --num-speculative-tokens). Changes how fast the output comes, never "
+        "the output.",
     )

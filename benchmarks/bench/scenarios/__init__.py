@@ -11,10 +11,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import classify, gateway, kv_int8, memory, moe, offline, ttft, two_model
+from . import classify, gateway, kv_int8, memory, moe, offline, speculative, ttft, two_model
 from .external import ACCURACY, QUANT_QUALITY, STRUCTURED
 
 SCENARIOS: dict[str, Any] = {
     m.NAME: m
-    for m in (offline, moe, classify, ttft, memory, two_model, gateway, kv_int8, ACCURACY, QUANT_QUALITY, STRUCTURED)
+    for m in (
+        offline,
+        moe,
+        classify,
+        ttft,
+        memory,
+        two_model,
+        gateway,
+        kv_int8,
+        speculative,
+        ACCURACY,
+        QUANT_QUALITY,
+        STRUCTURED,
+    )
 }
