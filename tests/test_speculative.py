@@ -95,6 +95,15 @@ def test_the_drafter_spends_guesses_where_a_bucket_pays_for_them():
     assert sum(map(len, chosen.values())) == 3 and all(v == [1, 2, 3][: len(v)] for v in chosen.values())
 
 
+def test_a_guess_from_a_longer_match_is_worth_more():
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), (1, 8))
+    weak = drafter.propose(Request("w", [5, 1, 2, 3, 9, 7, 5], SamplingParams(max_tokens=50)), 2)
+    strong = drafter.propose(Request("s", [1, 2, 3, 9, 1, 2, 3], SamplingParams(max_tokens=50)), 2)
+    assert weak is not None and strong is not None
+    assert (weak.tokens, weak.match, strong.tokens, strong.match) == ([1, 2], 1, [9, 1], 3)
+    assert weak.values[0] < strong.values[0] and weak.values[1] < weak.values[0]
+
+
 def test_a_row_whose_guesses_keep_failing_pauses_then_tries_again():
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=4), (1, 8))
     req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
@@ -344,8 +353,8 @@ def _jobs(num: int, seed: int = 5) -> list[tuple[list[int], SamplingParams]]:
             base.update(stop_token_ids=tuple(int(t) for t in rng.integers(10, 500, size=40)))
         elif style == 3:
             base.update(max_tokens=int(rng.integers(1, 6)))
-        elif style == 4:
-            base.update(logprobs=True, top_logprobs=3)
+        elif style == 4:  # the greedy program with logprobs, or the sampling program's alternatives
+            base.update(logprobs=True, top_logprobs=3 if i % 2 else 0)
         elif style == 5:
             base.update(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
         elif style == 6:
@@ -437,6 +446,9 @@ def test_seeded_sampling_with_guesses_is_the_text_without_them(plain_engine, spe
         params = SamplingParams(max_tokens=24, temperature=0.7, top_k=8, seed=500 + i, ignore_eos=True)
         if i % 3 == 0:
             params = SamplingParams(max_tokens=24, temperature=1.0, repetition_penalty=1.2, seed=500 + i)
+        elif i % 5 == 1:
+            grammar = StructuredOutput("regex", "(ab|cd|ef){2,6}(hello world ){2}[a-z]{1,8}")
+            params = SamplingParams(max_tokens=40, temperature=0.8, seed=500 + i, structured=grammar, logprobs=True)
         jobs.append((phrase * 6, params))
     accepted_before = spec_engine.drafter.num_accepted_tokens
     plain = _serve(plain_engine, jobs)

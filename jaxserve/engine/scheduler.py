@@ -330,7 +330,7 @@ class Scheduler:
             if proposal is not None:
                 proposals.append(proposal)
         chosen = drafter.choose(proposals, base_tokens=base_tokens, base_rows=base_rows, max_tokens=room)
-        forced = {p.request_id: p.num_forced for p in proposals}
+        by_id = {p.request_id: p for p in proposals}
         bs = self.block_size
         drafts: dict[str, list[int]] = {}
         for rid, tokens in chosen.items():
@@ -345,7 +345,7 @@ class Scheduler:
                 blocks = self.allocator.allocate(need)
                 assert blocks is not None
                 req.block_ids.extend(blocks)
-            drafter.drafted(rid, tokens, forced[rid])
+            drafter.drafted(rid, tokens, by_id[rid].num_forced, by_id[rid].match)
             drafts[rid] = tokens
         return drafts
 
