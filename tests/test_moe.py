@@ -237,6 +237,28 @@ def test_a_token_does_not_depend_on_the_rest_of_the_batch(kind):
                 np.testing.assert_allclose(part, full[:, rows], rtol=1e-5, atol=1e-5 * np.abs(full).max())
 
 
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # quantizing NaN
+def test_masked_tokens_are_left_out():
+    """A step's padding (``token_mask`` false): zeros out, its experts never
+    read (NaN here), and the other tokens bitwise as without it."""
+    m = FAMILIES["qwen3_moe"]
+    hidden = 64
+    w = _weights(m, hidden, seed=7)
+    x = _inputs(4, hidden, seed=7)
+    mask = np.array([True, False, True, False])
+    ids = np.asarray(moe.route(moe.router_logits(x.T, w), m)[0])
+    only_masked = sorted(set(ids[~mask].ravel().tolist()) - set(ids[mask].ravel().tolist()))
+    assert only_masked, "the test needs an expert only masked tokens chose"
+    for name in quant.EXPERT_STACKS:
+        w[name] = w[name].at[np.asarray(only_masked)].set(jnp.nan)
+    run = jax.jit(lambda x, w, t: moe.moe_mlp(x, w, model_config(m, hidden), cpu_kernel=True, token_mask=t))
+    got = np.asarray(run(x, w, jnp.asarray(mask)))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got[:, ~mask], 0.0)
+    np.testing.assert_array_equal(got[:, mask], np.asarray(run(x[:, mask], w, jnp.ones(2, bool))))
+
+
 def test_tile_rows_follow_the_mean_group():
     assert moe.tile_rows(8, 128) == 1  # one decode token: one row a visit
     assert moe.tile_rows(512, 128) == 4
@@ -268,12 +290,15 @@ def tiny_moe_model(dtype=jnp.float32, heads: int = 4, kv_heads: int = 2) -> Caus
     return model
 
 
-def _logits(model: CausalLM, kernel: Literal["cpu", "reference"], counts: list[int]) -> np.ndarray:
+def _logits(model: CausalLM, kernel: Literal["cpu", "reference"], counts: list[int], padding: int = 0) -> np.ndarray:
+    """Logits of every real token of one prefill step (``padding`` tokens
+    after them, as the runner pads a step to its bucket)."""
     c = model.config
     model.attention = AttentionImpl(kernel=kernel)  # "cpu": the C++ kernels, MoE included
     block = 16
+    tokens = sum(counts) + padding
     ids, pos, meta = paged_step(
-        c.vocab_size, [0] * len(counts), counts, tokens=sum(counts), block=block, num_blocks=32, table_width=8, seed=2
+        c.vocab_size, [0] * len(counts), counts, tokens=tokens, block=block, num_blocks=32, table_width=8, seed=2
     )
     meta = dataclasses.replace(meta, logits_indices=jnp.arange(sum(counts), dtype=jnp.int32))
     cache = model.make_kv_cache(32, block)
@@ -290,10 +315,11 @@ def _logits(model: CausalLM, kernel: Literal["cpu", "reference"], counts: list[i
 @needs_kernel
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_the_model_gives_the_same_logits_through_the_kernel_and_pure_jax(quantization):
-    """The decoder's MoE layers through ``moe_cpu`` (the CPU kernels' path)
-    and through the pure-JAX groups (what GPU/TPU run), float32 and with
-    quantized expert stacks (``quant.quantize_model`` quantizes them with
-    the dense matrices; the router stays float)."""
+    """The decoder's MoE layers through ``moe_cpu`` (the CPU kernels' path,
+    the step padded: the kernel leaves the padding tokens out) and through
+    the pure-JAX groups (what GPU/TPU run), float32 and with quantized
+    expert stacks (``quant.quantize_model`` quantizes them with the dense
+    matrices; the router stays float)."""
     model = tiny_moe_model()
     if quantization is not None:
         quant.quantize_model(model, quant.QUANTIZATIONS[quantization])
@@ -301,7 +327,7 @@ def test_the_model_gives_the_same_logits_through_the_kernel_and_pure_jax(quantiz
         assert stack.kind == quant.QUANTIZATIONS[quantization] and stack.shape == (8, 128, 64)
         assert model.layers[0].router[...].dtype == jnp.float32
     counts = [7, 1, 12]
-    a, b = _logits(model, "cpu", counts), _logits(model, "reference", counts)
+    a, b = _logits(model, "cpu", counts, padding=4), _logits(model, "reference", counts)
     # the same integer dots on both paths: only float sums differ in order
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
     np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))

@@ -393,7 +393,9 @@ class CausalLM(nnx.Module):
             h = h + norm(a, w["attn_out_norm"])
             x = norm(h, w["ffn_norm"])
             if w["w_gate_up"] is None:
-                m = moe.moe_mlp(x, w, c, cpu_kernel=cpu_dense, mesh=mesh)
+                # a step's padding tokens belong to a row with an empty context
+                real = q_meta.context_lens[q_meta.token_seq] > 0
+                m = moe.moe_mlp(x, w, c, cpu_kernel=cpu_dense, mesh=mesh, token_mask=real)
             else:
                 gu = _add_bias(mm(w["w_gate_up"], x), w["b_gate_up"])
                 if groups == 1:

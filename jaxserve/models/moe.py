@@ -115,13 +115,27 @@ def router_logits(xt: jax.Array, w: dict[str, Any]) -> jax.Array:
     return logits
 
 
-def moe_mlp(x: jax.Array, w: dict[str, Any], c: ModelConfig, *, cpu_kernel: bool = False, mesh=None) -> jax.Array:
+def moe_mlp(
+    x: jax.Array,
+    w: dict[str, Any],
+    c: ModelConfig,
+    *,
+    cpu_kernel: bool = False,
+    mesh=None,
+    token_mask: jax.Array | None = None,
+) -> jax.Array:
     """The MoE MLP of feature-major ``x`` ``[E, T]``: float32 ``[E, T]``.
 
     Each token's ``top_k`` experts only, grouped by expert (see the module
     docstring): the C++ kernel with ``cpu_kernel`` where it serves the
     weights, the pure-JAX groups otherwise; with a tensor-parallel ``mesh``
-    each device its slice of every expert."""
+    each device its slice of every expert. ``token_mask`` (bool ``[T]``,
+    optional): the tokens whose output is read; the others (a step's
+    padding) may come back as anything. The C++ kernel leaves them out:
+    padding tokens share one input, so they would add up to ``top_k``
+    experts' weights to every layer's reads (in a decode step of 2
+    sequences padded to 8 tokens, half as many again as the real tokens'
+    16 experts)."""
     m = c.moe
     assert m is not None
     if mesh is None and cpu_kernel and cpu_kernels.moe_serves(w["experts_gate_up"], w["experts_down"], x):
@@ -134,6 +148,7 @@ def moe_mlp(x: jax.Array, w: dict[str, Any], c: ModelConfig, *, cpu_kernel: bool
             w["experts_b_gate_up"],
             w["experts_b_down"],
             top_k=m.top_k,
+            token_mask=token_mask,
             routing=m.router,
             normalize_topk=m.normalize_topk,
             activation=m.activation,

@@ -451,6 +451,7 @@ def moe_cpu(
     b_down: jax.Array | None = None,
     *,
     top_k: int,
+    token_mask: jax.Array | None = None,
     routing: str = "softmax_topk",
     normalize_topk: bool = True,
     activation: str = "silu",
@@ -466,7 +467,9 @@ def moe_cpu(
     rows then up rows) and ``down`` ``[X, E, I]``: float32 or
     ``QuantizedWeight`` stacks (the inputs then quantized per token and
     block as ``qmatmul_cpu`` does); optional biases ``[X, 2I]`` and ``[X,
-    E]``; ``activation`` as ``jaxserve.models.moe.expert_activation``. Call
+    E]``; ``activation`` as ``jaxserve.models.moe.expert_activation``.
+    ``token_mask`` (bool ``[T]``): tokens whose output nobody reads (a step's
+    padding) are left out, experts and all, and get zeros. Call
     :func:`available` first."""
     if not moe_serves(gate_up, down, x) or router.shape != (gate_up.shape[0], x.shape[0]):
         raise ValueError(
@@ -500,6 +503,7 @@ def moe_cpu(
         *buffers(down),
         bias(b_gate_up),
         bias(b_down),
+        jnp.zeros((0,), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32),
         top_k=np.int32(top_k),
         router=np.int32(_MOE_ROUTINGS[routing]),
         normalize=np.int32(bool(normalize_topk)),

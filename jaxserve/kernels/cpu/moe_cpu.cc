@@ -6,6 +6,7 @@
 //   gate_up  [X, 2I, E]     q8_0/q4_0/q4_1 blocks (q, scale, min as in
 //   down     [X, E, I]      qmatmul_cpu.cc; min unread but for q4_1) or f32
 //   b_gate_up f32 [X, 2I], b_down f32 [X, E]   (or [0]: no bias)
+//   token_mask s32 [T]     0: a padding token, left out (its output 0), or [0]: none
 //   out      f32 [E, T]
 //   attributes: top_k, router (0: softmax over all experts then the top k,
 //   optionally renormalized; 1: the top k logits then their softmax), the
@@ -598,7 +599,7 @@ void CombineItem(Moe& m, int64_t r0, int64_t r1) {
   float sum[kCombineRowsPerItem];
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t r = r0; r < r1; ++r) sum[r - r0] = 0.0f;
-    for (int64_t j = 0; j < k; ++j) {
+    for (int64_t j = 0; j < k && m.sorted_of_pair[t * k + j] >= 0; ++j) {  // a masked token: none, out 0
       const float wj = m.weights[t * k + j];
       const float* y = m.y + static_cast<int64_t>(m.sorted_of_pair[t * k + j]) * E;
       for (int64_t r = r0; r < r1; ++r) sum[r - r0] += wj * y[r];
@@ -673,7 +674,8 @@ bool StackShapeOk(int32_t kind, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::Any
 ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> router,
                    ffi::Buffer<ffi::F32> b_router, ffi::AnyBuffer gu_q, ffi::AnyBuffer gu_scale, ffi::AnyBuffer gu_min,
                    ffi::AnyBuffer dn_q, ffi::AnyBuffer dn_scale, ffi::AnyBuffer dn_min, ffi::Buffer<ffi::F32> b_gate_up,
-                   ffi::Buffer<ffi::F32> b_down, ffi::ResultBuffer<ffi::F32> out, int32_t top_k, int32_t router_kind,
+                   ffi::Buffer<ffi::F32> b_down, ffi::Buffer<ffi::S32> token_mask, ffi::ResultBuffer<ffi::F32> out,
+                   int32_t top_k, int32_t router_kind,
                    int32_t normalize, int32_t kind_gate_up, int32_t kind_down, int32_t activation, float limit,
                    float alpha) {
   const auto xd = x.dimensions(), rd = router.dimensions(), od = out->dimensions();
@@ -695,6 +697,10 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument(
         "moe_cpu: needs x [E, T], router [X, E], gate_up [X, 2I, E] and down [X, E, I] stacks of their kinds, "
         "1 <= top_k <= X");
+  }
+  const bool has_mask = token_mask.element_count() > 0;
+  if (has_mask && token_mask.element_count() != static_cast<size_t>(T)) {
+    return ffi::Error::InvalidArgument("moe_cpu: token_mask must be [T] (or empty: every token)");
   }
   const bool has_br = b_router.element_count() > 0;
   const bool has_bgu = b_gate_up.element_count() > 0, has_bdn = b_down.element_count() > 0;
@@ -740,23 +746,31 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   for (int64_t t = 0; t < T; ++t)
     Route(m.logits.data() + t * X, X, k, router_kind, normalize != 0, m.ids.data() + t * k, m.weights.data() + t * k);
 
-  // Step 0: group the pairs by expert (counting sort, stable by token).
+  // Step 0: group the pairs by expert (counting sort, stable by token); a
+  // masked token's pairs are left out (sorted row -1).
   const int32_t* id = m.ids.data();
+  const int32_t* keep = has_mask ? token_mask.typed_data() : nullptr;
   m.count.assign(X, 0);
-  for (int64_t p = 0; p < m.P; ++p) ++m.count[id[p]];
+  for (int64_t p = 0; p < m.P; ++p)
+    if (!keep || keep[p / k]) ++m.count[id[p]];
   m.offset.assign(X, 0);
   for (int64_t e = 1; e < X; ++e) m.offset[e] = m.offset[e - 1] + m.count[e - 1];
+  const int64_t used = m.offset[X - 1] + m.count[X - 1];  // sorted rows
   std::vector<int64_t> fill(m.offset);
-  m.token.resize(m.P);
+  m.token.resize(used);
   m.sorted_of_pair.resize(m.P);
   for (int64_t p = 0; p < m.P; ++p) {
+    if (keep && !keep[p / k]) {
+      m.sorted_of_pair[p] = -1;
+      continue;
+    }
     const int64_t s = fill[id[p]]++;
     m.token[s] = static_cast<int32_t>(p / k);
     m.sorted_of_pair[p] = static_cast<int32_t>(s);
   }
-  AllocateInputs(m.act_in, act_buffers, m.P, I, kind_down != kF32);
-  if (kind_down != kF32) m.act = act_buffer.Get(m.P * I);
-  m.y = y_buffer.Get(m.P * E);
+  AllocateInputs(m.act_in, act_buffers, used, I, kind_down != kF32);
+  if (kind_down != kF32) m.act = act_buffer.Get(used * I);
+  m.y = y_buffer.Get(used * E);
 
   for (int64_t e = 0; e < X; ++e) {
     if (m.count[e] == 0) continue;
@@ -787,6 +801,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("top_k")
                                   .Attr<int32_t>("router")
