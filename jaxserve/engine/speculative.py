@@ -11,6 +11,19 @@ drafts would have produced at that position: a guess is never emitted, a
 sample is. Where the drafts come from never matters to exactness, only to
 speed.
 
+Sampled rows: the sample at a position is the seeded draw decoding without
+drafts makes there (``fold_in(seed, output_index)`` from the position's own
+distribution ``q``: penalties, grammar mask, temperature and filters as if
+the guesses before it were output). A guess ``d`` is a point mass, for
+which the standard rejection rule keeps ``d`` with probability
+``min(1, q(d) / 1) = q(d)`` and otherwise draws from ``max(0, q - 1_d)``
+renormalized, that is ``q`` without ``d``. Keeping ``d`` exactly when the
+draw ``x`` equals it does both: ``d`` is kept with probability ``q(d)``, and
+otherwise ``x`` is emitted, distributed as ``q`` given ``x != d``. The rule
+is realised with the draw the position makes anyway, so a seeded job's
+text is the one it has without speculation, not only a text from the same
+distribution.
+
 Where the guesses come from (vLLM's ``ngram`` method, prompt lookup):
 
 - :class:`NgramIndex`: the last ``n`` tokens of the sequence (prompt and
@@ -29,10 +42,11 @@ How many guesses a step carries (:meth:`Drafter.choose`): each row's
 guesses are worth their chance of being accepted (grammar-forced ones
 count as certain; an n-gram guess at depth ``i`` counts ``alpha ** i``,
 ``alpha`` the row's own acceptance rate for guesses from a match of that
-length, a decayed count of its verified guesses). A step's cost grows with its token bucket (every step is padded
-to one, ``jaxserve.engine.buckets``), not with its token count, so the
-drafter weighs the step's expected tokens against the cost of each bucket
-the guesses could fill and keeps the guesses of the best bucket, the most
+length, a decayed count of its verified guesses). A step's cost grows with
+its token bucket (every step is padded to one,
+``jaxserve.engine.buckets``), not with its token count, so the drafter
+weighs the step's expected tokens against the cost of each bucket the
+guesses could fill and keeps the guesses of the best bucket, the most
 valuable first. A row whose guesses keep failing loses them (its ``alpha``
 falls), and after ``MISSES_BEFORE_PAUSE`` verifications in a row that kept
 none it stops guessing for a while (``PAUSE_STEPS`` of its steps, doubling
