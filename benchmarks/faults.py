@@ -47,11 +47,20 @@ DOC = REPO / "RELIABILITY.md"
 sys.path.insert(0, str(HERE))
 
 from faults_support import procs, services  # noqa: E402
-from faults_support.collector import Collector, analyze, stream_check  # noqa: E402
+from faults_support.collector import Collector, analyze, resume_check, stream_check  # noqa: E402
 from faults_support.procs import ECHO_ENGINE, WorkerProc, read_out, rss_mib, run_batch, worker_has_option  # noqa: E402
 from faults_support.tcp_proxy import TcpProxy  # noqa: E402
 
-SCENARIOS = ["broker_restart", "connection_cuts", "redis_outage", "sigkill", "malformed", "hostile_reply_to", "flood"]
+SCENARIOS = [
+    "broker_restart",
+    "connection_cuts",
+    "redis_outage",
+    "sigkill",
+    "sigkill_resume",
+    "malformed",
+    "hostile_reply_to",
+    "flood",
+]
 
 
 # ------------------------------------------------------------------- sizes
@@ -68,6 +77,12 @@ class Sizes:
         1200  # max_tokens 16, temperature 0.9, no seed (300 ran out before the fifth kill once workers got faster)
     )
     sigkills: int = 5
+    # sigkill_resume: long streaming generations, half greedy and half seeded,
+    # on the real engine; kills at even shares of the run's tokens
+    resume_jobs: int = 64
+    resume_max_tokens: int = 512
+    resume_kills: int = 2
+    resume_max_recomputed: float = 0.10  # the verdict: at most this share of the run's tokens generated twice
     malformed: int = 10_000
     malformed_poison: int = 27  # 3 of each of the 9 undecodable-property variants
     malformed_huge: int = 6
@@ -82,6 +97,7 @@ class Sizes:
             "connection_cuts": 300,
             "redis_outage": 300,
             "sigkill": 1200,
+            "sigkill_resume": 1200,
             "malformed": 900,
             "hostile_reply_to": 240,
             "flood": 600,
@@ -100,6 +116,9 @@ def quick_sizes() -> Sizes:
         redis_outage_s=8.0,
         sigkill_jobs=96,
         sigkills=2,
+        resume_jobs=32,
+        resume_max_tokens=256,
+        resume_kills=1,
         malformed=200,
         malformed_poison=9,
         malformed_huge=2,
@@ -113,6 +132,7 @@ def quick_sizes() -> Sizes:
             "connection_cuts": 150,
             "redis_outage": 150,
             "sigkill": 900,
+            "sigkill_resume": 600,
             "malformed": 300,
             "hostile_reply_to": 150,
             "flood": 240,
@@ -774,6 +794,139 @@ async def scn_sigkill(ctx: Ctx, run: Run) -> None:
     )
 
 
+def resume_body(i: int, max_tokens: int) -> dict[str, Any]:
+    """Job ``i`` of ``sigkill_resume``: even ones greedy, odd ones seeded
+    (the seed given, so the same body under another key draws the same).
+    A negative frequency penalty keeps most from ending early (the tiny
+    preset's near-flat logits give its end-of-text token 1/256 a step), and
+    its history is part of what a resumed run must carry on with."""
+    body: dict[str, Any] = {"prompt": f"Story {i}: once upon a time", "max_tokens": max_tokens, "stream": True}
+    body["frequency_penalty"] = -2.0
+    body.update({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 7000 + i})
+    return body
+
+
+def generated_tokens(port: int) -> float:
+    """A worker's ``jaxserve_generation_tokens_total`` (every model label),
+    read from its ``/metrics``."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxserve_generation_tokens_total{"))
+
+
+async def scn_sigkill_resume(ctx: Ctx, run: Run) -> None:
+    """The real engine, long streaming generations; the worker is SIGKILLed
+    in the middle of them (when the streamed tokens reach each even share
+    of the run's) and restarted, with one ``--state-dir`` kept: each job
+    continues from the tokens its dead worker saved. The tokens generated
+    twice are every worker's ``jaxserve_generation_tokens_total`` (read just
+    before its SIGKILL, and from the last worker once every job is
+    answered) less the tokens the finals hold. Verdict: at most
+    ``resume_max_recomputed`` of the run's tokens generated twice, and every
+    text equal to its uninterrupted run (the same bodies under other keys,
+    run after, without a fault)."""
+    sz = ctx.sizes
+    run.echo = False
+    state = run.dir / "state"
+    state.mkdir(exist_ok=True)
+    n, max_tokens = sz.resume_jobs, sz.resume_max_tokens
+    args = ["--log-level", "info", "--state-dir", str(state), "--model", "tiny"]
+    args += ["--max-num-seqs", str(n), "--max-model-len", str(max_tokens + 64), "--batch-prefetch", str(n)]
+    ports: dict[int, int] = {}  # id(worker) -> its metrics port
+
+    def start() -> WorkerProc:
+        port = services.free_port(avoid=tuple(ports.values()))
+        wk = run.worker([*args, "--metrics-port", str(port)], echo=False)
+        ports[id(wk)] = port
+        return wk
+
+    w = start()
+    run.info["first_start_s"] = await w.wait_consuming(900)
+    run.rss_before = rss_mib(w.pid)
+    coll = await run.start_collector()
+    client = await run.client()
+    jobs = []
+    for i in range(n):
+        key = f"res-{i:05d}"
+        run.add_job(key, "stream")
+        jobs.append((key, resume_body(i, max_tokens), "batch"))
+    keys = list(run.expected)
+    key_set = set(keys)
+    seen = {"records": 0, "tokens": 0}
+
+    def streamed() -> int:
+        """Tokens in the chunks received so far (each record counted once)."""
+        new = coll.records[seen["records"] :]
+        seen["records"] += len(new)
+        seen["tokens"] += sum(r.tokens or 0 for r in new if r.kind == "chunk" and r.tag() in key_set)
+        return seen["tokens"]
+
+    await run.publish_all(client, jobs)
+    total = n * max_tokens
+    kills: list[dict[str, Any]] = []
+    generated = 0.0
+    for k in range(sz.resume_kills):
+        due = (k + 1) / (sz.resume_kills + 1) * total
+
+        def killing_time(due: float = due) -> bool:
+            return streamed() >= due or coll.answered(keys) >= len(keys)
+
+        reached = await wait_until(killing_time, 600, 0.02)
+        if coll.answered(keys) >= len(keys) or not reached:
+            run.notes.append(
+                f"kill {k + 1}: every job was answered before it" if reached else f"kill {k + 1}: no progress"
+            )
+            break
+        cur = run.last_worker()
+        assert cur is not None
+        before = await asyncio.to_thread(generated_tokens, ports[id(cur)])
+        await asyncio.to_thread(cur.sigkill)
+        generated += before
+        kills.append({"streamed_tokens": streamed(), "generated_tokens": before, "answered": coll.answered(keys)})
+        kills[-1]["restart_consuming_s"] = await start().wait_consuming(600)
+    end = await coll.wait_answered(keys, idle_s=180, timeout=600)
+    last = run.last_worker()
+    if last is not None and last.alive():
+        generated += await asyncio.to_thread(generated_tokens, ports[id(last)])
+    finals = {r.tag(): r for r in coll.finals() if r.status == "ok" and r.tag() in key_set}
+    needed = sum(r.tokens or 0 for r in finals.values())
+    recomputed = max(0, round(generated) - needed)
+    check = resume_check(coll.records, key_set)  # from the chunks: a lower bound of the same
+    run.info.update(kills=kills, end=end, resume=check, tokens_generated=generated, tokens_needed=needed)
+    # the uninterrupted runs: the same bodies under other keys, no fault
+    refs = [(f"ref-{i:05d}", resume_body(i, max_tokens), "batch") for i in range(n)]
+    await run.publish_all(client, refs)
+    run.sent -= len(refs)  # the jobs sent are the ones the fault hit
+    ref_keys = [k for k, _, _ in refs]
+    run.info["reference_end"] = await coll.wait_answered(ref_keys, idle_s=180, timeout=600)
+    texts = {r.tag(): r.text for r in coll.finals() if r.status == "ok"}
+    differ = [k for k, ref in zip(keys, ref_keys) if k not in texts or texts.get(k) != texts.get(ref)]
+    run.info["texts_differing_from_uninterrupted"] = differ
+    run.rss_after = rss_mib(last.pid) if last else None
+    frac = recomputed / needed if needed else None
+    verdict = (
+        len(kills) == sz.resume_kills
+        and check["runs_resumed"] > 0
+        and frac is not None
+        and frac <= sz.resume_max_recomputed
+        and not differ
+        and len(texts) >= 2 * n
+    )
+    run.info["verdict"] = "pass" if verdict else "FAIL"
+    run.notes.append(
+        f"{'PASS' if verdict else 'FAIL'}: {len(kills)} SIGKILLs of {n} streaming jobs x {max_tokens} new tokens "
+        f"(half greedy, half seeded) at {', '.join(str(k['streamed_tokens']) for k in kills)} streamed tokens; "
+        f"recomputed {recomputed} of the run's {needed} tokens ({100 * (frac or 0):.1f} %, at most "
+        f"{100 * sz.resume_max_recomputed:.0f} %: the workers' jaxserve_generation_tokens_total, {round(generated)}, "
+        f"less the finals' tokens; without saved tokens {recomputed + check['tokens_resumed']}); "
+        f"{check['runs_resumed']} runs resumed from {check['tokens_resumed']} saved tokens; "
+        f"{n - len(differ)}/{n} texts equal their uninterrupted run; restarts took "
+        f"{', '.join(str(k.get('restart_consuming_s')) for k in kills)} s"
+    )
+
+
 def _ordinary_raw(tag: str, reply_to: str, prefix: str, now_ms: int, i: int) -> dict[str, Any]:
     prompt = f"ordinary job {i} alpha beta"
     return {
@@ -1188,6 +1341,7 @@ SCENARIO_FUNCS: dict[str, Callable[[Ctx, Run], Awaitable[None]]] = {
     "connection_cuts": scn_connection_cuts,
     "redis_outage": scn_redis_outage,
     "sigkill": scn_sigkill,
+    "sigkill_resume": scn_sigkill_resume,
     "malformed": scn_malformed,
     "hostile_reply_to": scn_hostile_reply_to,
     "flood": scn_flood,

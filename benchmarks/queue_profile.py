@@ -113,28 +113,26 @@ def _instrument_engine(engine: Any) -> None:
 
 
 def _instrument_worker() -> None:
-    from jaxserve.worker import worker as wmod
     from jaxserve.worker.engine_process import EngineProcess
     from jaxserve.worker.engine_thread import EngineThread
+    from jaxserve.worker.intake import Intake
     from jaxserve.worker.job_run import JobRun
     from jaxserve.worker.lifecycle import Delivery, job_key_of
     from jaxserve.worker.replies import Replies
-
-    W = wmod.Worker
 
     def rec(key: Any, name: str) -> None:
         if isinstance(key, str):
             _jobs.setdefault(key, {})[name] = time.monotonic()
 
-    orig_handle = W._handle
+    orig_take = Intake.take
     sampler: list[asyncio.Task] = []
 
-    async def _handle(self, message, queue_class):  # type: ignore[no-untyped-def]
+    async def take(self, message, queue_class):  # type: ignore[no-untyped-def]
         rec(message.message_id, "received")
         if not sampler:
             sampler.append(asyncio.get_running_loop().create_task(_lag_sampler()))
             _start_cprofile()  # on the event loop's thread only
-        return await orig_handle(self, message, queue_class)
+        return await orig_take(self, message, queue_class)
 
     def timed_add(orig):  # type: ignore[no-untyped-def]
         def add_request(self, request_id, *a, **kw):  # type: ignore[no-untyped-def]
@@ -175,7 +173,7 @@ def _instrument_worker() -> None:
         rec(self.message.message_id, "acked")
         return r
 
-    W._handle = _handle
+    Intake.take = take
     for cls in (EngineThread, EngineProcess):
         cls.add_request = timed_add(cls.add_request)
     JobRun.finish = _finish

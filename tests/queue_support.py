@@ -3,7 +3,9 @@
 The BROKER is always the real RabbitMQ; only the engine is replaced, by
 :class:`EchoEngine`, a deterministic double with the real engine's interface
 (see ``jaxserve/worker/engine_thread.py``): its completion is derived from
-the prompt, it schedules interactive before batch within ``max_num_seqs`` and, within
+the prompt (one token per word, ids :func:`piece_token`), a request added
+with ``prior`` output (a job continued from its saved tokens) goes on after
+it, it schedules interactive before batch within ``max_num_seqs`` and, within
 a class, the lower ``priority`` value first (the real scheduler's order); a
 prompt containing :data:`FAIL_MARKER` fails that request's step alone (the
 real engine's containment); it can be stalled, slowed, or made to burn CPU
@@ -27,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from jaxserve.engine.types import EngineBroken, RequestClass, RequestOutput
+from jaxserve.engine.types import EngineBroken, PriorOutput, RequestClass, RequestOutput
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.lifecycle import job_key_of
@@ -84,9 +86,15 @@ class _Req:
         self.full, self.reason = expected_completion(self.prompt_text, params.max_tokens, tuple(params.stop))
         self.pieces = [p for p in re.findall(r"\S*\s*", self.full) if p]
         self.pos = 0
+        self.resumed_text = ""  # the saved pieces' text, carried by the first delta (as the real engine does)
         self.held_first = HELD_FIRST_MARKER in self.prompt_text
         self.label_logprobs: list[float] | None = None
         self.label_tokens = 0
+
+
+def piece_token(i: int) -> int:
+    """EchoEngine's token id of its ``i``-th piece of output (a word and its space)."""
+    return 100 + i
 
 
 # A prompt containing this makes EchoEngine fail that request's step (alone).
@@ -127,6 +135,7 @@ class EchoEngine:
         self.waiting: list[_Req] = []
         self.running: dict[str, _Req] = {}
         self.add_count: collections.Counter = collections.Counter()
+        self.priors: dict[str, PriorOutput] = {}  # by job key: the saved output a request was continued from
         self.aborted: list[str] = []
         self.max_running_seen = 0
         self.thread_ids: set[int] = set()
@@ -159,6 +168,7 @@ class EchoEngine:
         request_class: RequestClass = RequestClass.BATCH,
         priority: int = 0,
         deadline: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> None:
         self.thread_ids.add(threading.get_ident())
         if not self.warmed:
@@ -170,9 +180,16 @@ class EchoEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError("context_length_exceeded", "too long")
         self.add_count[job_key_of(request_id)] += 1  # counted per job key (the worker adds one id per run)
-        self.waiting.append(
-            _Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer)
-        )
+        req = _Req(request_id, ids, params, RequestClass.parse(request_class), priority, deadline, self.tokenizer)
+        if prior is not None:
+            # A request continued from saved output: the pieces it names (one
+            # token each, ids piece_token(i)) are not generated again.
+            self.priors[job_key_of(request_id)] = prior
+            if list(prior.token_ids) != [piece_token(i) for i in range(len(prior.token_ids))]:
+                raise RequestError("invalid_request", "prior output this request cannot have produced")
+            req.pos = min(len(prior.token_ids), len(req.pieces) - 1)
+            req.resumed_text = "".join(req.pieces[: req.pos])
+        self.waiting.append(req)
 
     def add_score_request(
         self,
@@ -286,14 +303,16 @@ class EchoEngine:
                 outs.append(RequestOutput(rid, [1], ""))  # a token, its text held back
                 self.gate.clear()
                 continue
-            delta = r.pieces[r.pos] if r.pos < len(r.pieces) else ""
+            delta = r.resumed_text + (r.pieces[r.pos] if r.pos < len(r.pieces) else "")
+            r.resumed_text = ""
+            token = piece_token(r.pos)
             r.pos += 1
             if r.pos >= len(r.pieces):
                 del self.running[rid]
                 outs.append(
                     RequestOutput(
                         rid,
-                        [1],
+                        [token],
                         delta,
                         finished=True,
                         finish_reason=r.reason,
@@ -303,7 +322,7 @@ class EchoEngine:
                     )
                 )
             else:
-                outs.append(RequestOutput(rid, [1], delta))
+                outs.append(RequestOutput(rid, [token], delta, completion_tokens=r.pos))
         return outs
 
 
@@ -494,9 +513,9 @@ class WorkerHarness:
 
     async def close(self) -> None:
         for w in self.workers:
-            if not w._closing:
-                if hasattr(w.engine, "unstall"):
-                    w.engine.unstall()
+            if not w.state.closing:
+                if hasattr(w.host.engine, "unstall"):
+                    w.host.engine.unstall()
                 await w.shutdown(drain_timeout=0.5)
 
 

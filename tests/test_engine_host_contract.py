@@ -26,8 +26,8 @@ from jaxserve.engine import EngineBroken
 from jaxserve.engine.types import RequestClass, RequestOutput
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.engine_core import EngineThreadDead
 from jaxserve.worker.engine_host import EngineHost, EngineInfo, HostedEngine, StepReport, engine_info
+from jaxserve.worker.engine_loop import EngineThreadDead
 from jaxserve.worker.engine_process import EngineProcess
 from jaxserve.worker.engine_thread import EngineThread
 from queue_support import EchoEngine

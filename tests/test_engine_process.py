@@ -385,7 +385,7 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
     assert await w.start()
     engine_pid = w.host.pid
     try:
-        assert engine_pid != os.getpid() and w.info is not None and w.info.model_name == "echo"
+        assert engine_pid != os.getpid() and w.served.info is not None and w.served.info.model_name == "echo"
         stream = await client.stream("alpha beta gamma", max_tokens=7, timeout=20)
         text = "".join([d async for d in stream])
         assert text == expected_completion("alpha beta gamma", 7)[0] == stream.result.text
@@ -393,7 +393,9 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
         prompts = [f"doc{i} one two" for i in range(5)]
         results = await asyncio.gather(*(client.submit(p, queue="batch", max_tokens=4, timeout=20) for p in prompts))
         assert [r.text for r in results] == [expected_completion(p, 4)[0] for p in prompts]
-        generated = w.metrics.registry.get_sample_value("jaxserve_generation_tokens_total", {"model_name": "echo"})
+        generated = w.served.metrics.registry.get_sample_value(
+            "jaxserve_generation_tokens_total", {"model_name": "echo"}
+        )
         assert generated == 7 + 5 * 4
     finally:
         await w.shutdown(drain_timeout=1.0)

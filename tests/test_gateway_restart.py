@@ -33,7 +33,7 @@ def _batch_input() -> bytes:
 
 def _jobs_total(worker, outcome: str) -> float:
     needle = f'jaxserve_jobs_total{{model_name="echo",outcome="{outcome}",queue="batch"}} '
-    for line in generate_latest(worker.metrics.registry).decode().splitlines():
+    for line in generate_latest(worker.served.metrics.registry).decode().splitlines():
         if line.startswith(needle):
             return float(line.split()[-1])
     return 0.0

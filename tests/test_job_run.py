@@ -50,26 +50,26 @@ async def test_holdings_release_in_order_once_whatever_the_order_taken():
 async def _running(w, eng, key: str = "k") -> FakeMessage:
     m = FakeMessage(JOB, key)
     await deliver(w, m, "interactive")
-    await asyncio.wait_for(_until(lambda: key in w.active and w.active[key].state is JobState.RUNNING), 5)
+    await asyncio.wait_for(_until(lambda: key in w.runs and w.runs.get(key).state is JobState.RUNNING), 5)
     await asyncio.wait_for(_until(lambda: len(eng.waiting) == 1), 5)
-    run = w.active[key]
+    run = w.runs.get(key)
     assert run.claimed and run.in_engine and w.admission.held_tokens > 0 and w.limiter._in_flight["acme"]
     return m
 
 
 def _holds_nothing(w, eng, key: str = "k") -> None:
-    assert w.active == {} and w.by_rid == {}
+    assert w.runs.holds_nothing
     assert w.admission.held_tokens == 0
     assert key not in w.store._claims
     assert not w.limiter._in_flight.get("acme")
 
 
 async def _cancel(w, key):
-    await w._on_control(FakeMessage({"type": "cancel", "id": key}, None))
+    await w.control.on_message(FakeMessage({"type": "cancel", "id": key}, None))
 
 
 async def _drain(w, key):
-    await w.active[key].requeue("drain")
+    await w.runs.get(key).requeue("drain")
 
 
 async def _step_error(w, key):
@@ -118,8 +118,8 @@ async def test_a_batch_job_over_its_tenant_limit_is_deferred_and_holds_nothing(w
     await asyncio.wait_for(_until(lambda: second.settlements), 5)
     assert second.settlements == ["ack"] and w.stats["deferred"] == 1 and pub.finals() == []
     assert [(q, h.get("x-jaxserve-deferred")) for q, h in republished] == [(w.topo.batch, 1)]
-    assert "b" not in w.active and "b" not in w.store._claims and first.settlements == []
-    assert w.limiter._in_flight["acme"] == {w.active["a"].request_id}  # only the running job counts
+    assert "b" not in w.runs and "b" not in w.store._claims and first.settlements == []
+    assert w.limiter._in_flight["acme"] == {w.runs.get("a").request_id}  # only the running job counts
 
 
 async def test_a_deferred_job_whose_republish_fails_goes_back_to_the_broker(worker):  # noqa: F811 - fixture
@@ -134,4 +134,4 @@ async def test_a_deferred_job_whose_republish_fails_goes_back_to_the_broker(work
     second = FakeMessage(JOB, "b")
     await deliver(w, second, "batch")
     await asyncio.wait_for(_until(lambda: second.settlements), 5)
-    assert second.settlements == ["requeue"] and "b" not in w.active
+    assert second.settlements == ["requeue"] and "b" not in w.runs

@@ -387,7 +387,7 @@ async def test_chat_calibrated_jobs_through_the_queue_share_one_calibration(harn
     results = await asyncio.gather(
         *[client.submit(d, labels=labels, label_prompt="chat", calibrate=True, queue="batch", timeout=60) for d in docs]
     )
-    assert w.label_calibrations.computed == 1 and len(w.label_calibrations) == 1
+    assert w.calibrations.computed == 1 and len(w.calibrations) == 1
     tok = ByteTokenizer()
 
     def echo_scores(prompt_text: str) -> list[float]:  # EchoEngine's score of each label after a prompt

@@ -51,7 +51,7 @@ async def test_latency_metrics_count_answered_jobs_under_the_served_name(harness
     eng.unstall()
     assert (await client.wait(first, timeout=20)).ok
     labels = {"model_name": "public-name", "queue": "interactive"}
-    sample = w.metrics.registry.get_sample_value
+    sample = w.served.metrics.registry.get_sample_value
     await wait_until(lambda: sample("jaxserve_jobs_total", {**labels, "outcome": "ok"}) == 1.0)
     assert sample("jaxserve_jobs_total", {**labels, "outcome": "overloaded"}) == 1.0
     assert sample("jaxserve_e2e_request_latency_seconds_count", labels) == 1.0

@@ -143,7 +143,7 @@ async def test_cut_connection_during_stream_loses_nothing(harness, client, prefi
     await wait_until(lambda: all(w.stats[n] >= 1 for n in names), timeout=20)
     assert eng.add_count[s.key] == 1 and eng.add_count[other] == 1  # never run twice
     # the redeliveries were fenced and acked: nothing left in the queues
-    await wait_until(lambda: not w.active, timeout=10)
+    await wait_until(lambda: not w.runs, timeout=10)
     depths = await client.queue_depths()
     assert depths[f"{prefix}.interactive"]["messages"] == 0 and depths[f"{prefix}.batch"]["messages"] == 0
     assert depths[f"{prefix}.dead"]["messages"] == 0
@@ -255,7 +255,7 @@ async def test_real_engine_end_to_end(harness, client):
     assert w.stats["done_ok"] == 3
     from prometheus_client import generate_latest
 
-    scraped = generate_latest(w.metrics.registry).decode()
+    scraped = generate_latest(w.served.metrics.registry).decode()
     assert 'jaxserve_jobs_total{model_name="tiny",outcome="ok",queue="interactive"} 3.0' in scraped
     assert 'jaxserve_jobs_total{model_name="tiny",outcome="replayed",queue="interactive"} 1.0' in scraped
     assert 'jaxserve_time_to_first_token_seconds_count{model_name="tiny",queue="interactive"} 2.0' in scraped

@@ -278,7 +278,7 @@ async def test_garbage_direct_reply_to_costs_only_itself(harness, client, prefix
             garbage.append(k)
     results = await asyncio.gather(*(client.wait(k, timeout=30) for k in keys))
     assert all(r.ok for r in results)
-    await wait_until(lambda: w.stats["reply_undeliverable"] >= len(garbage) and not w.active, timeout=20)
+    await wait_until(lambda: w.stats["reply_undeliverable"] >= len(garbage) and not w.runs, timeout=20)
     assert w.stats["reconnect_publish"] == 0 and w.stats["connection_lost_publish"] == 0
     assert await queue_depth(f"{prefix}.interactive") == 0  # acked once each: not retried for ever
     dups = collections.Counter(r.id for r in results)
@@ -317,7 +317,7 @@ async def test_priority_higher_runs_first_end_to_end(harness, client, prefix):
     low = await client.publish({"prompt": "low", "max_tokens": 1}, queue="batch", priority=0)
     high = await client.publish({"prompt": "high", "max_tokens": 1}, queue="batch", priority=9)
     body_prio = await client.publish({"prompt": "body", "max_tokens": 1, "priority": 7}, queue="batch")
-    await wait_until(lambda: len(w.active) == 23 and all(j.in_engine for j in w.active.values()))
+    await wait_until(lambda: len(w.runs) == 23 and all(j.in_engine for j in w.runs))
     order: list[str] = []
     for k in [*fillers, low, high, body_prio]:
         asyncio.ensure_future(client.wait(k, timeout=20)).add_done_callback(lambda f: order.append(f.result().id))
@@ -357,7 +357,7 @@ async def test_redis_outage_jobs_wait_and_the_worker_recovers(harness, client, p
     # admission (store_unavailable) or a best-effort write (store_write_skipped),
     # and after it no job calls the store until the probe finds it back.
     assert during < 150 and w.store_health.outages >= 1
-    await wait_until(lambda: not w.active, timeout=10)  # the last acks follow the last replies
+    await wait_until(lambda: not w.runs, timeout=10)  # the last acks follow the last replies
     assert w.stats["worker_task_failed"] == 0
     # and it keeps serving after the outage
     assert (await client.submit("after the outage", max_tokens=2, timeout=20)).ok
@@ -564,3 +564,132 @@ def test_drain_with_many_jobs_in_flight_is_bounded(prefix, tmp_path):
     assert asyncio.run(queue_depth(f"{prefix}.batch")) == len(keys)  # every held job requeued
     [stopped] = [r for r in _json_lines(log) if r.get("event") == "worker_stopped"]
     assert stopped["requeued"] == 40
+
+
+# Long generations on the tiny preset: a negative frequency penalty keeps
+# most from ending early (its near-flat logits give the end-of-text token
+# 1/256 a step), and the penalties' history is part of what a resumed run
+# must carry on with.
+RESUMED_JOBS = [
+    {"prompt": f"Story {i}: once upon a time", "max_tokens": 400, "stream": True, "frequency_penalty": -2.0}
+    | ({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.9, "seed": 500 + i})
+    for i in range(6)
+] + [{"prompt": "A job with logprobs", "max_tokens": 400, "temperature": 0.8, "seed": 9, "logprobs": True}]
+
+
+@pytest.mark.timeout(900)
+def test_a_sigkilled_workers_jobs_continue_from_their_saved_tokens(prefix, tmp_path):
+    """Long generations on the real engine, the worker SIGKILLed once every
+    job has tokens in the store (or has finished): a second worker on the
+    same store finishes every job, each one that was running from its saved
+    tokens (its first chunk says how many it did not generate); the texts
+    (and logprobs) equal the uninterrupted run's (the same bodies under
+    other keys, no fault); the saved tokens are gone with the results; and
+    the tokens generated twice are counted: what the dead worker streamed
+    past its last save."""
+    import json
+
+    from jaxserve.client import AsyncClient
+    from jaxserve.worker.store import SqliteStore
+
+    state = tmp_path / "state"
+    engine = ["--model", "tiny", "--max-num-seqs", "16", "--max-model-len", "480", "--state-dir", str(state)]
+    args = [*engine, "--save-tokens-every", "8", "--save-tokens-interval", "0.5"]
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_worker_process(prefix, log_a, *args, engine=None)
+    b = None
+    store_path = state / f"store-{prefix}.sqlite3"
+
+    async def scenario() -> dict:
+        nonlocal b
+        conn, _ch, q = await reply_queue(prefix)
+        msgs: list[dict] = []
+
+        async def take(m) -> None:
+            msgs.append(orjson.loads(m.body))
+
+        def results() -> dict[str, dict]:
+            return {m["id"]: m for m in msgs if m["type"] == "result"}
+
+        await q.consume(take, no_ack=True)
+        try:
+            await asyncio.to_thread(wait_log, log_a, "worker_consuming", 300)
+            async with AsyncClient(AMQP_URL, prefix=prefix) as c:
+                keys = [
+                    await c.publish(body, key=f"r-{i}", queue="batch", reply_to=q.name, expect_reply=False)
+                    for i, body in enumerate(RESUMED_JOBS)
+                ]
+                store = SqliteStore(store_path)
+                saved: dict[str, int] = {}
+                done_before: set[str] = set()
+
+                async def every_job_saved_or_done() -> bool:
+                    done_before.update(results())
+                    for k in keys:
+                        saved[k] = sum(len(chunk.token_ids) for chunk in await store.saved_tokens(k))
+                    return all(saved[k] >= 16 or k in done_before for k in keys)
+
+                while not await every_job_saved_or_done():
+                    await asyncio.sleep(0.02)
+                os.kill(a.pid, signal.SIGKILL)
+                await asyncio.to_thread(a.wait, 30)
+                b = start_worker_process(prefix, log_b, *args, engine=None)
+                await asyncio.to_thread(wait_log, log_b, "worker_consuming", 300)
+                while len(results()) < len(keys):
+                    assert b.poll() is None, log_b.read_text()[-3000:]
+                    await asyncio.sleep(0.1)
+                finished = [results()[k] for k in keys]
+                left = {k: await store.saved_tokens(k) for k in keys}
+                refs = [await c.publish(body, key=f"ref-{i}", queue="batch") for i, body in enumerate(RESUMED_JOBS)]
+                uninterrupted = [r.to_dict() for r in await asyncio.gather(*(c.wait(k, timeout=300) for k in refs))]
+                await c.delete_reply_queue()
+                await store.close()
+        finally:
+            await conn.close()
+        return {
+            "finished": finished,
+            "uninterrupted": uninterrupted,
+            "left": left,
+            "saved": saved,
+            "done_before": done_before,
+            "msgs": msgs,
+        }
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        for p in (a, b):
+            if p is not None:
+                stop_process(p)
+    finished, uninterrupted = out["finished"], out["uninterrupted"]
+    assert a.returncode == -signal.SIGKILL
+    assert [r["status"] for r in finished] == ["ok"] * len(RESUMED_JOBS), finished
+    assert [r["text"] for r in finished] == [r["text"] for r in uninterrupted]
+    lp = [t["logprob"] for t in finished[-1]["logprobs"]["content"]]
+    assert lp == pytest.approx([t["logprob"] for t in uninterrupted[-1]["logprobs"]["content"]], abs=1e-4)
+    assert all(chunks == [] for chunks in out["left"].values())  # gone with the results
+    starts = [json.loads(line) for line in log_b.read_text().splitlines() if '"job_start"' in line]
+    resumed = {r["key"]: r.get("resumed_tokens", 0) for r in starts if r["key"].startswith("r-")}
+    running = [k for k in resumed if k not in out["done_before"]]
+    assert len(running) >= 4 and all(resumed[k] >= out["saved"][k] >= 16 for k in running)
+    # A streaming job's second run starts at seq 0 with a chunk that carries
+    # the saved text and generates only the rest; what its first run
+    # streamed past the saved tokens was generated twice.
+    recomputed = streamed = 0
+    for i, r in enumerate(finished[:6]):
+        key = f"r-{i}"
+        if key not in running:
+            continue
+        runs: dict[str, list[dict]] = collections.defaultdict(list)
+        for m in out["msgs"]:
+            if m["type"] == "chunk" and m["id"] == key:
+                runs[m["run"]].append(m)
+        assert len(runs) == 2, runs.keys()
+        first, second = sorted(runs.values(), key=lambda chunks: "resumed" in chunks[0])
+        assert second[0]["seq"] == 0 and second[0]["resumed"] == resumed[key]
+        assert "".join(m["text"] for m in second) == r["text"]
+        assert sum(m["tokens"] for m in second) - second[0]["resumed"] == r["usage"]["completion_tokens"] - resumed[key]
+        streamed += sum(m["tokens"] for m in first)
+        recomputed += max(0, sum(m["tokens"] for m in first) - resumed[key])
+    assert recomputed < streamed  # without saved tokens, all of it
+    print(f"recomputed {recomputed} of the {streamed} tokens the killed worker streamed")

@@ -161,8 +161,16 @@ async def test_two_models_started_the_plain_way_each_serve_their_own_jobs(harnes
     smol = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
     await _ask_each(client, {"tiny": "tiny", "smol": "smol", "": "tiny"})
     assert smol.stats["invalid"] == tiny.stats["invalid"] == 0
-    assert tiny.routes is not None and tiny.routes.default and tiny.routes.default_model == "tiny"
-    assert smol.routes is not None and not smol.routes.default and smol.routes.default_model == "tiny"
+    assert (
+        tiny.connections.routes is not None
+        and tiny.connections.routes.default
+        and tiny.connections.routes.default_model == "tiny"
+    )
+    assert (
+        smol.connections.routes is not None
+        and not smol.connections.routes.default
+        and smol.connections.routes.default_model == "tiny"
+    )
 
     await tiny.shutdown(drain_timeout=0.5)
     stray = await client.publish({"prompt": PROMPT, "max_tokens": 2, "model": "tiny"})
@@ -171,7 +179,7 @@ async def test_two_models_started_the_plain_way_each_serve_their_own_jobs(harnes
     assert depths[f"{prefix}.interactive"] == {"messages": 1, "consumers": 0}  # waiting for tiny
     assert smol.stats["received"] == 2 * 4 + 2 * 2
     again = await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
-    assert again.routes is not None and again.routes.default
+    assert again.connections.routes is not None and again.connections.routes.default
     waited = await client.wait(stray, timeout=60)
     assert waited.ok and waited.served_model == "tiny"
 
@@ -195,8 +203,12 @@ async def test_the_default_is_whoever_started_first_and_old_routes_are_moved(har
     smol = await harness.start(EchoEngine(model_name="tiny"), model_routes=True, served_model_name="smol")
     tiny = await harness.start(EchoEngine(model_name="tiny"), model_routes=True)
     await _ask_each(client, {"tiny": "tiny", "smol": "smol", "": "smol"})
-    assert smol.routes is not None and smol.routes.default
-    assert tiny.routes is not None and not tiny.routes.default and tiny.routes.default_model == "smol"
+    assert smol.connections.routes is not None and smol.connections.routes.default
+    assert (
+        tiny.connections.routes is not None
+        and not tiny.connections.routes.default
+        and tiny.connections.routes.default_model == "smol"
+    )
     assert (smol.stats["received"], tiny.stats["received"]) == (16, 8)  # smol: its own and those naming none
     assert smol.stats["invalid"] == tiny.stats["invalid"] == 0
 
@@ -215,13 +227,13 @@ async def test_a_model_started_after_the_default_is_gone_takes_the_default(harne
     refused = await client.submit(PROMPT, model="tiny", timeout=30)
     assert refused.error is not None and refused.error.code == "unknown_model", refused.raw
     assert "no worker routes" in refused.error.message and smol.stats["invalid"] == 0
-    assert smol.routes is not None and smol.routes.default
+    assert smol.connections.routes is not None and smol.connections.routes.default
 
     await smol.shutdown(drain_timeout=0.5)
     together = await asyncio.gather(
         *(harness.start(EchoEngine(model_name=name), model_routes=True) for name in ("alpha", "beta", "gamma"))
     )
-    assert sum(w.routes.default for w in together) == 1
+    assert sum(w.connections.routes.default for w in together) == 1
     await _ask_each(client, {name: name for name in ("alpha", "beta", "gamma")}, n=1)
 
 
@@ -310,8 +322,8 @@ async def test_degraded_max_tokens_and_no_second_reroute(harness, prefix, client
         alpha_engine, model_routes=True, admission=AdmissionConfig(max_queued_tokens=16), drain_timeout=0.5
     )
     beta = await harness.start(EchoEngine(model_name="beta"), model_routes=True, default_model="alpha")
-    assert alpha.routes is not None and alpha.routes.default
-    assert beta.routes is not None and not beta.routes.default
+    assert alpha.connections.routes is not None and alpha.connections.routes.default
+    assert beta.connections.routes is not None and not beta.connections.routes.default
     first = await client.publish({"prompt": PROMPT, "model": "alpha", "max_tokens": 3})
     await wait_until(lambda: alpha_engine.add_count[first] == 1, timeout=30)
 
@@ -334,8 +346,8 @@ async def test_degraded_max_tokens_and_no_second_reroute(harness, prefix, client
     assert degraded.usage is not None and degraded.usage.completion_tokens == 2
     assert degraded.text == expected_completion(PROMPT, 2)[0]
     assert (await client.wait(first, timeout=60)).degraded is None
-    assert alpha.metrics is not None
-    count = alpha.metrics.degradations.labels("alpha", INTERACTIVE, "max_tokens")._value.get()
+    assert alpha.served is not None
+    count = alpha.served.metrics.degradations.labels("alpha", INTERACTIVE, "max_tokens")._value.get()
     assert count == 1 and alpha.stats["degraded_max_tokens"] == 1
 
     # a degraded answer is not the cached answer of the full job

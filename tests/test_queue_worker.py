@@ -130,7 +130,7 @@ async def test_first_token_is_streamed_while_its_text_is_held_back(harness, pref
         }
         await asyncio.sleep(0.2)
         assert await q.get(no_ack=True, fail=False) is None  # nothing more while stalled
-        eng.engine.unstall()
+        eng.host.engine.unstall()
         rest = await _collect(q, lambda ms: any(orjson.loads(m.body)["type"] == "result" for m in ms))
         bodies = [orjson.loads(m.body) for m in first + rest]
         chunks = [b for b in bodies if b["type"] == "chunk"]
@@ -146,17 +146,17 @@ async def test_replay_does_not_run_engine(harness, client):
     assert r1.ok and not r1.replayed
     r2 = await client.submit("replay me please", max_tokens=8, key=r1.id, timeout=10)
     assert r2.ok and r2.replayed and r2.text == r1.text and r2.id == r1.id
-    assert w.engine.add_count[r1.id] == 1
+    assert w.host.engine.add_count[r1.id] == 1
     # A duplicate published while the first is still running is fenced.
-    w.engine.stall()
+    w.host.engine.stall()
     key = "dup-" + uuid.uuid4().hex
     await client.publish({"prompt": "dup job", "max_tokens": 4}, key=key)
-    await wait_until(lambda: w.engine.add_count[key] == 1)
+    await wait_until(lambda: w.host.engine.add_count[key] == 1)
     await client.publish({"prompt": "dup job", "max_tokens": 4}, key=key, correlation_id="second")
     await wait_until(lambda: w.stats["fenced"] >= 1)
-    w.engine.unstall()
+    w.host.engine.unstall()
     r = await client.wait(key, timeout=10)
-    assert r.ok and w.engine.add_count[key] == 1
+    assert r.ok and w.host.engine.add_count[key] == 1
 
 
 BAD_JOBS = [
@@ -204,7 +204,7 @@ async def test_bad_inputs_get_error_replies_and_worker_keeps_serving(harness, cl
         await conn.close()
     r = await client.submit("still serving", max_tokens=3, timeout=10)
     assert r.ok
-    assert sum(w.engine.add_count.values()) == 1
+    assert sum(w.host.engine.add_count.values()) == 1
     # acked, not requeued: both job queues are empty and nothing is unacked
     await wait_until(lambda: w.stats["acked"] >= len(BAD_JOBS) + 2)
     depths = await client.queue_depths()
@@ -218,10 +218,10 @@ async def test_bounded_prefetch_with_stalled_engine(harness, client, prefix):
     # past the default 2 s --target-ttft they would rightly be answered
     # overloaded. This test is about prefetch, so the target is out of reach.
     w = await harness.start(eng, admission=AdmissionConfig(target_ttft_s=300.0))
-    assert w.prefetch == {"interactive": 4, "batch": 3}
+    assert w.served.prefetch == {"interactive": 4, "batch": 3}
     keys = [await client.publish({"prompt": f"b{i}", "max_tokens": 2}, queue="batch") for i in range(20)]
     keys += [await client.publish({"prompt": f"i{i}", "max_tokens": 2}, queue="interactive") for i in range(10)]
-    await wait_until(lambda: len(w.active) == 7)
+    await wait_until(lambda: len(w.runs) == 7)
     # The broker's view. Ready counts (passive declare) are exact at once;
     # rabbitmqctl's unacked counts are refreshed every few seconds.
     for _ in range(5):
@@ -312,7 +312,7 @@ async def test_drain_requeues_unfinished_jobs(harness, client, prefix):
     eng = EchoEngine(stalled=True)
     w1 = await harness.start(eng)
     keys = [await client.publish({"prompt": f"drain {i}", "max_tokens": 3}, queue="batch") for i in range(3)]
-    await wait_until(lambda: len(w1.active) == 3)
+    await wait_until(lambda: len(w1.runs) == 3)
     await w1.shutdown(drain_timeout=0.3)
     assert w1.stats["requeued"] == 3
     depths = await client.queue_depths()

@@ -147,23 +147,23 @@ async def worker():
         cfg.setdefault("store_retry_max_s", 0.02)
         w = Worker(lambda: engine or EchoEngine(step_s=0.001), WorkerConfig(**cfg), store=store or FlakyStore())
         assert await w.start_engine()
-        w.publisher = FakePublisher()  # type: ignore[assignment]
+        w.connections.publisher = FakePublisher()  # type: ignore[assignment]
         made.append(w)
-        return w, w.publisher  # type: ignore[return-value]
+        return w, w.connections.publisher  # type: ignore[return-value]
 
     yield make
     for w in made:
-        w._closing = True
+        w.state.close()
         await asyncio.to_thread(w.host.stop)
 
 
 async def deliver(w: Worker, msg: FakeMessage, queue_class: str = "batch") -> asyncio.Task:
-    return w._spawn(w._handle(msg, queue_class))
+    return w.spawn(w.intake.take(msg, queue_class))
 
 
 async def settled(w: Worker, *msgs: FakeMessage, timeout: float = 10.0) -> None:
     async def check() -> None:
-        while not all(m.settlements for m in msgs) or w.active:
+        while not all(m.settlements for m in msgs) or w.runs:
             await asyncio.sleep(0.005)
 
     await asyncio.wait_for(check(), timeout)
@@ -190,17 +190,17 @@ async def test_duplicate_arriving_while_the_final_awaits_its_confirm_is_answered
     first, dup = FakeMessage(JOB, "k"), FakeMessage(JOB, "k", reply_to="other")
     await deliver(w, first)
     await asyncio.wait_for(pub.waiting.wait(), 5)
-    assert w.active["k"].state is JobState.FINISHING
+    assert w.runs.get("k").state is JobState.FINISHING
     await deliver(w, dup)
     await asyncio.sleep(0.02)
-    assert len(w.active["k"].deliveries) == 2
+    assert len(w.runs.get("k").deliveries) == 2
     gate.set()  # the pending confirm arrives
     await settled(w, first, dup)
     assert first.settlements == ["ack"] and dup.settlements == ["ack"]
     finals = pub.finals()
     assert [f["status"] for f in finals] == ["ok", "ok"] and finals[1]["replayed"] is True
     assert [rk for rk, m in pub.sent if m["type"] == "result"] == ["replies", "other"]
-    assert w.engine.add_count["k"] == 1
+    assert w.host.engine.add_count["k"] == 1
 
 
 @pytest.mark.parametrize("outcome", [PublishOutcome.FAILED, PublishOutcome.NACKED])
@@ -214,7 +214,7 @@ async def test_a_final_that_cannot_be_published_is_requeued_and_the_redelivery_r
     again = FakeMessage(JOB, "k", redelivered=True)
     await deliver(w, again)
     await settled(w, again)
-    assert again.settlements == ["ack"] and w.engine.add_count["k"] == 1
+    assert again.settlements == ["ack"] and w.host.engine.add_count["k"] == 1
     first, replay = pub.finals()
     assert replay["replayed"] is True and replay["text"] == first["text"]
 
@@ -249,9 +249,9 @@ async def test_a_store_outage_holds_the_job_and_drain_requeues_it(worker):
     w.store.down = True
     m = FakeMessage(JOB, "k")
     await deliver(w, m)
-    await asyncio.wait_for(_until(lambda: "k" in w.active and w.active["k"].state is JobState.HELD), 5)
+    await asyncio.wait_for(_until(lambda: "k" in w.runs and w.runs.get("k").state is JobState.HELD), 5)
     await asyncio.sleep(0.05)
-    assert w.active["k"].state is JobState.HELD and m.settlements == []
+    assert w.runs.get("k").state is JobState.HELD and m.settlements == []
     await w.shutdown(drain_timeout=0.05)
     assert m.settlements == ["requeue"] and pub.finals() == []
 
@@ -280,7 +280,7 @@ async def test_a_key_reused_with_another_body_is_refused(worker):
     same = FakeMessage({**JOB, "stream": False, "tenant": "t"}, "k")  # same effect: a replay
     await deliver(w, same)
     await settled(w, same)
-    assert pub.finals()[-1]["replayed"] is True and w.engine.add_count["k"] == 1
+    assert pub.finals()[-1]["replayed"] is True and w.host.engine.add_count["k"] == 1
 
 
 async def test_a_duplicate_with_another_body_while_running_is_refused_at_once(worker):
@@ -329,8 +329,8 @@ async def test_a_lost_channel_is_not_acked_twice_and_the_job_leaves(worker):
     m = FakeMessage(JOB, "k")
     m.channel_closed = True
     await deliver(w, m)
-    await asyncio.wait_for(_until(lambda: not w.active), 5)
-    assert m.settlements == [] and w.active == {}
+    await asyncio.wait_for(_until(lambda: not w.runs), 5)
+    assert m.settlements == [] and not w.runs
 
 
 async def _until(pred) -> None:
@@ -346,7 +346,7 @@ async def test_cancel_acts_locally_while_the_store_is_down(worker):
     await asyncio.wait_for(_until(lambda: len(eng.waiting) == 1), 5)
     w.store.down = True
     cancel = FakeMessage({"type": "cancel", "id": "k"}, None)
-    await w._on_control(cancel)
+    await w.control.on_message(cancel)
     await asyncio.wait_for(_until(lambda: pub.finals()), 5)
     assert pub.finals()[0]["error"]["code"] == "cancelled" and "k" in eng.aborted
     w.store.down = False
@@ -369,7 +369,7 @@ async def test_a_lost_lease_gives_the_job_back(worker):
 
     eng = EchoEngine(step_s=0.001, stalled=True)
     w, pub = await worker(eng, store=LosingStore(), claim_lease_s=0.3)
-    w._spawn(w._renew_loop())
+    w.spawn(w.control.renew_loop())
     m = FakeMessage(JOB, "k")
     await deliver(w, m)
     await settled(w, m)
@@ -432,7 +432,7 @@ async def test_killed_between_final_and_ack_the_sqlite_store_answers_the_redeliv
     m = FakeMessage(body, "k")
     m.channel_closed = True  # the process dies before its ack
     await deliver(w1, m)
-    await asyncio.wait_for(_until(lambda: not w1.active), 5)
+    await asyncio.wait_for(_until(lambda: not w1.runs), 5)
     [first] = pub1.finals()
     assert first["status"] == "ok" and m.settlements == []
     await w1.store.close()

@@ -28,7 +28,7 @@ from typing import Any
 import aio_pika
 import orjson
 
-TAG_RE = re.compile(r"(?:ord|mal|hst|flood|cut|str|sig|prb|job)-[0-9a-z]+(?:-[0-9]+)?")
+TAG_RE = re.compile(r"(?:ord|mal|hst|flood|cut|str|sig|res|ref|prb|job)-[0-9a-z]+(?:-[0-9]+)?")
 
 
 @dataclasses.dataclass
@@ -50,6 +50,8 @@ class Rec:
     transport_dup: bool = False
     replayed: bool = False
     digest: str = ""
+    tokens: int | None = None  # a chunk's tokens; a result's usage.completion_tokens
+    resumed: int | None = None  # a chunk's: of its tokens, those an earlier run saved
 
     def tag(self) -> str | None:
         """The suite's key of the job this reply belongs to: the result id,
@@ -60,6 +62,16 @@ class Rec:
                 if m:
                     return m.group(0)
         return self.id if isinstance(self.id, str) else None
+
+
+def _tokens(msg: dict[str, Any], kind: str) -> int | None:
+    if kind == "chunk":
+        value = msg.get("tokens")
+    elif kind == "result":
+        value = (msg.get("usage") or {}).get("completion_tokens") if isinstance(msg.get("usage"), dict) else None
+    else:
+        value = None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _s(v: Any) -> str | None:
@@ -186,6 +198,8 @@ class Collector:
             redelivered=redelivered,
             replayed=bool(msg.get("replayed")),
             digest=digest,
+            tokens=_tokens(msg, kind),
+            resumed=msg.get("resumed") if kind == "chunk" and isinstance(msg.get("resumed"), int) else None,
         )
         seen_key = (source, digest)
         if redelivered and seen_key in self._seen and source != "trace-publish":
@@ -356,4 +370,50 @@ def stream_check(records: list[Rec], stream_keys: set[str]) -> dict[str, Any]:
         "runs_with_gaps": gaps,
         "restarted_streams": restarted,
         "chunks_not_matching_final": mismatched,
+    }
+
+
+def resume_check(records: list[Rec], keys: set[str]) -> dict[str, Any]:
+    """Work done twice for streaming jobs whose worker was killed, from
+    their chunks: each run's tokens (its chunks' ``tokens``) less those it
+    continued from (its first chunk's ``resumed``) is what that run
+    generated; what every run of a key generated, less the tokens its ok
+    final holds, was generated twice (recomputed). The chunks a dead run
+    published are a lower bound of what it generated (one in flight at the
+    kill is lost), so recomputed tokens can be under-counted by about one
+    chunk per killed run."""
+    per_run: dict[tuple[str, str], dict[str, int]] = {}
+    seen: set[tuple[str, str, int]] = set()
+    for r in records:
+        k = r.tag()
+        if r.kind != "chunk" or r.transport_dup or k not in keys:
+            continue
+        if (k, r.run or "", int(r.seq or 0)) in seen:
+            continue
+        seen.add((k, r.run or "", int(r.seq or 0)))
+        run = per_run.setdefault((k, r.run or ""), {"tokens": 0, "resumed": 0})
+        run["tokens"] += r.tokens or 0
+        run["resumed"] = max(run["resumed"], r.resumed or 0)
+    finals = {r.tag(): r for r in records if r.kind == "result" and r.tag() in keys and r.status == "ok"}
+    needed = sum(f.tokens or 0 for f in finals.values())
+    generated = sum(max(0, v["tokens"] - v["resumed"]) for v in per_run.values())
+    runs_per_key: dict[str, int] = {}
+    for k, _ in per_run:
+        runs_per_key[k] = runs_per_key.get(k, 0) + 1
+    restarted = {k for k, n in runs_per_key.items() if n > 1}
+    resumed_runs = [v for v in per_run.values() if v["resumed"]]
+    recomputed = max(0, generated - needed)
+    resumed = sum(v["resumed"] for v in resumed_runs)
+    return {
+        "jobs": len(keys),
+        "ok_finals": len(finals),
+        "tokens_needed": needed,
+        "tokens_generated": generated,
+        "tokens_recomputed": recomputed,
+        "recomputed_frac": round(recomputed / needed, 4) if needed else None,
+        "jobs_restarted": len(restarted),
+        "runs_resumed": len(resumed_runs),
+        "tokens_resumed": resumed,
+        # without saved tokens every resumed token would have been generated again
+        "tokens_recomputed_without_saving": recomputed + resumed,
     }

@@ -13,7 +13,7 @@ import click
 
 from jaxserve import __version__
 from jaxserve.cli.bench import bench
-from jaxserve.cli.dead_commands import dead
+from jaxserve.cli.dead_letter_commands import dead
 from jaxserve.cli.gateway_command import gateway
 from jaxserve.cli.generate import generate
 from jaxserve.cli.loadtest_command import loadtest

@@ -216,6 +216,22 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     help="While the store is unreachable (the worker then takes no jobs), seconds a job it holds waits for it before going back to the broker.",
 )
 @click.option(
+    "--save-tokens-every",
+    type=click.IntRange(min=0),
+    default=16,
+    show_default=True,
+    help="Save each running job's generated tokens to the store once it has this many unsaved ones "
+    "(else every --save-tokens-interval), all jobs in one write: a job whose worker dies continues from them "
+    "on the next worker. 0: save nothing.",
+)
+@click.option(
+    "--save-tokens-interval",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="Seconds between two saves of the tokens of running jobs that have fewer than --save-tokens-every unsaved.",
+)
+@click.option(
     "--reply-timeout",
     type=click.FloatRange(min=0.1),
     default=60.0,
@@ -301,6 +317,8 @@ def worker(
     max_body_bytes: int,
     claim_lease: float,
     store_hold: float,
+    save_tokens_every: int,
+    save_tokens_interval: float,
     reply_timeout: float,
     engine_hang_timeout: float,
     engine_process: bool,
@@ -379,6 +397,8 @@ def worker(
         max_body_bytes=max_body_bytes,
         claim_lease_s=claim_lease,
         store_hold_s=store_hold,
+        save_tokens_every=save_tokens_every,
+        save_tokens_interval_s=save_tokens_interval,
         reply_timeout_s=reply_timeout,
         engine_hang_timeout_s=engine_hang_timeout,
         engine_process=engine_process,
@@ -404,9 +424,11 @@ def worker(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        st = make_store(store, redis_url=redis_url, namespace=prefix, state_dir=state_dir)
-        w = Worker(functools.partial(build_from_path, engine_path, kwargs), cfg, store=st, tracing=tracing)
-        return await w.run(stop)
+        job_store = make_store(store, redis_url=redis_url, namespace=prefix, state_dir=state_dir)
+        queue_worker = Worker(
+            functools.partial(build_from_path, engine_path, kwargs), cfg, store=job_store, tracing=tracing
+        )
+        return await queue_worker.run(stop)
 
     with worker_errors(amqp_url, log_format):
         code = asyncio.run(main())

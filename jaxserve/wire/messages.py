@@ -93,7 +93,8 @@ class Chunk(_Reply):
             "description": "Sent to reply_to (correlation_id echoed) while a job with stream=true runs. seq counts "
             "0, 1, 2, ... per run; chunks of one run arrive in order; concatenated texts equal the final result's "
             "text. A chunk may carry several tokens. A job restarted after a crash starts a new run (new run id) "
-            "at seq 0."
+            "at seq 0; when it continues from the tokens the crashed run saved, its first chunk carries their "
+            "text too (resumed: how many of its tokens those are)."
         },
     )
 
@@ -106,6 +107,12 @@ class Chunk(_Reply):
     )
     run: str | None = Field(default=None, description="Id of this execution of the job.")
     tokens: Annotated[int, Field(ge=0)] | None = Field(default=None, description="Tokens the delta carries.")
+    resumed: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="Only on the first chunk of a run that continues from the tokens an earlier run of the job "
+        "saved before its worker died: how many of this chunk's tokens that run generated (their text is in this "
+        "chunk, so the run's texts still concatenate to the final text).",
+    )
 
 
 class Result(_Reply):

@@ -10,7 +10,7 @@ engine's host: ``EngineHost``, ``EngineInfo``), its two hosts
 ``jaxserve.worker.engine_thread.EngineThread`` (the engine on a thread) and
 ``jaxserve.worker.engine_process.EngineProcess`` (the same, in a process of
 its own: ``jaxserve worker``'s default), both driving one
-``jaxserve.worker.engine_core.EngineCore`` (commands and steps on the
+``jaxserve.worker.engine_loop.EngineLoop`` (commands and steps on the
 engine's one thread),
 ``jaxserve.worker.store`` (sqlite, memory and Redis idempotency stores).
 Names, messages and validation shared with producers are in ``jaxserve.wire``.

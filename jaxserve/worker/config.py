@@ -45,6 +45,12 @@ class WorkerConfig:
     # then goes back to the broker (--store-hold).
     store_hold_s: float = 10.0
     engine_hang_timeout_s: float = 300.0  # one step or command busy longer: the engine is hung
+    # Each running job's generated tokens go to the store once it has this
+    # many unsaved ones, else every save_tokens_interval_s; all jobs' in one
+    # write. A job whose worker dies continues from them elsewhere
+    # (jaxserve.worker.progress). 0: nothing saved.
+    save_tokens_every: int = 16
+    save_tokens_interval_s: float = 1.0
     # Run the engine in a process of its own (jaxserve.worker.engine_process)
     # instead of a thread of this one: the event loop then never waits for
     # the engine's Python work to let go of the GIL. The engine factory must

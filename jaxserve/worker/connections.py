@@ -9,28 +9,31 @@ confirms), so no consumer shares another's fate.
 
 A consumer pauses while the store is unreachable (a job taken then would
 only be held; ``tests/test_queue_store_outage.py``), for drain, and batch
-alone while interactive pressure is high (``pace_batch``). One lock orders every consume and cancel,
-so whatever changed last wins.
+alone while interactive pressure is high (``pace_batch``, which
+``jaxserve.worker.pacing`` calls once a second). One lock orders every
+consume and cancel, so whatever changed last wins.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import aio_pika
 import structlog
 from yarl import URL
 
+from jaxserve.metrics import EngineMetrics
 from jaxserve.wire import BATCH, INTERACTIVE
 from jaxserve.wire.topology import declare_topology
+from jaxserve.worker.config import WorkerConfig
 from jaxserve.worker.fallback import model_routes
 from jaxserve.worker.replies import ReplyPublisher
-from jaxserve.worker.routing import declare_model_routes
-
-if TYPE_CHECKING:
-    from jaxserve.worker.worker import Worker
+from jaxserve.worker.routing import ModelRoutes, declare_model_routes
+from jaxserve.worker.store_health import StoreHealth
+from jaxserve.worker.worker_state import WorkerStateView
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -38,12 +41,28 @@ OnMessage = Callable[[aio_pika.abc.AbstractIncomingMessage], Awaitable[None]]
 
 
 class Connections:
-    """Connections, consumers and their pausing for one worker."""
+    """Connections, consumers and their pausing for one worker; the two
+    reply publishers; and the routes it consumes (set by :meth:`connect`).
 
-    def __init__(self, w: Worker, on_job: Callable[[Any, str], None], on_control: OnMessage) -> None:
-        self.w = w
-        self.cfg = w.cfg
-        self.topo = w.cfg.topology
+    ``state``: the worker's (no consumer resumes while it drains or
+    closes); ``store_health``: consumers pause while the store is down;
+    ``on_job(message, queue class)`` takes a job delivery,
+    ``on_control(message)`` a control message."""
+
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        stats: collections.Counter,
+        state: WorkerStateView,
+        store_health: StoreHealth,
+        on_job: Callable[[Any, str], None],
+        on_control: OnMessage,
+    ) -> None:
+        self.cfg = cfg
+        self.topo = cfg.topology
+        self.stats = stats
+        self.state = state
+        self.store_health = store_health
         self._on_job = on_job  # (message, queue class): takes the delivery
         self._on_control = on_control
         self.conns: dict[str, aio_pika.abc.AbstractRobustConnection] = {}
@@ -53,6 +72,21 @@ class Connections:
         self.lock = asyncio.Lock()
         self.store_paused = False
         self.batch_paused = False
+        self.publisher: ReplyPublisher | None = None  # batch replies (and the default)
+        self.interactive_publisher: ReplyPublisher | None = None
+        self.routes: ModelRoutes | None = None  # what it serves by model (worker.fallback), once connected
+        self.metrics: EngineMetrics | None = None  # reconnects and queue depths, once connected
+
+    def job_queue(self, queue_class: str) -> str:
+        """The queue this worker consumes for ``queue_class``: its model's
+        own when it routes by model and is not the default model."""
+        return self.topo.queue_for(queue_class) if self.routes is None else self.routes.queue(queue_class)
+
+    def control_connection(self) -> Any:
+        """The control connection while it is open (a fallback's queue is
+        looked up and a job re-routed over it), else None."""
+        conn = self.conns.get("control")
+        return None if conn is None or conn.is_closed else conn
 
     def url(self) -> URL:
         return URL(self.cfg.amqp_url).update_query(heartbeat=str(int(self.cfg.heartbeat)))
@@ -78,27 +112,29 @@ class Connections:
 
     async def _publisher(self, name: str) -> ReplyPublisher:
         publisher = ReplyPublisher(
-            self.url(), name=name, reconnect_interval=self.cfg.reconnect_interval, stats=self.w.stats
+            self.url(), name=name, reconnect_interval=self.cfg.reconnect_interval, stats=self.stats
         )
         conn = await publisher.start()
         conn.reconnect_callbacks.add(self._reconnect_cb("publish"))
         conn.close_callbacks.add(self._close_cb("publish"))
         return publisher
 
-    async def connect(self) -> None:
+    async def connect(self, prefetch: dict[str, int], served_model_name: str | None, metrics: EngineMetrics) -> None:
         """Publishers, then control (so a cancel for a job about to be taken
-        is seen), then the two job consumers with their prefetch."""
-        w = self.w
-        w.publisher = await self._publisher(self.cfg.worker_id)
-        w.interactive_publisher = await self._publisher(f"{self.cfg.worker_id} interactive")
+        is seen), then the two job consumers with their ``prefetch``."""
+        self.metrics = metrics
+        self.publisher = await self._publisher(self.cfg.worker_id)
+        self.interactive_publisher = await self._publisher(f"{self.cfg.worker_id} interactive")
         control = await self._open("control")
+        keep = self.channels.__setitem__
         if self.cfg.declare:
             await declare_topology(control, self.topo)
-            w.routes = await model_routes(w, control)  # reads (or takes) the default model's claim
-            if w.routes is not None:  # this model's queues and names on the models exchange
-                await declare_model_routes(control, w.routes)
+            # reads (or takes) the default model's claim
+            self.routes = await model_routes(self.cfg, served_model_name, control, keep)
+            if self.routes is not None:  # this model's queues and names on the models exchange
+                await declare_model_routes(control, self.routes)
         else:
-            w.routes = await model_routes(w)
+            self.routes = await model_routes(self.cfg, served_model_name)
         ctl = await control.channel()
         self.channels["control"] = ctl
         ctl_ex = await ctl.declare_exchange(self.topo.control, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -109,30 +145,30 @@ class Connections:
         for qc in (INTERACTIVE, BATCH):
             conn = await self._open(qc)
             ch = await conn.channel()
-            await ch.set_qos(prefetch_count=w.prefetch[qc])
+            await ch.set_qos(prefetch_count=prefetch[qc])
             self.channels[qc] = ch
-            q = await ch.declare_queue(w.job_queue(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
+            q = await ch.declare_queue(self.job_queue(qc), durable=True, arguments=self.topo.job_queue_arguments(qc))
             self.queues[qc] = q
             async with self.lock:
-                if w.store_health.up:
+                if self.store_health.up:
                     self.consumer_tags[qc] = await q.consume(self._job_cb(qc), no_ack=False)
                 else:
                     self.store_paused = True  # consumed once the store answers
         log.info(
             "worker_consuming",
             worker_id=self.cfg.worker_id,
-            interactive=w.job_queue(INTERACTIVE),
-            batch=w.job_queue(BATCH),
-            models=None if w.routes is None else list(w.routes.names),
-            default_model=None if w.routes is None else w.routes.default_model,
-            prefetch=w.prefetch,
+            interactive=self.job_queue(INTERACTIVE),
+            batch=self.job_queue(BATCH),
+            models=None if self.routes is None else list(self.routes.names),
+            default_model=None if self.routes is None else self.routes.default_model,
+            prefetch=prefetch,
             heartbeat=self.cfg.heartbeat,
         )
 
     def _reconnect_cb(self, name: str) -> Callable:
         def cb(*_: Any) -> None:
-            self.w.stats[f"reconnect_{name}"] += 1
-            metrics = self.w.metrics
+            self.stats[f"reconnect_{name}"] += 1
+            metrics = self.metrics
             if metrics is not None:
                 metrics.reconnects.labels(metrics.model_name, name).inc()
             log.info("amqp_reconnected", connection=name)  # the loss was the warning
@@ -141,8 +177,8 @@ class Connections:
 
     def _close_cb(self, name: str) -> Callable:
         def cb(_conn: Any, exc: Any = None) -> None:
-            if not self.w._closing:
-                self.w.stats[f"connection_lost_{name}"] += 1
+            if not self.state.closing:
+                self.stats[f"connection_lost_{name}"] += 1
                 log.warning("amqp_connection_lost", connection=name, error=str(exc) if exc else None)
 
         return cb
@@ -167,7 +203,7 @@ class Connections:
                     log.warning("cancel_consumer_failed", queue=qc, error=str(exc))
 
     async def close(self) -> None:
-        for publisher in (self.w.publisher, self.w.interactive_publisher):
+        for publisher in (self.publisher, self.interactive_publisher):
             if publisher is not None:
                 await publisher.close()
         for conn in self.conns.values():
@@ -180,19 +216,16 @@ class Connections:
     async def on_store_change(self, up: bool) -> None:
         """The store went down: both job consumers pause (a job taken now
         would only be held); it answers again: they resume (batch unless
-        ``pace_batch`` holds it). Whatever changed last wins."""
-        w = self.w
-        if w.metrics is not None:
-            w.metrics.store_up.labels(w.metrics.model_name).set(1 if w.store_health.up else 0)
+        :meth:`pace_batch` holds it). Whatever changed last wins."""
         async with self.lock:
-            if up != w.store_health.up or w._draining or w._closing:
+            if up != self.store_health.up or self.state.draining or self.state.closing:
                 return
             if not up and not self.store_paused:
                 self.store_paused = True
                 await self._cancel_consumers()
-                log.info("job_consumers_paused", reason="store unavailable", held=len(w.active))
+                log.info("job_consumers_paused", reason="store unavailable")
             elif up and self.store_paused:
-                while w.store_health.up and not (w._draining or w._closing):
+                while self.store_health.up and not (self.state.draining or self.state.closing):
                     try:
                         for qc in (INTERACTIVE, BATCH):
                             q = self.queues.get(qc)
@@ -209,15 +242,14 @@ class Connections:
                         log.warning("job_consumers_resume_failed", error=repr(exc))
                         await asyncio.sleep(1.0)
 
-    async def pace_batch(self) -> None:
+    async def pace_batch(self, pressure: float) -> None:
         """A worker saturated with interactive work stops taking batch
         deliveries (its batch consumer pauses) instead of holding them, and
-        takes them again once the pressure is below half the threshold."""
-        w = self.w
-        pressure = w.admission.pressure
+        takes them again once the ``pressure`` (``InteractiveAdmission.pressure``)
+        is below half the threshold (``jaxserve.worker.pacing``)."""
         limit = self.cfg.admission.pause_batch_at
         q = self.queues.get(BATCH)
-        if q is None or w._closing or w._draining or self.store_paused:
+        if q is None or self.state.closing or self.state.draining or self.store_paused:
             return
         async with self.lock:
             if self.store_paused:  # the store went down meanwhile: it resumes batch itself
@@ -226,7 +258,7 @@ class Connections:
                 if not self.batch_paused and pressure > limit and BATCH in self.consumer_tags:
                     await q.cancel(self.consumer_tags.pop(BATCH))
                     self.batch_paused = True
-                    w.stats["batch_paused"] += 1
+                    self.stats["batch_paused"] += 1
                     log.info("batch_consumer_paused", interactive_pressure=round(pressure, 2))
                 elif self.batch_paused and pressure < limit / 2:
                     self.consumer_tags[BATCH] = await q.consume(self._job_cb(BATCH), no_ack=False)
@@ -239,23 +271,25 @@ class Connections:
         """The broker's view for the metrics: ready messages and consumers of
         the job queues, the dead letters and the results queue."""
         names = {
-            "interactive": self.w.job_queue(INTERACTIVE),
-            "batch": self.w.job_queue(BATCH),
+            "interactive": self.job_queue(INTERACTIVE),
+            "batch": self.job_queue(BATCH),
             "dead": self.topo.dead,
             "results": self.topo.results,
         }
         while True:
             conn = self.conns.get("control")
-            metrics = self.w.metrics
+            metrics = self.metrics
             if conn is not None and not conn.is_closed and metrics is not None:
                 for label, name in names.items():
                     try:
                         ch = await conn.channel()
                         try:
-                            res = (await ch.declare_queue(name, passive=True)).declaration_result
+                            counts = (await ch.declare_queue(name, passive=True)).declaration_result
                             # a declare-ok always carries both counts
-                            metrics.queue_depth.labels(metrics.model_name, label).set(cast(int, res.message_count))
-                            metrics.queue_consumers.labels(metrics.model_name, label).set(cast(int, res.consumer_count))
+                            metrics.queue_depth.labels(metrics.model_name, label).set(cast(int, counts.message_count))
+                            metrics.queue_consumers.labels(metrics.model_name, label).set(
+                                cast(int, counts.consumer_count)
+                            )
                         finally:
                             if not ch.is_closed:
                                 await ch.close()

@@ -9,21 +9,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import aio_pika
 import structlog
 
 from jaxserve.wire import WireDecodeError, amqp_compat, decode_cancel
+from jaxserve.worker.config import WorkerConfig
 from jaxserve.worker.lifecycle import JobState
-from jaxserve.worker.store import StoreUnavailable
-
-if TYPE_CHECKING:
-    from jaxserve.worker.worker import Worker
+from jaxserve.worker.run_table import RunsView
+from jaxserve.worker.store import IdempotencyStore, StoreUnavailable
+from jaxserve.worker.store_health import StoreHealth
 
 log = structlog.get_logger("jaxserve.worker")
 
 MAX_REMEMBERED_CANCELS = 100_000
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], Any]
 
 
 class CancelCache:
@@ -48,43 +51,84 @@ class CancelCache:
             del self._until[oldest]
 
 
-async def on_control(w: Worker, message: aio_pika.abc.AbstractIncomingMessage) -> None:
-    """A cancel: remembered here first, then its job (if here) is told,
-    then the store records it for the other workers."""
-    if amqp_compat.undecodable_properties(message):
-        log.warning("control_message_invalid", error="properties do not decode")
-        return
-    try:
-        key = decode_cancel(message.body).id
-    except WireDecodeError as exc:
-        log.warning("control_message_invalid", error=str(exc))
-        return
-    w.stats["cancel_received"] += 1
-    w.cancels.remember(key)
-    run = w.active.get(key)
-    log.info("cancel_received", key=key, running_here=run is not None)
-    if run is not None:
-        w.spawn(run.cancel("cancelled", "the job was cancelled"))
-    await w.best_effort("mark_cancelled", w.store.mark_cancelled, key, w.cfg.cancel_ttl_s)
+class ControlledRun(Protocol):
+    """What a cancel and a lost claim reach of a run (``JobRun``): each
+    an event it judges against its own state."""
+
+    state: JobState
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def claimed(self) -> bool: ...
+
+    async def cancel(self, code: str, message: str) -> None: ...
+
+    async def lease_lost(self, owner: str) -> None: ...
 
 
-async def renew_loop(w: Worker) -> None:
-    """Keep the claims of running jobs alive; a claim found taken by
-    another worker means that worker runs the key now: the run gives ours back."""
-    cfg = w.cfg
-    period = max(0.2, cfg.claim_lease_s / 3)
-    while True:
-        await asyncio.sleep(period)
-        for run in list(w.active.values()):
-            if not run.claimed or run.state is not JobState.RUNNING or not w.store_health.up:
-                continue
-            try:
-                if await w.store.renew(run.key, cfg.worker_id, cfg.claim_lease_s):
+class Control:
+    """Cancels for the runs in ``runs`` (remembered in :attr:`cancels`,
+    then recorded in the store for the other workers) and the claim
+    leases of the running ones."""
+
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        runs: RunsView[ControlledRun],
+        store: IdempotencyStore,
+        store_health: StoreHealth,
+        *,
+        spawn: Spawn,
+        stats: collections.Counter,
+    ) -> None:
+        self.cfg = cfg
+        self.runs = runs
+        self.store = store
+        self.store_health = store_health
+        self.spawn = spawn
+        self.stats = stats
+        self.cancels = CancelCache(cfg.cancel_ttl_s)
+
+    async def on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        """A cancel: remembered here first, then its job (if here) is told,
+        then the store records it for the other workers."""
+        if amqp_compat.undecodable_properties(message):
+            log.warning("control_message_invalid", error="properties do not decode")
+            return
+        try:
+            key = decode_cancel(message.body).id
+        except WireDecodeError as exc:
+            log.warning("control_message_invalid", error=str(exc))
+            return
+        self.stats["cancel_received"] += 1
+        self.cancels.remember(key)
+        run = self.runs.get(key)
+        log.info("cancel_received", key=key, running_here=run is not None)
+        if run is not None:
+            self.spawn(run.cancel("cancelled", "the job was cancelled"))
+        await self.store_health.best_effort(
+            "mark_cancelled", self.store.mark_cancelled, key, self.cfg.cancel_ttl_s, stats=self.stats
+        )
+
+    async def renew_loop(self) -> None:
+        """Keep the claims of running jobs alive; a claim found taken by
+        another worker means that worker runs the key now: the run gives ours back."""
+        cfg = self.cfg
+        period = max(0.2, cfg.claim_lease_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            for run in self.runs:
+                if not run.claimed or run.state is not JobState.RUNNING or not self.store_health.up:
                     continue
-                owner = await w.store.claim(run.key, cfg.worker_id, cfg.claim_lease_s)
-            except StoreUnavailable as exc:
-                w.store_health.failed(exc)
-                log.warning("claim_renew_failed", key=run.key, error=str(exc))
-                continue
-            if owner is not None:
-                await run.lease_lost(owner)
+                try:
+                    if await self.store.renew(run.key, cfg.worker_id, cfg.claim_lease_s):
+                        continue
+                    owner = await self.store.claim(run.key, cfg.worker_id, cfg.claim_lease_s)
+                except StoreUnavailable as exc:
+                    self.store_health.failed(exc)
+                    log.warning("claim_renew_failed", key=run.key, error=str(exc))
+                    continue
+                if owner is not None:
+                    await run.lease_lost(owner)

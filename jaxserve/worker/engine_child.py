@@ -1,9 +1,9 @@
 """The engine process's side (started by
 :class:`~jaxserve.worker.engine_process.EngineProcess`, whose module
 docstring tells the whole design): build the engine with the worker's
-factory, then run the :class:`~jaxserve.worker.engine_core.EngineCore` on
+factory, then run the :class:`~jaxserve.worker.engine_loop.EngineLoop` on
 it, commands read off the socket by this process's main thread, every event
-of the core written back as one message."""
+of the loop written back as one message."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import traceback
 from typing import Any
 
 from jaxserve.engine.types import RequestOutput
-from jaxserve.worker.engine_core import EngineCore
 from jaxserve.worker.engine_host import engine_info
+from jaxserve.worker.engine_loop import EngineLoop
 from jaxserve.worker.engine_wire import (
     BUSY_S,
     BUSY_SINCE,
@@ -39,8 +39,8 @@ from jaxserve.worker.logs import apply_logging_setup
 _CHILD_SWITCH_INTERVAL_S = 0.001
 
 
-class _SharedStatusCore(EngineCore):
-    """An EngineCore whose watchdog clocks and counters live in the shared
+class _SharedStatusLoop(EngineLoop):
+    """An EngineLoop whose watchdog clocks and counters live in the shared
     status array (the worker's process reads them there)."""
 
     busy_since_mono = shared_slot(BUSY_SINCE, optional=True)
@@ -56,7 +56,7 @@ class _SharedStatusCore(EngineCore):
 class _Pipe:
     """The engine process's end of the socket (blocking): sends from any
     thread, one message at a time, and receives on the main thread. A
-    send to a worker that is gone raises RuntimeError, which the core reads
+    send to a worker that is gone raises RuntimeError, which the loop reads
     as "the receiver is gone" and ends on."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -84,8 +84,8 @@ class _Pipe:
         return self._ready.pop(0)
 
 
-class _PipeSink:
-    """The core's events, each sent to the worker's process as one message
+class _PipeEvents:
+    """The engine loop's events, each sent to the worker's process as one message
     at once (from the engine thread). A command's token is its id."""
 
     def __init__(self, pipe: _Pipe, status: Any) -> None:
@@ -122,7 +122,7 @@ class _PipeSink:
 
 
 # The engine's method each command runs, and whether it is an admission
-# (joins the next plan: jaxserve.worker.engine_core).
+# (joins the next plan: jaxserve.worker.engine_loop).
 _COMMANDS = {
     "add": ("add_request", True),
     "score": ("add_score_request", True),
@@ -153,24 +153,24 @@ def engine_process_main(conn_fd: int, status_fd: int) -> None:
         return
     pipe.send(("built", engine_info(engine)))
 
-    sink = _PipeSink(pipe, status)
+    sink = _PipeEvents(pipe, status)
     sink.engine = engine
-    core = _SharedStatusCore(
+    engine_loop = _SharedStatusLoop(
         status, engine, sink, with_stats=True, max_consecutive_step_failures=max_failures, name=name
     )
-    core.start()
+    engine_loop.start()
     while True:
         try:
             message = pipe.recv()
         except (EOFError, OSError):  # the worker's process is gone
-            core.stop()
+            engine_loop.stop()
             return
         kind = message[0]
         if kind == "stop":
-            core.stop(message[1])
+            engine_loop.stop(message[1])
             return
         command_id, args, kwargs = message[1], message[2], message[3]
         method, admission = _COMMANDS[kind]
-        dead = core.submit(functools.partial(getattr(engine, method), *args, **kwargs), command_id, admission)
+        dead = engine_loop.submit(functools.partial(getattr(engine, method), *args, **kwargs), command_id, admission)
         if dead is not None:
             sink.reply(command_id, None, dead)

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 OutputsCallback = Callable[[list[RequestOutput]], None]
@@ -148,10 +148,13 @@ class EngineHost(Protocol):
         request_class: RequestClass = RequestClass.BATCH,
         priority: int = 0,
         deadline: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> Awaitable[Any]:
         """Resolves once admitted; raises the engine's ``RequestError`` (its
         code kept) or ``EngineThreadDead``. ``deadline`` is a
-        ``time.monotonic()`` value."""
+        ``time.monotonic()`` value. ``prior``: output an earlier run of the
+        request produced (``Engine.add_request``), for a job resumed from
+        the tokens its dead worker saved."""
         ...
 
     def add_score_request(

@@ -17,18 +17,18 @@ in the worker's process imports JAX.
 The engine process (:mod:`jaxserve.worker.engine_child`; what crosses
 between the two: :mod:`jaxserve.worker.engine_wire`) runs the very same
 engine thread as :class:`~jaxserve.worker.engine_thread.EngineThread`,
-:class:`~jaxserve.worker.engine_core.EngineCore` (admissions join the next
+:class:`~jaxserve.worker.engine_loop.EngineLoop` (admissions join the next
 plan, interactive tokens leave before it, a failing step is contained, N
 failures in a row are fatal); only the two ends of it change:
 
 - commands (``add_request``, ``add_score_request``, ``abort``, ``warmup``,
   ``stop``) travel as pickled tuples, each framed by its length, over a
   socket pair; the engine process's main thread reads them and hands them
-  to the core under their id, and each one's outcome comes back as a
+  to the engine loop under their id, and each one's outcome comes back as a
   ``reply`` (a :class:`RequestError` keeps its code). The worker's end is an asyncio
   protocol: one read per wake-up takes every message waiting, and writes
   never block the loop;
-- the core's events (outputs, a failed step, a fatal failure) are sent at
+- the engine loop's events (outputs, a failed step, a fatal failure) are sent at
   once, from the engine thread, as one message each; the outputs at a
   step's end carry the scheduler's snapshot, and the worker's end makes
   the :class:`~jaxserve.worker.engine_host.StepReport` of
@@ -69,9 +69,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
-from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.engine_core import EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.engine_host import (
     EngineHost,
     EngineInfo,
@@ -80,6 +79,7 @@ from jaxserve.worker.engine_host import (
     StepReport,
     StepReportCallback,
 )
+from jaxserve.worker.engine_loop import EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.engine_wire import (
     BUSY_S,
     BUSY_SINCE,
@@ -277,14 +277,14 @@ class EngineProcess:
         request_class: RequestClass = RequestClass.BATCH,
         priority: int = 0,
         deadline: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> asyncio.Future:
         """As :meth:`EngineThread.add_request`; ``deadline`` is a
         ``time.monotonic()`` value, the same clock in both processes."""
-        return self._command(
-            "add",
-            (request_id, prompt, params),
-            {"request_class": request_class, "priority": priority, "deadline": deadline},
-        )
+        kwargs: dict[str, Any] = {"request_class": request_class, "priority": priority, "deadline": deadline}
+        if prior is not None:
+            kwargs["prior"] = prior
+        return self._command("add", (request_id, prompt, params), kwargs)
 
     def add_score_request(
         self,

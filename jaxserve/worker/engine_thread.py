@@ -5,8 +5,8 @@ The thread itself, with its ordering (arrivals join the next plan,
 interactive tokens leave before it) and its failure handling (a failing
 step is contained, ``EngineBroken`` or N failures in a row are fatal, a
 dead thread fails every pending and later command with
-:class:`EngineThreadDead`), is :class:`~jaxserve.worker.engine_core.EngineCore`;
-the engine process runs the same core. This host is its asyncio end:
+:class:`EngineThreadDead`), is :class:`~jaxserve.worker.engine_loop.EngineLoop`;
+the engine process runs the same loop. This host is its asyncio end:
 commands return futures of the event loop, and every event reaches the loop
 through ``loop.call_soon_threadsafe``:
 
@@ -36,9 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-from jaxserve.engine.types import RequestClass, RequestOutput
+from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.engine_core import EngineCore, EngineThreadDead, check_max_consecutive_step_failures
 from jaxserve.worker.engine_host import (
     EngineHost,
     EngineInfo,
@@ -48,12 +47,13 @@ from jaxserve.worker.engine_host import (
     StepReportCallback,
     engine_info,
 )
+from jaxserve.worker.engine_loop import EngineLoop, EngineThreadDead, check_max_consecutive_step_failures
 
 __all__ = ["EngineThread", "EngineThreadDead", "check_max_consecutive_step_failures"]
 
 
-class _LoopSink:
-    """The core's events, delivered on the host's event loop."""
+class _OnEventLoop:
+    """The engine loop's events, delivered on the host's asyncio event loop."""
 
     def __init__(self, host: EngineThread) -> None:
         self.host = host
@@ -116,9 +116,9 @@ class EngineThread:
         self.on_fatal = on_fatal
         self._factory: Callable[[], Any] | None = None  # set by from_factory; open() calls it
         self._info: EngineInfo | None = None
-        self._core = EngineCore(
+        self._engine_loop = EngineLoop(
             None,
-            _LoopSink(self),
+            _OnEventLoop(self),
             with_stats=on_step_report is not None,
             max_consecutive_step_failures=max_consecutive_step_failures,
             name=name,
@@ -144,7 +144,7 @@ class EngineThread:
         return host
 
     def _attach(self, engine: Any) -> None:
-        self._core.attach(engine)
+        self._engine_loop.attach(engine)
         self._info = engine_info(engine)
 
     def _deliver(self, outputs: list[RequestOutput], report: StepReport | None) -> None:
@@ -162,29 +162,29 @@ class EngineThread:
     # ---- life -----------------------------------------------------------
     def start(self) -> None:
         """Start the thread (the engine was given to the constructor)."""
-        self._core.start()
+        self._engine_loop.start()
 
     async def open(self) -> EngineInfo:
         """:class:`~jaxserve.worker.engine_host.EngineHost`'s start: build
         the engine (hosts made by :meth:`from_factory`), start the thread
         unless :meth:`start` did, and return :attr:`info`."""
-        if self._core.stop_requested:  # before the build: it would only be thrown away
+        if self._engine_loop.stop_requested:  # before the build: it would only be thrown away
             raise EngineThreadDead("the engine thread was stopped before it started")
-        if self._core.engine is None:
+        if self._engine_loop.engine is None:
             factory = cast("Callable[[], Any]", self._factory)  # from_factory set it: engine is None
             self._attach(await asyncio.to_thread(factory))
-        self._core.start()
+        self._engine_loop.start()
         return self.info
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Stop after the command or step in progress; commands still queued
         then fail with :class:`EngineThreadDead`. ``on_fatal`` is not called.
         Blocking: from the loop, call it through ``asyncio.to_thread``."""
-        self._core.stop(timeout)
+        self._engine_loop.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._core.alive
+        return self._engine_loop.alive
 
     @property
     def info(self) -> EngineInfo:
@@ -199,67 +199,67 @@ class EngineThread:
 
     @property
     def engine(self) -> Any:
-        return self._core.engine
+        return self._engine_loop.engine
 
-    # ---- the core's state, read where it lives ------------------------------
+    # ---- the engine loop's state, read where it lives -----------------------
     @property
     def fatal_error(self) -> BaseException | None:
         """What ended the thread, other than stop(); None while it lives."""
-        return self._core.fatal_error
+        return self._engine_loop.fatal_error
 
     @property
     def busy_since_mono(self) -> float | None:
         """time.monotonic() when the running step or command started; None when idle."""
-        return self._core.busy_since_mono
+        return self._engine_loop.busy_since_mono
 
     @property
     def last_progress_mono(self) -> float:
         """time.monotonic() when the last step or command completed."""
-        return self._core.last_progress_mono
+        return self._engine_loop.last_progress_mono
 
     @property
     def steps(self) -> int:
-        return self._core.steps
+        return self._engine_loop.steps
 
     @property
     def busy_s(self) -> float:
-        return self._core.busy_s
+        return self._engine_loop.busy_s
 
     @property
     def consecutive_step_failures(self) -> int:
-        return self._core.consecutive_step_failures
+        return self._engine_loop.consecutive_step_failures
 
     @property
     def max_consecutive_step_failures(self) -> int:
-        return self._core.max_consecutive_step_failures
+        return self._engine_loop.max_consecutive_step_failures
 
     @property
     def num_computed_tokens(self) -> int | None:
-        computed = getattr(self._core.engine, "num_computed_tokens", None)
+        computed = getattr(self._engine_loop.engine, "num_computed_tokens", None)
         return computed if isinstance(computed, int) else None
 
     @property
     def _thread(self) -> threading.Thread:
-        return self._core.thread
+        return self._engine_loop.thread
 
     @property
     def _cmds(self) -> queue.SimpleQueue:
-        return self._core._cmds
+        return self._engine_loop._cmds
 
     # ---- commands (on the loop) ------------------------------------------
     def _call(self, fn: Callable[[], Any], admission: bool = False) -> asyncio.Future:
         fut = self.loop.create_future()
-        dead = self._core.submit(fn, fut, admission)
+        dead = self._engine_loop.submit(fn, fut, admission)
         if dead is not None:
             fut.set_exception(dead)
         return fut
 
     def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
         """Run ``fn(engine)`` on the engine thread; a future of its result."""
-        return self._call(lambda: fn(self._core.engine))
+        return self._call(lambda: fn(self._engine_loop.engine))
 
     def warmup(self) -> asyncio.Future:
-        return self._call(lambda: self._core.engine.warmup())
+        return self._call(lambda: self._engine_loop.engine.warmup())
 
     def add_request(
         self,
@@ -270,13 +270,16 @@ class EngineThread:
         request_class: RequestClass = RequestClass.BATCH,
         priority: int = 0,
         deadline: float | None = None,
+        prior: PriorOutput | None = None,
     ) -> asyncio.Future:
         """Future: None once admitted, or a :class:`RequestError`
-        (:class:`EngineThreadDead` if the thread is gone)."""
+        (:class:`EngineThreadDead` if the thread is gone). ``prior`` is
+        passed on only when given (an engine double may not take it)."""
+        kwargs: dict[str, Any] = {"request_class": request_class, "priority": priority, "deadline": deadline}
+        if prior is not None:
+            kwargs["prior"] = prior
         return self._call(
-            lambda: self._core.engine.add_request(
-                request_id, prompt, params, request_class=request_class, priority=priority, deadline=deadline
-            ),
+            lambda: self._engine_loop.engine.add_request(request_id, prompt, params, **kwargs),
             admission=True,
         )
 
@@ -293,14 +296,14 @@ class EngineThread:
         """Label scoring (``Engine.add_score_request``): future as for
         :meth:`add_request`."""
         return self._call(
-            lambda: self._core.engine.add_score_request(
+            lambda: self._engine_loop.engine.add_score_request(
                 request_id, prompt, labels, request_class=request_class, priority=priority, deadline=deadline
             ),
             admission=True,
         )
 
     def abort(self, request_id: str) -> asyncio.Future:
-        return self._call(lambda: self._core.engine.abort(request_id))
+        return self._call(lambda: self._engine_loop.engine.abort(request_id))
 
 
 def _conforms(host: EngineThread) -> EngineHost:

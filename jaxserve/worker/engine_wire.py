@@ -38,7 +38,7 @@ def portable(exc: BaseException) -> BaseException:
 
 def shared_slot(slot: int, *, optional: bool = False, integer: bool = False) -> property:
     """A property kept in ``self._status[slot]``: how the engine process's
-    core writes its clocks and counters, and how EngineProcess reads them."""
+    engine loop writes its clocks and counters, and how EngineProcess reads them."""
 
     def get(self: Any) -> Any:
         value = self._status[slot]

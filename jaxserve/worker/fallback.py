@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from jaxserve.wire import INTERACTIVE, Result
 from jaxserve.worker import routing
+from jaxserve.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from jaxserve.worker.job_run import JobRun
-    from jaxserve.worker.worker import Worker
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -56,16 +57,21 @@ MODEL = "model"
 MAX_TOKENS = "max_tokens"
 
 
-async def model_routes(w: Worker, connection: Any = None) -> routing.ModelRoutes | None:
-    """The routes this worker declares and consumes; None when routing is
-    off or the engine has no name to route by (it then consumes the
-    single-model queues, as before routing). Whether it serves the default
-    model is the broker's claim (``routing.claim_default``), read and, if
-    nobody holds it, taken over ``connection``; without one (a worker that
-    declares nothing) ``--default-model`` alone decides, unset meaning
-    this worker."""
-    cfg = w.cfg
-    served = w.served_model_name
+async def model_routes(
+    cfg: WorkerConfig,
+    served: str | None,
+    connection: Any = None,
+    keep: Callable[[str, Any], None] | None = None,
+) -> routing.ModelRoutes | None:
+    """The routes a worker serving ``served`` declares and consumes; None
+    when routing is off or the engine has no name to route by (it then
+    consumes the single-model queues, as before routing). Whether it
+    serves the default model is the broker's claim
+    (``routing.claim_default``), read and, if nobody holds it, taken over
+    ``connection``; ``keep(name, channel)`` keeps the claim's channel open
+    (its consumer says this model runs). Without a connection (a worker
+    that declares nothing) ``--default-model`` alone decides, unset
+    meaning this worker."""
     if not cfg.model_routes or not served:
         return None
     names = tuple(dict.fromkeys((served, *cfg.model_aliases)))
@@ -73,24 +79,24 @@ async def model_routes(w: Worker, connection: Any = None) -> routing.ModelRoutes
         default = cfg.default_model is None or cfg.default_model in names
         name = cfg.default_model if cfg.default_model is not None else (served if default else None)
     else:
-        claim = await routing.claim_default(cfg.amqp_url, connection, w.topo, names, explicit=cfg.default_model)
+        claim = await routing.claim_default(cfg.amqp_url, connection, cfg.topology, names, explicit=cfg.default_model)
         default, name = claim.ours, claim.name
-        if claim.alive is not None:
-            w.connections.channels["default-model"] = claim.alive  # its consumer says this model runs
+        if claim.alive is not None and keep is not None:
+            keep("default-model", claim.alive)
         if not default:
             log.info("default_model_elsewhere", default_model=name, served=served)
     return routing.ModelRoutes(
-        w.topo, served=served, aliases=tuple(cfg.model_aliases), default=default, default_model=name
+        cfg.topology, served=served, aliases=tuple(cfg.model_aliases), default=default, default_model=name
     )
 
 
-def default_model(w: Worker) -> str | None:
+def default_model(routes: routing.ModelRoutes | None, cfg: WorkerConfig) -> str | None:
     """The name the deployment's default model answers to, for
     ``routing.find_fallback`` (a fallback that names it is found on the
     single-model queues)."""
-    if w.routes is not None and w.routes.default_model is not None:
-        return w.routes.default_model
-    return w.cfg.default_model
+    if routes is not None and routes.default_model is not None:
+        return routes.default_model
+    return cfg.default_model
 
 
 def requested_model(run: JobRun) -> str | None:
@@ -110,10 +116,10 @@ def fallbacks(run: JobRun) -> tuple[str, ...]:
     that was re-routed once already."""
     if is_rerouted(run):
         return ()
-    job, cfg = run.job, run.w.cfg
+    job, cfg = run.job, run.services.cfg
     if job.fallback_models or run.queue_class != INTERACTIVE:
         return job.fallback_models
-    own = {run.w.served_model_name, *cfg.model_aliases, job.model}
+    own = {run.services.engine.served_model_name, *cfg.model_aliases, job.model}
     return tuple(name for name in cfg.fallback_models if name not in own)
 
 
@@ -121,7 +127,7 @@ def degrade_limit(run: JobRun) -> int | None:
     """The smaller ``max_tokens`` the job accepts: its own ``degrade``,
     else, for an interactive job, the deployment's when it is smaller than
     the job's."""
-    job, default = run.job, run.w.cfg.degrade_max_tokens
+    job, default = run.job, run.services.cfg.degrade_max_tokens
     if job.degrade_max_tokens is not None or run.queue_class != INTERACTIVE or default is None:
         return job.degrade_max_tokens
     return default if default < job.params.max_tokens else None
@@ -154,14 +160,14 @@ async def degrade(run: JobRun, prompt_tokens: int) -> Outcome:
     limit = degrade_limit(run)
     if limit is None:
         return Outcome.REFUSED
-    w, job = run.w, run.job
+    svc, job = run.services, run.job
     run.job = dataclasses.replace(job, params=dataclasses.replace(job.params, max_tokens=limit))
     run.cache_key = None  # the cache key was of the full max_tokens: this answer is not that one's
     run.degraded.append(MAX_TOKENS)
     if run.queue_class == INTERACTIVE:  # it runs over the budget, but later prompts still wait behind its
-        w.admission.admit(run.request_id, prompt_tokens)
-        run.res.take("admission", lambda _end: w.admission.release(run.request_id))
-    count(w, run.queue_class, MAX_TOKENS)
+        svc.admission.admit(run.request_id, prompt_tokens)
+        run.holdings.take("admission", lambda _end: svc.admission.release(run.request_id))
+    count(run, MAX_TOKENS)
     log.info("job_degraded", key=run.key, reason=MAX_TOKENS, max_tokens=limit, asked=job.params.max_tokens)
     return Outcome.DEGRADED
 
@@ -169,31 +175,33 @@ async def degrade(run: JobRun, prompt_tokens: int) -> Outcome:
 async def _reroute(run: JobRun) -> bool:
     """Pass the job to its first fallback with room; False when none has
     room, the job was re-routed before, or the broker refused the copy."""
-    w, names = run.w, fallbacks(run)
-    conn: Any = w.connections.conns.get("control")
-    if not names or conn is None or conn.is_closed:
+    svc, names = run.services, fallbacks(run)
+    conn = svc.routing.control_connection()
+    if not names or conn is None:
         return False
+    routes = svc.routing.routes
     try:
-        target = await routing.find_fallback(conn, w.topo, names, run.queue_class, default_model=default_model(w))
+        target = await routing.find_fallback(
+            conn, svc.cfg.topology, names, run.queue_class, default_model=default_model(routes, svc.cfg)
+        )
         if target is None:
             log.info("job_fallback_none_free", key=run.key, fallbacks=list(names))
             return False
-        served = w.served_model_name
-        from_model = "" if w.routes is None or w.routes.default else served
+        served = svc.engine.served_model_name
+        from_model = "" if routes is None or routes.default else served
         await routing.reroute(conn, run.primary.message, target, from_model=from_model)
     except Exception as exc:  # noqa: BLE001 - RerouteError or a broker hiccup: answer as if none had room
-        w.stats["reroute_failed"] += 1
+        svc.stats["reroute_failed"] += 1
         log.warning("job_reroute_failed", key=run.key, error=repr(exc))
         return False
-    count(w, run.queue_class, "fallback")
+    count(run, "fallback")
     await run.rerouted(target.model)
     return True
 
 
-def count(w: Worker, queue_class: str, reason: str) -> None:
-    w.stats[f"degraded_{reason}"] += 1
-    if w.metrics is not None:
-        w.metrics.degradation(queue_class, reason)
+def count(run: JobRun, reason: str) -> None:
+    run.services.stats[f"degraded_{reason}"] += 1
+    run.services.engine.metrics.degradation(run.queue_class, reason)
 
 
 __all__ = ["MAX_TOKENS", "MODEL", "Outcome", "Overload", "degrade", "may_degrade", "model_routes", "requested_model"]

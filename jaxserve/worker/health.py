@@ -2,79 +2,88 @@
 and the watchdog that turns a dead or hung engine into a fatal stop
 (``tests/test_queue_worker.py`` hangs an engine; ``tests/test_queue_faults.py``
 kills an engine process).
-
-The watchdog's one-second tick also feeds the admission's prefill rate and
-paces the batch consumer, so those run at the same cadence the liveness
-check watches.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from jaxserve.worker.worker import Worker
+from jaxserve.worker.engine_host import EngineHost, FailureCallback
+from jaxserve.worker.store_health import StoreHealth
+from jaxserve.worker.worker_state import WorkerStateView
 
 LOOP_STALL_S = 30.0  # /healthz fails when the event loop has not ticked for this long
 
 
 class Health:
-    def __init__(self, w: Worker) -> None:
-        self.w = w
+    """The checks read the worker's state, its store's, whether its job
+    consumers consume (``consuming``) and, once :meth:`watch` gave it, the
+    engine's host."""
+
+    def __init__(
+        self,
+        state: WorkerStateView,
+        store_health: StoreHealth,
+        consuming: Callable[[], bool],
+        *,
+        hang_timeout_s: float,
+    ) -> None:
+        self.state = state
+        self.store_health = store_health
+        self.consuming = consuming
+        self.hang_timeout_s = hang_timeout_s
+        self.host: EngineHost | None = None
         self.loop_tick = time.monotonic()  # the watchdog's last run (liveness)
+
+    def watch(self, host: EngineHost) -> None:
+        """The engine's host, from the moment it exists (the build included)."""
+        self.host = host
 
     def readiness(self) -> tuple[bool, str]:
         """``/readyz`` (read from the metrics server's thread: reads only)."""
-        w = self.w
-        if w._closing or w._fatal.is_set():
+        state = self.state
+        if state.closing or state.fatal_error is not None:
             return False, "stopping"
-        if not w.ready.is_set():
+        if not state.ready:
             return False, "warming up"
-        if not w.store_health.up:
-            return False, f"store unavailable ({w.store_health.error})"
-        if not w.connections.consuming:
+        if not self.store_health.up:
+            return False, f"store unavailable ({self.store_health.error})"
+        if not self.consuming():
             return False, "not consuming"
         return True, "consuming"
 
     def liveness(self) -> tuple[bool, str]:
         """``/healthz``: false once the engine is dead or hung, or the event
         loop has not run the watchdog for 30 s."""
-        w = self.w
-        host = w.host
-        if w._fatal.is_set():
-            return False, f"engine failed: {w.fatal_error}"
+        host, state = self.host, self.state
+        if state.fatal_error is not None:
+            return False, f"engine failed: {state.fatal_error}"
         if host is None:
             return True, "starting"
         if not host.alive:
             return False, "the engine died (its thread or process is gone)"
         now = time.monotonic()
         since = host.busy_since_mono
-        if w.ready.is_set() and since is not None and now - since > w.cfg.engine_hang_timeout_s:
+        if state.ready and since is not None and now - since > self.hang_timeout_s:
             return False, f"the engine has been busy in one call for {now - since:.0f}s"
-        if w.ready.is_set() and now - self.loop_tick > LOOP_STALL_S:
+        if state.ready and now - self.loop_tick > LOOP_STALL_S:
             return False, f"the event loop has been stalled for {now - self.loop_tick:.0f}s"
         return True, "alive"
 
-    async def watchdog_loop(self) -> None:
-        """An engine host (thread or process) that died or is stuck in one step is fatal."""
-        w = self.w
-        host = w.host
+    async def watchdog_loop(self, on_fatal: FailureCallback) -> None:
+        """An engine host (thread or process) that died or is stuck in one
+        step is fatal: ``on_fatal`` is told, once."""
+        host = self.host
         assert host is not None
         while True:
             await asyncio.sleep(1.0)
             self.loop_tick = time.monotonic()
-            computed, busy_s = host.num_computed_tokens, host.busy_s
-            if computed is not None and busy_s is not None:
-                w.admission.observe(computed, busy_s)
-            await w.connections.pace_batch()
             if not host.alive:
-                w.on_engine_fatal(RuntimeError("the engine died (its thread or process is gone)"))
+                on_fatal(RuntimeError("the engine died (its thread or process is gone)"))
                 return
             since = host.busy_since_mono
-            if since is not None and time.monotonic() - since > w.cfg.engine_hang_timeout_s:
-                w.on_engine_fatal(
-                    RuntimeError(f"the engine has been busy in one call for over {w.cfg.engine_hang_timeout_s:g}s")
-                )
+            if since is not None and time.monotonic() - since > self.hang_timeout_s:
+                on_fatal(RuntimeError(f"the engine has been busy in one call for over {self.hang_timeout_s:g}s"))
                 return

@@ -1,7 +1,8 @@
 """What one job's run holds, each registered when taken with how to give
 it back, and given back by the run's ending (``jaxserve.worker.job_run``):
-the deadline timer, the engine slot, the chunk sender, the interactive
-admission hold, the tenant's count and tokens, the claim on the key.
+the deadline timer, the engine slot, the chunk sender, the saving of its
+tokens, the interactive admission hold, the tenant's count and tokens, the
+claim on the key.
 
 A resource is never released by hand at the places a run can end: the
 ending (finish, requeue, defer) releases whatever is still held, so a new
@@ -35,9 +36,11 @@ Release = Callable[[Ending], Awaitable[None] | None]
 class Holdings:
     """What one run holds, each with how to give it back. Released in
     :data:`ORDER` (the engine slot before the sender, so no output arrives
-    for a flushed sender; the claim last, after the result is stored)."""
+    for a flushed sender; the saved tokens before the claim, so a run going
+    back saves its last tokens while the key is still its own; the claim
+    last, after the result is stored)."""
 
-    ORDER = ("deadline", "engine", "sender", "admission", "tenant", "claim")
+    ORDER = ("deadline", "engine", "sender", "progress", "admission", "tenant", "claim")
 
     def __init__(self) -> None:
         self._held: dict[str, Release] = {}

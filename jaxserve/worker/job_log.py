@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from jaxserve.cost.jobs import spent
+from jaxserve.metrics import EngineMetrics
 from jaxserve.wire import Result
-from jaxserve.worker.config import published_at
 from jaxserve.worker.lifecycle import KeyJob
-
-if TYPE_CHECKING:
-    from jaxserve.worker.worker import Worker
+from jaxserve.worker.limits import LimitsConfig
 
 log = structlog.get_logger("jaxserve.worker")
 
 
-def log_job_start(kj: KeyJob, prompt_tokens: int, log_text: bool) -> None:
+def log_job_start(kj: KeyJob, prompt_tokens: int, log_text: bool, resumed_tokens: int = 0) -> None:
+    """``resumed_tokens``: the tokens an earlier run saved that this one
+    continues from (``jaxserve.worker.progress``); logged when there are any."""
     job = kj.job
     kw: dict[str, Any] = dict(
         key=kj.key,
@@ -39,27 +39,37 @@ def log_job_start(kj: KeyJob, prompt_tokens: int, log_text: bool) -> None:
         redelivered=kj.primary.redelivered,
         tenant=job.tenant,
     )
+    if resumed_tokens:
+        kw["resumed_tokens"] = resumed_tokens
     if log_text:
         kw["prompt"] = job.prompt if job.prompt is not None else job.messages
     log.info("job_start", **kw)
 
 
-def log_job_done(w: Worker, kj: KeyJob, result: Result, replayed: bool, replies: collections.Counter) -> None:
+def log_job_done(
+    stats: collections.Counter,
+    metrics: EngineMetrics,
+    kj: KeyJob,
+    result: Result,
+    replayed: bool,
+    replies: collections.Counter,
+    log_text: bool,
+    resumed_tokens: int = 0,
+) -> None:
     outcome = "ok" if result.ok else result.error.code  # type: ignore[union-attr]
     if not replayed:
-        w.stats["done_" + result.status] += 1
-    w.count_job(kj.queue_class, "replayed" if replayed else outcome)
+        stats["done_" + result.status] += 1
+    metrics.job(kj.queue_class, "replayed" if replayed else outcome)
     kw: dict[str, Any] = dict(key=kj.key, queue=kj.queue_class, status=result.status, replies=dict(replies))
     if replayed:
         log.info("job_replayed", deliveries=len(kj.deliveries), **kw)
         return
-    if w.metrics is not None and result.ok:
-        ts = published_at(kj.primary.message)
-        w.metrics.observe_job(
+    if result.ok:
+        metrics.observe_job(
             kj.queue_class,
             e2e=time.monotonic() - kj.received_mono,
             ttft=None if kj.first_token_mono is None else kj.first_token_mono - kj.received_mono,
-            broker_wait=None if ts is None else max(0.0, kj.received_at - ts),
+            broker_wait=kj.broker_wait_s,
             engine=kj.engine_metrics,
         )
     if result.ok:
@@ -70,19 +80,21 @@ def log_job_done(w: Worker, kj: KeyJob, result: Result, replayed: bool, replies:
             **(result.timings or {}),
             chunks=kj.seq,
         )
-        if w.cfg.log_text:
+        if resumed_tokens:  # of its completion_tokens, those an earlier run generated
+            kw["resumed_tokens"] = resumed_tokens
+        if log_text:
             kw["text"] = result.text
     else:
         kw.update(code=outcome)
     log.info("job_done", **kw)
 
 
-def record_cost(w: Worker, tenant: str | None, result: Result) -> None:
+def record_cost(metrics: EngineMetrics, limits: LimitsConfig | None, tenant: str | None, result: Result) -> None:
     """Count a freshly served result's cost in ``jaxserve_cost_total``, by
     the tenant's bounded label (``LimitsConfig.metric_label``: listed
     tenants by name, ``default``, ``other``); replays and cached answers
     cost nothing new and are not counted."""
-    if w.metrics is None or not result.ok or result.cached or result.usage is None or result.usage.cost is None:
+    if not result.ok or result.cached or result.usage is None or result.usage.cost is None:
         return
-    label = w.cfg.limits.metric_label(tenant or "") if w.cfg.limits is not None else "default"
-    w.metrics.record_cost(label, spent(result), result.usage.cost["currency"])
+    label = limits.metric_label(tenant or "") if limits is not None else "default"
+    metrics.record_cost(label, spent(result), result.usage.cost["currency"])

@@ -51,14 +51,15 @@ from typing import Any
 import structlog
 
 from jaxserve.wire import Job, Result
+from jaxserve.worker.config import published_at
 
 log = structlog.get_logger("jaxserve.worker")
 
 
-def engine_request_id(key: str, run: str) -> str:
+def engine_request_id(key: str, run_id: str) -> str:
     """The engine's id for one run of a key: unique per run, so late outputs
     of an aborted run can never reach a later run of the same key."""
-    return f"{key}#{run}"
+    return f"{key}#{run_id}"
 
 
 def job_key_of(request_id: str) -> str:
@@ -177,7 +178,7 @@ class KeyJob:
         self.state = JobState.RECEIVED
         self.deliveries: list[Delivery] = [first]
         self.queue_class = first.queue_class
-        self.run = uuid.uuid4().hex[:12]
+        self.run_id = uuid.uuid4().hex[:12]  # this execution of the job (chunks carry it as ``run``)
         self.received_at = received_at
         self.received_mono = first.received_mono
         self.admitted_mono: float | None = None
@@ -199,7 +200,15 @@ class KeyJob:
 
     @property
     def request_id(self) -> str:
-        return engine_request_id(self.key, self.run)
+        return engine_request_id(self.key, self.run_id)
+
+    @property
+    def broker_wait_s(self) -> float | None:
+        """Seconds from the producer's publish timestamp (header
+        x-published-at-ms, else the AMQP timestamp) to receipt; None when the
+        job carries none."""
+        ts = published_at(self.primary.message)
+        return None if ts is None else max(0.0, self.received_at - ts)
 
     @property
     def primary(self) -> Delivery:

@@ -64,7 +64,7 @@ import asyncio
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -129,6 +129,20 @@ class ModelRoutes:
         too, where another model (or nobody) reads them."""
         other = dataclasses.replace(self, default=not self.default)
         return other.bindings()
+
+
+class RoutesView(Protocol):
+    """What a job reads of the worker's connections
+    (``jaxserve.worker.connections.Connections``): the routes it consumes,
+    the queue it takes each class from, and the connection a job is passed
+    on over."""
+
+    @property
+    def routes(self) -> ModelRoutes | None: ...
+
+    def job_queue(self, queue_class: str) -> str: ...
+
+    def control_connection(self) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,8 @@ run's ending gives it back whatever step ends it.
 The order is part of the behaviour: the tenant's arrival is counted before
 any store look-up (``tests/test_queue_tenant_arrival.py``); a stored result
 or cancel wins over every limit; the claim comes before the prompt is
-tokenized; the tokens limit and the interactive budget come last, once the
+tokenized; a job's saved tokens are read once the key is its own (the
+claim); the tokens limit and the interactive budget come last, once the
 prompt's length is known (``tests/test_queue_admission.py``,
 ``tests/test_limits.py``). The last, :func:`instead_of_overloaded`, gives
 a job that would be ``overloaded`` what it accepts instead (a fallback
@@ -28,16 +29,20 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from jaxserve.cost.jobs import estimate
+from jaxserve.engine.types import PriorOutput
 from jaxserve.request_error import RequestError
 from jaxserve.wire import INTERACTIVE, Result
 from jaxserve.worker import prompts
 from jaxserve.worker.fallback import MODEL, Outcome, Overload, degrade, is_rerouted, may_degrade, requested_model
+from jaxserve.worker.holdings import Ending
 from jaxserve.worker.lifecycle import JobState
+from jaxserve.worker.limits import Limiter
+from jaxserve.worker.progress import prior_output
 from jaxserve.worker.results import timings
 from jaxserve.worker.store import Record
 
 if TYPE_CHECKING:
-    from jaxserve.worker.job_run import Ending, JobRun
+    from jaxserve.worker.job_run import JobRun
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -50,6 +55,12 @@ class Prepared:
     label_ids: list[list[int]] | None = None
     calibration: Any = None  # the content-free label request, when the job calibrates
     overload: Overload | None = None  # an overloaded answer held back: the job accepts something else
+    prior: PriorOutput | None = None  # tokens an earlier run saved: the job continues from them
+
+    @property
+    def num_tokens_to_prefill(self) -> int:
+        """The prompt, and the saved tokens computed with it."""
+        return len(self.prompt_ids) + (0 if self.prior is None else len(self.prior.token_ids))
 
 
 Step = Callable[["JobRun", Prepared], Awaitable[bool]]
@@ -64,7 +75,7 @@ def reused(key: str) -> RequestError:
 
 async def cancelled_here(run: JobRun, _p: Prepared) -> bool:
     """A cancel this worker saw (kept locally, so a store outage cannot lose it)."""
-    if run.w.cancels.seen(run.key):
+    if run.services.cancels.seen(run.key):
         await run.finish(Result.failure(run.key, "cancelled", "the job was cancelled"))
         return False
     return True
@@ -77,29 +88,30 @@ async def tenant_on_arrival(run: JobRun, _p: Prepared) -> bool:
     counted (``tests/test_queue_tenant_arrival.py``). Passing holds the
     tenant's count (no tokens charged yet); a job that then never runs
     gives its request back."""
-    w = run.w
-    if w.limiter is None:
+    svc = run.services
+    if svc.limiter is None:
         return True
     try:
-        decision = await w.limiter.arrive(run.job.tenant or "", run.request_id, run.received_at)
+        decision = await svc.limiter.arrive(run.job.tenant or "", run.request_id, run.received_at)
     except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
-        w.stats["limiter_unavailable"] += 1
+        svc.stats["limiter_unavailable"] += 1
         log.warning("limiter_unavailable", key=run.key, error=repr(exc))
         return True
     if not decision.allowed:
         await _over_limit(run, decision)
         return False
     run.tenant_tokens = 0
-    run.res.take("tenant", lambda end: _release_tenant(run, end))
+    limiter = svc.limiter
+    run.holdings.take("tenant", lambda end: _release_tenant(run, limiter, end))
     return True
 
 
-async def _release_tenant(run: JobRun, end: Ending) -> None:
+async def _release_tenant(run: JobRun, limiter: Limiter, end: Ending) -> None:
     """The job leaves its tenant's in-flight count and gives back the
     tokens and the budget it was charged but did not use."""
     unserved = run.admitted_mono is None  # never reached the engine: its request is given back
     try:
-        await run.w.limiter.release(
+        await limiter.release(
             run.job.tenant or "",
             run.request_id,
             max(0, run.tenant_tokens - end.used_tokens),
@@ -135,7 +147,8 @@ async def _over_limit(run: JobRun, decision: Any) -> None:
 
 def _never_message(run: JobRun, tenant: str, decision: Any) -> str:
     if decision.reason == "cost_per_day":
-        currency = run.w.cfg.prices.currency if run.w.cfg.prices is not None else ""
+        prices = run.services.cfg.prices
+        currency = prices.currency if prices is not None else ""
         asked = f"may cost {decision.needed:.6g} {currency}".rstrip()
         whole = f"{decision.limit:g} {currency}".rstrip()
     else:
@@ -147,16 +160,15 @@ def _never_message(run: JobRun, tenant: str, decision: Any) -> str:
 
 
 def count_rejection(run: JobRun, code: str, reason: str) -> None:
-    w = run.w
-    w.stats[f"rejected_{code}"] += 1
-    label = w.cfg.limits.metric_label(run.job.tenant or "") if w.cfg.limits is not None else "default"
-    if w.metrics is not None and hasattr(w.metrics, "rejection"):
-        w.metrics.rejection(code, reason, run.queue_class, label)
+    svc = run.services
+    svc.stats[f"rejected_{code}"] += 1
+    label = svc.cfg.limits.metric_label(run.job.tenant or "") if svc.cfg.limits is not None else "default"
+    svc.engine.metrics.rejection(code, reason, run.queue_class, label)
 
 
 async def stored_result(run: JobRun, _p: Prepared) -> bool:
     """A key answered before (here or by another worker) is replayed."""
-    rec = await run.store_call(run.w.store.get, run.key)
+    rec = await run.store_call(run.services.store.get, run.key)
     if rec is None:
         return True
     await answer_from_record(run, rec)
@@ -165,15 +177,15 @@ async def stored_result(run: JobRun, _p: Prepared) -> bool:
 
 async def answer_from_record(run: JobRun, rec: Record) -> None:
     if rec.fingerprint is not None and rec.fingerprint != run.job.fingerprint:
-        run.w.stats["key_reused"] += 1
+        run.services.stats["key_reused"] += 1
         await run.finish(Result.failure(run.key, "idempotency_key_reused", reused(run.key).message))
         return
-    run.w.stats["replayed"] += 1
+    run.services.stats["replayed"] += 1
     await run.finish(Result.model_validate(rec.result), record=rec)
 
 
 async def cancelled_in_store(run: JobRun, _p: Prepared) -> bool:
-    if await run.store_call(run.w.store.is_cancelled, run.key):
+    if await run.store_call(run.services.store.is_cancelled, run.key):
         await run.finish(Result.failure(run.key, "cancelled", "the job was cancelled"))
         return False
     return True
@@ -189,7 +201,7 @@ async def deadline(run: JobRun, _p: Prepared) -> bool:
         await run.finish(Result.failure(run.key, "expired", "the job's deadline passed before it started"))
         return False
     handle = asyncio.get_running_loop().call_later(max(0.0, job.deadline - time.time()), run.on_deadline)
-    run.res.take("deadline", lambda _end: handle.cancel())
+    run.holdings.take("deadline", lambda _end: handle.cancel())
     return True
 
 
@@ -197,41 +209,42 @@ async def claim(run: JobRun, _p: Prepared) -> bool:
     """Claim the key (a shared store: never started on two workers at
     once); while another worker holds it the job is HELD, and answered from
     the store once that worker stored a result."""
-    w, key = run.w, run.key
+    svc, key = run.services, run.key
     while True:
-        owner = await run.store_call(w.store.claim, key, w.cfg.worker_id, w.cfg.claim_lease_s)
+        owner = await run.store_call(svc.store.claim, key, svc.cfg.worker_id, svc.cfg.claim_lease_s)
         if owner is None:
             break
-        w.stats["held_for_other_worker"] += 1
+        svc.stats["held_for_other_worker"] += 1
         log.info("job_held_claimed_elsewhere", key=key, owner=owner)
         run.to(JobState.HELD)
-        await asyncio.sleep(w.cfg.claim_poll_s)
+        await asyncio.sleep(svc.cfg.claim_poll_s)
         if run.state is not JobState.HELD:
             return False
         run.to(JobState.ADMITTING)
-        rec = await run.store_call(w.store.get, key)
+        rec = await run.store_call(svc.store.get, key)
         if rec is not None:
             await answer_from_record(run, rec)
             return False
 
     async def release(end: Ending) -> None:
         if not end.ok:  # an ok result's store put ends the claim itself
-            await w.best_effort("release", w.store.release, key, w.cfg.worker_id)
+            await svc.store_health.best_effort("release", svc.store.release, key, svc.cfg.worker_id, stats=svc.stats)
 
-    run.res.take("claim", release)
+    run.holdings.take("claim", release)
     return True
 
 
 async def prompt(run: JobRun, p: Prepared) -> bool:
     """The prompt (and labels) as token ids; a prompt the model cannot take is answered."""
-    w, job = run.w, run.job
+    svc, job = run.services, run.job
+    info, served = svc.engine.info, svc.engine.served_model_name
     try:
         model = requested_model(run)  # a re-routed copy is served as the fallback it names
-        p.prompt_ids = prompts.prepare_prompt(w.engine_info, w.served_model_name, job, w.cfg.model_aliases, model)
+        p.prompt_ids = prompts.prepare_prompt(info, served, job, svc.cfg.model_aliases, model)
         if job.labels is not None:
-            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(w.engine_info, job, w.served_model_name)
+            p.prompt_ids, p.label_ids, p.calibration = prompts.prepare_labels(info, job, served)
     except RequestError as err:
-        w.stats["invalid"] += 1
+        svc.stats["invalid"] += 1
         log.info("job_invalid", key=run.key, code=err.code, reason=err.message)
         await run.finish(Result.failure(run.key, err.code, err.message, err.retryable))
         return False
@@ -243,19 +256,41 @@ async def prompt(run: JobRun, p: Prepared) -> bool:
 
 async def cached_result(run: JobRun, p: Prepared) -> bool:
     """A deterministic job whose result is cached is answered from the cache."""
-    w, job = run.w, run.job
+    svc, job = run.services, run.job
     if not (job.deterministic and job.use_cache):
         return True
-    run.cache_key = prompts.cache_key(w.served_model_name, job, p.prompt_ids, p.label_ids, p.calibration)
-    hit = await run.store_call(w.store.cache_get, run.cache_key)
+    run.cache_key = prompts.cache_key(svc.engine.served_model_name, job, p.prompt_ids, p.label_ids, p.calibration)
+    hit = await run.store_call(svc.store.cache_get, run.cache_key)
     if hit is None:
         return True
-    w.stats["cache_hits"] += 1
+    svc.stats["cache_hits"] += 1
     log.info("job_cache_hit", key=run.key, queue=run.queue_class)
     fresh = {"id": run.key, "cached": True, "timings": timings(run), "trace_id": None, "degraded": run.degraded or None}
     cached = Result.model_validate({**hit, **fresh})
     await run.finish(cached)
     return False
+
+
+async def saved_tokens(run: JobRun, p: Prepared) -> bool:
+    """A job whose earlier run died mid-generation (its worker was killed)
+    continues from the tokens that run saved (``jaxserve.worker.progress``):
+    those written for this very body by this model, read once the key is
+    ours (the claim) and the prompt known."""
+    svc = run.services
+    if p.label_ids is not None or not svc.saver.enabled:
+        return True
+    params = run.job.params
+    chunks = await run.store_call(svc.store.saved_tokens, run.key)
+    p.prior = prior_output(
+        chunks,
+        run.job.fingerprint,
+        svc.engine.served_model_name,
+        logprobs=params.logprobs,
+        top=params.logprobs and params.top_logprobs > 0,
+    )
+    if p.prior is not None:
+        svc.stats["resumed"] += 1
+    return True
 
 
 async def calibrate(run: JobRun, p: Prepared) -> bool:
@@ -266,7 +301,7 @@ async def calibrate(run: JobRun, p: Prepared) -> bool:
     if p.calibration is None:
         return True
     try:
-        run.label_calibration = await run.w.label_calibrations.get(
+        run.label_calibration = await run.services.calibrations.get(
             p.calibration, run.request_class, run.job.engine_priority
         )
     except RequestError as err:
@@ -285,8 +320,8 @@ async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
     """The tenant's tokens limit and daily budget, charged as of the job's
     arrival: prompt + ``max_tokens``, and what they cost at the served
     model's price (``jaxserve.cost.jobs``; ``tests/test_queue_cost.py``)."""
-    w = run.w
-    if w.limiter is None or not run.res.holds("tenant"):  # counted on arrival: now its tokens
+    svc = run.services
+    if svc.limiter is None or not run.holdings.holds("tenant"):  # counted on arrival: now its tokens
         return True
     job = run.job
     tokens = len(p.prompt_ids) + (max(len(x) for x in p.label_ids) if p.label_ids else job.params.max_tokens)
@@ -294,11 +329,11 @@ async def tenant_tokens(run: JobRun, p: Prepared) -> bool:
         priced = (len(p.prompt_ids) + sum(len(x) for x in p.label_ids), 0)
     else:
         priced = (len(p.prompt_ids), job.params.max_tokens)
-    cost = estimate(w.cfg.prices, w.served_model_name, *priced)
+    cost = estimate(svc.cfg.prices, svc.engine.served_model_name, *priced)
     try:
-        decision = await w.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at, cost=cost)
+        decision = await svc.limiter.charge(job.tenant or "", run.request_id, tokens, run.received_at, cost=cost)
     except Exception as exc:  # noqa: BLE001 - a limiter outage must not stop serving: fail open
-        w.stats["limiter_unavailable"] += 1
+        svc.stats["limiter_unavailable"] += 1
         log.warning("limiter_unavailable", key=run.key, error=repr(exc))
         return True
     if not decision.allowed:
@@ -314,11 +349,10 @@ async def broker_wait(run: JobRun, p: Prepared) -> bool:
     target time to first token could not start in time: the worker (or
     fleet) is behind, and the producer should know now, not after more
     waiting."""
-    w = run.w
     if run.queue_class != INTERACTIVE:
         return True
-    waited = w.broker_wait(run)
-    target = w.cfg.admission.target_ttft_s
+    waited = run.broker_wait_s
+    target = run.services.cfg.admission.target_ttft_s
     if waited is None or waited <= target:
         return True
     return await _overloaded(
@@ -338,10 +372,10 @@ async def interactive_budget(run: JobRun, p: Prepared) -> bool:
     """An interactive job's prompt joins the admission budget
     (``jaxserve.worker.admission``) until its first token, or is refused
     overloaded with retry_after_s."""
-    w = run.w
+    admission = run.services.admission
     if run.queue_class != INTERACTIVE or p.overload is not None:
         return True
-    retry = w.admission.try_admit(run.request_id, len(p.prompt_ids))
+    retry = admission.try_admit(run.request_id, p.num_tokens_to_prefill)
     if retry is not None:
         return await _overloaded(
             run,
@@ -350,12 +384,12 @@ async def interactive_budget(run: JobRun, p: Prepared) -> bool:
             Result.failure(
                 run.key,
                 "overloaded",
-                f"the worker holds {w.admission.held_tokens} interactive prompt tokens not yet started "
-                f"(budget {w.admission.budget}); retry later",
+                f"the worker holds {admission.held_tokens} interactive prompt tokens not yet started "
+                f"(budget {admission.budget}); retry later",
                 retry_after_s=retry,
             ),
         )
-    run.res.take("admission", lambda _end: w.admission.release(run.request_id))
+    run.holdings.take("admission", lambda _end: admission.release(run.request_id))
     return True
 
 
@@ -378,7 +412,7 @@ async def instead_of_overloaded(run: JobRun, p: Prepared) -> bool:
     ``tests/test_queue_models.py``)."""
     if p.overload is None:
         return True
-    outcome = await degrade(run, len(p.prompt_ids))
+    outcome = await degrade(run, p.num_tokens_to_prefill)
     if outcome is Outcome.DEGRADED:
         return True
     if outcome is Outcome.REFUSED:
@@ -396,6 +430,7 @@ STEPS: tuple[Step, ...] = (
     claim,
     prompt,
     cached_result,
+    saved_tokens,
     calibrate,
     tenant_tokens,
     broker_wait,

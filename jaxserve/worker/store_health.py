@@ -13,7 +13,7 @@ down (:meth:`StoreHealth.failed`); the worker then:
   the quorum queue's ``x-delivery-limit``;
 * holds the jobs it has for at most ``--store-hold`` seconds (they wait on
   :meth:`StoreHealth.wait_up`, none of them calls the store meanwhile), then
-  gives them back to the broker;
+  gives them back to the broker (``JobRun.store_call``);
 * asks the store alone, from one probe task (``ping``), with exponential
   backoff up to ``retry_max_s``; when it answers, the store is up, the gauge
   1, and the consumers resume.
@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import structlog
 
-from jaxserve.worker.lifecycle import Abandoned, JobState
 from jaxserve.worker.store.base import StoreUnavailable
-
-if TYPE_CHECKING:
-    from jaxserve.worker.job_run import JobRun
 
 log = structlog.get_logger("jaxserve.worker")
 
@@ -53,8 +49,8 @@ class StoreHealth:
         self,
         ping: Callable[[], Awaitable[Any]],
         *,
-        on_change: Callable[[bool], Awaitable[None]],
-        spawn: Callable[[Awaitable[Any]], Any],
+        on_change: Callable[[bool], Coroutine[Any, Any, None]],
+        spawn: Callable[[Coroutine[Any, Any, Any]], Any],
         retry_max_s: float = 5.0,
         first_retry_s: float = 0.1,
     ) -> None:
@@ -138,48 +134,3 @@ class StoreHealth:
             log.info("store_up", down_s=round(down_s, 3))
             await self._on_change(True)
             return
-
-
-ADMISSION = frozenset({JobState.ADMITTING, JobState.HELD})
-
-
-async def call_held(run: JobRun, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-    """Call the store for a job. While the store is unreachable the job is
-    HELD (in admission) and waits for the outage probe to find the store
-    back (the job itself does not call it meanwhile), at most
-    ``store_hold_s``: then it goes back to the broker, once (the consumers
-    are paused, so it is not redelivered here in a loop;
-    ``tests/test_queue_store_outage.py``). Raises :class:`Abandoned` when the
-    run leaves the phase it was in meanwhile, or went back."""
-    w = run.w
-    phase = ADMISSION if run.state in ADMISSION else frozenset({run.state})
-    health = w.store_health
-    give_up_at: float | None = None
-    while True:
-        if health.up:
-            try:
-                value = await fn(*args)
-            except StoreUnavailable as exc:
-                w.stats["store_unavailable"] += 1
-                health.failed(exc)
-                if give_up_at is None:
-                    log.warning("store_unavailable_waiting", key=run.key, error=str(exc), hold_s=w.cfg.store_hold_s)
-            else:
-                if run.state not in phase:
-                    raise Abandoned
-                if run.state is JobState.HELD:
-                    run.to(JobState.ADMITTING)
-                return value
-        if run.state is JobState.ADMITTING:
-            run.to(JobState.HELD)
-        if w._closing or run.state not in phase:
-            raise Abandoned from None
-        now = time.monotonic()
-        give_up_at = now + w.cfg.store_hold_s if give_up_at is None else give_up_at
-        back = await health.wait_up(max(0.0, give_up_at - now))
-        if run.state not in phase:
-            raise Abandoned from None
-        if not back:
-            w.stats["store_hold_expired"] += 1
-            await run.requeue(f"store unavailable for {w.cfg.store_hold_s:g}s")
-            raise Abandoned from None

@@ -1,4 +1,5 @@
-"""Idempotency stores: a job key's final result, claims and cancels.
+"""Idempotency stores: a job key's final result, claims, cancels and the
+tokens of jobs still running.
 
 ``make_store`` builds the one ``jaxserve worker --store`` names:
 ``sqlite`` (default, a durable file under ``--state-dir``), ``memory`` or
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jaxserve.worker.store.base import IdempotencyStore, Record, StoreUnavailable
+from jaxserve.worker.store.base import IdempotencyStore, Record, StoreUnavailable, TokenChunk
 from jaxserve.worker.store.memory import MemoryStore
 from jaxserve.worker.store.redis import RedisStore
 from jaxserve.worker.store.sqlite import SqliteStore, default_state_dir
@@ -44,6 +45,7 @@ __all__ = [
     "RedisStore",
     "SqliteStore",
     "StoreUnavailable",
+    "TokenChunk",
     "default_state_dir",
     "make_store",
 ]

@@ -2,8 +2,11 @@
 
 A store maps a job key to its final result (a :class:`Record`), holds the
 claims that keep a key from running on two workers at once, remembers
-cancels, and keeps the bounded response cache (deterministic results by
-what determines them, shared by every worker on the same backend). Backends: :mod:`.sqlite` (the default: a durable file, so a worker
+cancels, keeps the tokens of running jobs as they are generated (a
+:class:`TokenChunk` at a time: a job whose worker dies continues from them
+on the next, ``jaxserve.worker.progress``), and keeps the bounded response
+cache (deterministic results by what determines them, shared by every
+worker on the same backend). Backends: :mod:`.sqlite` (the default: a durable file, so a worker
 killed between publishing a result and acking it answers the redelivery from
 disk), :mod:`.memory` (per process, bounded) and :mod:`.redis` (shared by
 many workers).
@@ -12,6 +15,7 @@ many workers).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -41,13 +45,63 @@ class Record:
         return cls(dict(data["result"]), list(data.get("delivered") or []), data.get("fingerprint"))
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenChunk:
+    """Tokens a running job generated, from output position ``start`` on,
+    with their logprobs where the job asks for them. A job's chunks, read
+    back in the order written, give its output so far (a chunk overrides
+    what earlier chunks said from its ``start`` on). ``fingerprint``: the
+    job body's, and ``model``: the served model that generated them, so a
+    key reused for another body, or served by another model, never
+    continues these tokens."""
+
+    start: int
+    token_ids: tuple[int, ...]
+    fingerprint: str | None
+    model: str | None
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"start": self.start, "tokens": list(self.token_ids)}
+        data.update(fingerprint=self.fingerprint, model=self.model)
+        if self.logprobs is not None:
+            data["logprobs"] = list(self.logprobs)
+        if self.top_logprobs is not None:
+            data["top"] = [[list(pair) for pair in row] for row in self.top_logprobs]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TokenChunk:
+        top = data.get("top")
+        logprobs = data.get("logprobs")
+        return cls(
+            int(data["start"]),
+            tuple(int(t) for t in data["tokens"]),
+            data.get("fingerprint"),
+            data.get("model"),
+            None if logprobs is None else tuple(float(x) for x in logprobs),
+            None if top is None else tuple(tuple((int(t), float(lp)) for t, lp in row) for row in top),
+        )
+
+
 class IdempotencyStore(Protocol):
     async def ping(self) -> None:
         """Return when the store answers; :class:`StoreUnavailable` when
         it does not (the outage probe's question)."""
 
     async def get(self, key: str) -> Record | None: ...
-    async def put(self, key: str, record: Record) -> None: ...
+    async def put(self, key: str, record: Record) -> None:
+        """Store the key's result; its claim and its saved tokens end with it."""
+
+    async def save_tokens(self, chunks: Sequence[tuple[str, TokenChunk]]) -> None:
+        """Append each (key, chunk) to its key's saved tokens: the chunks of
+        every running job at once, in one write."""
+
+    async def saved_tokens(self, key: str) -> list[TokenChunk]:
+        """The key's saved chunks, in the order they were written."""
+
+    async def drop_tokens(self, key: str) -> None: ...
     async def mark_delivered(self, key: str, dest: str) -> None: ...
     async def claim(self, key: str, owner: str, lease_s: float) -> str | None:
         """Take the key for ``owner``; None on success, else the holder."""

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Sequence
 
-from jaxserve.worker.store.base import Record
+from jaxserve.worker.store.base import Record, TokenChunk
 
 
 class MemoryStore:
     """Results bounded to ``max_entries`` (least recently used go first);
-    cancels live ``ttl_s`` and are bounded the same way."""
+    cancels live ``ttl_s`` and are bounded the same way, and so are the
+    saved tokens of running jobs (useful only to a worker of this process
+    taking a job back, as the tests do)."""
 
     def __init__(self, max_entries: int = 100_000, max_cached_responses: int = 10_000) -> None:
         self.max_entries = max_entries
@@ -19,6 +22,7 @@ class MemoryStore:
         self._results: collections.OrderedDict[str, Record] = collections.OrderedDict()
         self._claims: dict[str, tuple[str, float]] = {}
         self._cancelled: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._tokens: collections.OrderedDict[str, list[TokenChunk]] = collections.OrderedDict()
 
     async def ping(self) -> None:
         pass  # in this process: always there
@@ -35,6 +39,20 @@ class MemoryStore:
         while len(self._results) > self.max_entries:
             self._results.popitem(last=False)
         self._claims.pop(key, None)
+        self._tokens.pop(key, None)
+
+    async def save_tokens(self, chunks: Sequence[tuple[str, TokenChunk]]) -> None:
+        for key, chunk in chunks:
+            self._tokens.setdefault(key, []).append(chunk)
+            self._tokens.move_to_end(key)
+        while len(self._tokens) > self.max_entries:
+            self._tokens.popitem(last=False)
+
+    async def saved_tokens(self, key: str) -> list[TokenChunk]:
+        return list(self._tokens.get(key, ()))
+
+    async def drop_tokens(self, key: str) -> None:
+        self._tokens.pop(key, None)
 
     async def mark_delivered(self, key: str, dest: str) -> None:
         rec = self._results.get(key)

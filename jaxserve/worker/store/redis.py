@@ -9,12 +9,12 @@ wait instead of hanging or failing jobs.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 import orjson
 
-from jaxserve.worker.store.base import Record, StoreUnavailable
+from jaxserve.worker.store.base import Record, StoreUnavailable, TokenChunk
 
 T = TypeVar("T")
 
@@ -30,7 +30,8 @@ def _ms(seconds: float) -> int:
 
 
 class RedisStore:
-    """Results and their delivered sets expire after ``result_ttl_s``."""
+    """Results and their delivered sets expire after ``result_ttl_s``, and
+    so do a job's saved tokens after its last save."""
 
     def __init__(
         self,
@@ -91,9 +92,30 @@ class RedisStore:
                     p.sadd(self._k("delivered", key), *record.delivered)
                     p.pexpire(self._k("delivered", key), self.result_ttl_ms)
                 p.delete(self._k("claim", key))
+                p.delete(self._k("tokens", key))
                 await p.execute()
 
         await self._call(write())
+
+    async def save_tokens(self, chunks: Sequence[tuple[str, TokenChunk]]) -> None:
+        """One pipeline: each chunk pushed to its key's list, whose expiry
+        restarts."""
+
+        async def write() -> None:
+            async with self._r.pipeline(transaction=False) as p:
+                for key, chunk in chunks:
+                    p.rpush(self._k("tokens", key), orjson.dumps(chunk.to_json()))
+                    p.pexpire(self._k("tokens", key), self.result_ttl_ms)
+                await p.execute()
+
+        await self._call(write())
+
+    async def saved_tokens(self, key: str) -> list[TokenChunk]:
+        raw = await self._call(self._r.lrange(self._k("tokens", key), 0, -1))
+        return [TokenChunk.from_json(orjson.loads(item)) for item in raw]
+
+    async def drop_tokens(self, key: str) -> None:
+        await self._call(self._r.delete(self._k("tokens", key)))
 
     async def mark_delivered(self, key: str, dest: str) -> None:
         async def write() -> None:

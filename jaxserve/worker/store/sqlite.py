@@ -21,11 +21,12 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 
-from jaxserve.worker.store.base import Record, StoreUnavailable
+from jaxserve.worker.store.base import Record, StoreUnavailable, TokenChunk
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (key TEXT PRIMARY KEY, record BLOB NOT NULL, expires REAL NOT NULL);
@@ -35,6 +36,8 @@ CREATE TABLE IF NOT EXISTS claims (key TEXT PRIMARY KEY, owner TEXT NOT NULL, pi
 CREATE TABLE IF NOT EXISTS cancels (key TEXT PRIMARY KEY, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS responses (ckey TEXT PRIMARY KEY, result BLOB NOT NULL, expires REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS responses_expires ON responses (expires);
+CREATE TABLE IF NOT EXISTS saved_tokens (key TEXT NOT NULL, chunk BLOB NOT NULL, expires REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS saved_tokens_key ON saved_tokens (key);
 """
 
 
@@ -116,6 +119,7 @@ class SqliteStore:
             for dest in record.delivered:
                 self._run("INSERT OR IGNORE INTO delivered (key, dest) VALUES (?, ?)", (key, dest))
             self._run("DELETE FROM claims WHERE key = ?", (key,))
+            self._run("DELETE FROM saved_tokens WHERE key = ?", (key,))
             self._run("COMMIT")
         except BaseException:
             self._rollback()
@@ -124,6 +128,31 @@ class SqliteStore:
         if self._writes % self.prune_every == 0:
             self.prune()
 
+    async def save_tokens(self, chunks: Sequence[tuple[str, TokenChunk]]) -> None:
+        """One transaction for every chunk (rows read back in rowid order:
+        the order written)."""
+        expires = time.time() + self.result_ttl_s
+        rows = [(key, orjson.dumps(chunk.to_json()), expires) for key, chunk in chunks]
+        self._run("BEGIN IMMEDIATE")
+        try:
+            try:
+                self._db.executemany("INSERT INTO saved_tokens (key, chunk, expires) VALUES (?, ?, ?)", rows)
+            except sqlite3.OperationalError as exc:
+                raise StoreUnavailable(f"sqlite {self.path}: {exc}") from exc
+            self._run("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    async def saved_tokens(self, key: str) -> list[TokenChunk]:
+        rows = self._run(
+            "SELECT chunk FROM saved_tokens WHERE key = ? AND expires >= ? ORDER BY rowid", (key, time.time())
+        )
+        return [TokenChunk.from_json(orjson.loads(row[0])) for row in rows]
+
+    async def drop_tokens(self, key: str) -> None:
+        self._run("DELETE FROM saved_tokens WHERE key = ?", (key,))
+
     def _rollback(self) -> None:
         try:
             self._db.execute("ROLLBACK")
@@ -131,8 +160,8 @@ class SqliteStore:
             pass
 
     def prune(self) -> None:
-        """Drop expired results and cancels, and the oldest results beyond
-        ``max_entries``."""
+        """Drop expired results, cancels and saved tokens, and the oldest
+        results beyond ``max_entries``."""
         now = time.time()
         self._run("DELETE FROM results WHERE expires < ?", (now,))
         self._run(
@@ -147,6 +176,7 @@ class SqliteStore:
             (self.max_cached_responses,),
         )
         self._run("DELETE FROM claims WHERE expires < ?", (now,))
+        self._run("DELETE FROM saved_tokens WHERE expires < ?", (now,))
 
     async def mark_delivered(self, key: str, dest: str) -> None:
         self._run("INSERT OR IGNORE INTO delivered (key, dest) VALUES (?, ?)", (key, dest))

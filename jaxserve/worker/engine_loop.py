@@ -1,9 +1,10 @@
-"""The engine's one thread: the core both engine hosts run.
+"""The engine loop: the one thread that touches the engine, which both
+engine hosts run.
 
 The engine is not thread-safe, so exactly one thread (this one) touches it.
 Commands arrive through a thread-safe queue, each with a *token* (the
 caller's handle for its outcome); everything the thread has to say goes to
-a :class:`CoreSink`. :class:`~jaxserve.worker.engine_thread.EngineThread`
+a :class:`LoopEvents`. :class:`~jaxserve.worker.engine_thread.EngineThread`
 gives it a sink that resolves asyncio futures and calls back on the event
 loop; the engine process (:mod:`jaxserve.worker.engine_process`) gives it
 one that writes each event to the worker's process as a message. While the
@@ -13,30 +14,30 @@ command queue.
 Arrivals join the very next plan. ``Engine.step`` collects the step in
 flight and plans the next one inside one call, so a request queued while a
 step computes would otherwise wait for the plan after that one: a whole
-extra step before an interactive prompt starts. The core therefore sets
+extra step before an interactive prompt starts. The loop therefore sets
 the engine's ``before_plan`` hook to run the admissions (``add_request``,
 ``add_score_request``) queued so far; any other command, and everything
 queued behind it, keeps its order and runs after the step.
 
-Interactive tokens leave first: the core sets the engine's
+Interactive tokens leave first: the loop sets the engine's
 ``on_urgent_outputs`` hook, so an interactive request's outputs reach the
-sink (:meth:`CoreSink.urgent_outputs`) before the engine plans the next
-step; :meth:`CoreSink.step_done` then gets the step's other outputs, with
+sink (:meth:`LoopEvents.urgent_outputs`) before the engine plans the next
+step; :meth:`LoopEvents.step_done` then gets the step's other outputs, with
 the urgent ones beside them.
 
 Failure handling:
 
-- A ``step()`` that raises is reported to :meth:`CoreSink.step_error` and
+- A ``step()`` that raises is reported to :meth:`LoopEvents.step_error` and
   the thread carries on: the engine contains per-request failures itself,
   so an exception out of ``step()`` means the step as a whole failed.
 - It is fatal when the engine says it cannot recover (``EngineBroken``) or
   when ``max_consecutive_step_failures`` steps in a row failed (a success in
-  between resets the count): the thread stops and :meth:`CoreSink.fatal`
+  between resets the count): the thread stops and :meth:`LoopEvents.fatal`
   gets the error, after the ``step_error`` of that failure.
 - Whenever the thread has exited, for whatever reason, every command still
   queued and every later one fails with :class:`EngineThreadDead`, so no
   caller waits for an outcome that will never come. Any exit other than
-  :meth:`EngineCore.stop` (a fatal step failure, an exception escaping the
+  :meth:`EngineLoop.stop` (a fatal step failure, an exception escaping the
   loop, a sink whose receiver is gone) is also reported to ``fatal``.
 - For a watchdog: ``busy_since_mono`` is the ``time.monotonic()`` at which
   the step or command now running started (``None`` while the thread waits
@@ -70,7 +71,7 @@ class EngineThreadDead(RuntimeError):
     ``__cause__`` is what ended it (``None`` after a stop)."""
 
 
-class CoreSink(Protocol):
+class LoopEvents(Protocol):
     """Where the engine thread's events go. Every method runs on the engine
     thread and must return quickly; a ``RuntimeError`` means its receiver is
     gone (a closed event loop, a worker process that exited)."""
@@ -84,7 +85,7 @@ class CoreSink(Protocol):
     def step_done(self, outputs: list[RequestOutput], urgent: list[RequestOutput], stats: Any) -> None:
         """A step completed: its ``outputs`` (the urgent ones, already sent,
         not among them; ``urgent`` holds those), and the scheduler's snapshot
-        after it when the core was asked for one (else ``None``)."""
+        after it when the loop was asked for one (else ``None``)."""
 
     def step_error(self, exc: BaseException) -> None:
         """A step raised; the thread carries on unless it is fatal."""
@@ -93,18 +94,18 @@ class CoreSink(Protocol):
         """The thread is ending for a reason other than stop()."""
 
 
-class EngineCore:
+class EngineLoop:
     """Runs an engine on a thread of its own (see the module docstring).
 
     ``engine`` may be attached later (:meth:`attach`), before :meth:`start`.
-    With ``with_stats``, :meth:`CoreSink.step_done` gets the scheduler's
+    With ``with_stats``, :meth:`LoopEvents.step_done` gets the scheduler's
     snapshot of every step.
     """
 
     def __init__(
         self,
         engine: Any,
-        sink: CoreSink,
+        sink: LoopEvents,
         *,
         with_stats: bool = False,
         max_consecutive_step_failures: int = 5,
@@ -160,7 +161,7 @@ class EngineCore:
 
     def submit(self, fn: Callable[[], Any], token: Any, admission: bool = False) -> EngineThreadDead | None:
         """Queue ``fn()`` for the engine thread; its outcome goes to
-        :meth:`CoreSink.reply` with ``token``. Returns the error to fail it
+        :meth:`LoopEvents.reply` with ``token``. Returns the error to fail it
         with at once when the thread has exited (the sink is not called)."""
         with self._lock:
             if self._dead is None:
