@@ -39,7 +39,7 @@ from typing import Any
 
 import click
 
-from jaxserve.wire.topology import DEFAULT_AMQP_URL, DEFAULT_PREFIX
+from jaxserve.cli.queue_options import amqp_option, prefix_option
 
 DEATH_HEADER = "jaxserve-death"
 REQUEUES_HEADER = "jaxserve-requeues"
@@ -311,22 +311,6 @@ def _why(exc: BaseException, target: str) -> str:
 
 
 # --------------------------------------------------------------- commands
-_amqp_option = click.option(
-    "--amqp-url",
-    envvar="JAXSERVE_AMQP_URL",
-    default=DEFAULT_AMQP_URL,
-    show_default=True,
-    help="RabbitMQ URL (env JAXSERVE_AMQP_URL).",
-)
-_prefix_option = click.option(
-    "--prefix",
-    envvar="JAXSERVE_PREFIX",
-    default=DEFAULT_PREFIX,
-    show_default=True,
-    help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX).",
-)
-
-
 def _run(amqp_url: str, prefix: str, choose: Callable[[DeadLetter], str | None]) -> SweepReport:
     from jaxserve.cli.errors import broker_errors
 
@@ -360,8 +344,8 @@ def dead() -> None:
 
 
 @dead.command("list")
-@_amqp_option
-@_prefix_option
+@amqp_option
+@prefix_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per dead letter.")
 @click.option("--limit", type=click.IntRange(min=0), default=0, help="Print at most this many (0: all).")
 def list_command(amqp_url: str, prefix: str, as_json: bool, limit: int) -> None:
@@ -393,8 +377,8 @@ def list_command(amqp_url: str, prefix: str, as_json: bool, limit: int) -> None:
 
 @dead.command("show")
 @click.argument("key")
-@_amqp_option
-@_prefix_option
+@amqp_option
+@prefix_option
 def show_command(key: str, amqp_url: str, prefix: str) -> None:
     """Properties, headers and body of the dead letter with message_id KEY
     (as JSON)."""
@@ -413,8 +397,8 @@ def show_command(key: str, amqp_url: str, prefix: str) -> None:
 @dead.command("requeue")
 @click.argument("key", required=False)
 @click.option("--all", "all_", is_flag=True, help="Requeue every dead letter.")
-@_amqp_option
-@_prefix_option
+@amqp_option
+@prefix_option
 def requeue_command(key: str | None, all_: bool, amqp_url: str, prefix: str) -> None:
     """Publish dead letter KEY (every copy of it), or --all of them, back to
     the queue each died in, with the same message_id, properties and

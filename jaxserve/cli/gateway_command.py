@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from jaxserve.cli.queue_options import amqp_option, prefix_option
+from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_option, state_dir_option
 
 
 @click.command("gateway")
@@ -15,13 +15,9 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option
 @prefix_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="JAXSERVE_STATE_DIR",
-    help="Folder of the gateway's SQLite store and files, as the worker's (default $XDG_STATE_HOME/jaxserve or "
-    "~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).",
+@state_dir_option(
+    "Folder of the gateway's SQLite store and files, as the worker's (default $XDG_STATE_HOME/jaxserve or "
+    "~/.local/state/jaxserve; env JAXSERVE_STATE_DIR)."
 )
 @click.option(
     "--store",
@@ -31,7 +27,7 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option
     help="Where batches and file records live: sqlite (under --state-dir, one gateway) or redis (shared by "
     "replicas; give them one --files-dir).",
 )
-@click.option("--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True)
+@redis_url_option()
 @click.option(
     "--files-dir",
     type=click.Path(file_okay=False),

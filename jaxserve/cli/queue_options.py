@@ -1,7 +1,9 @@
 """Options shared by the queue-side commands: ``--amqp-url`` and ``--prefix``
-(``worker``, ``submit``, ``chat``, ``status``, ``loadtest``) and the sampling
-options of ``submit`` and ``chat``. One definition each, so the flags, their
-environment variables and defaults stay the same on every command."""
+(``worker``, ``submit``, ``chat``, ``status``, ``loadtest``, ``dead``,
+``gateway``), ``--state-dir`` and ``--redis-url`` (``worker`` and
+``gateway``) and the sampling options of ``submit`` and ``chat``. One
+definition each, so the flags, their environment variables and defaults stay
+the same on every command."""
 
 from __future__ import annotations
 
@@ -27,6 +29,27 @@ prefix_option = click.option(
     show_default=True,
     help="Name prefix of queues and exchanges (env JAXSERVE_PREFIX).",
 )
+
+
+def state_dir_option(help: str) -> Any:
+    """``--state-dir`` (env ``JAXSERVE_STATE_DIR``, default
+    ``jaxserve.worker.store.sqlite.default_state_dir``) of ``worker`` and
+    ``gateway``: one folder that both default to and one variable that sets
+    it for both, so the two declarations must not drift. ``help`` says what
+    the command keeps there."""
+    return click.option(
+        "--state-dir", type=click.Path(file_okay=False), default=None, envvar="JAXSERVE_STATE_DIR", help=help
+    )
+
+
+def redis_url_option(help: str | None = None) -> Any:
+    """``--redis-url`` (env ``JAXSERVE_REDIS_URL``) of ``worker`` and
+    ``gateway``: replicas of both meet on one Redis, so the variable and the
+    default must be the same on each. ``help`` says what the command keeps
+    there."""
+    return click.option(
+        "--redis-url", envvar="JAXSERVE_REDIS_URL", default="redis://127.0.0.1:6379/0", show_default=True, help=help
+    )
 
 
 def sampling_options(fn: Any) -> Any:

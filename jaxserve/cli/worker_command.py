@@ -17,7 +17,7 @@ import click
 
 from jaxserve.cli.options import engine_option, kv_cache_dtype_option, quantization_option, speculative_options
 from jaxserve.cli.price_options import price_options, prices_from_options
-from jaxserve.cli.queue_options import amqp_option, prefix_option
+from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_option, state_dir_option
 from jaxserve.engine.args import profile_values
 
 #: the engine settings of ``jaxserve worker``'s default factory (``build_engine``)
@@ -151,20 +151,12 @@ def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     show_default=True,
     help="Idempotency store: sqlite (a durable file under --state-dir), memory (per process) or redis (shared).",
 )
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="JAXSERVE_STATE_DIR",
-    help="Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR).",
+@state_dir_option(
+    "Folder of the sqlite store (default $XDG_STATE_HOME/jaxserve or ~/.local/state/jaxserve; env JAXSERVE_STATE_DIR)."
 )
-@click.option(
-    "--redis-url",
-    envvar="JAXSERVE_REDIS_URL",
-    default="redis://127.0.0.1:6379/0",
-    show_default=True,
-    help="Redis for --store redis: results, claims, cancels and tenant limits shared by every worker on it "
-    "(env JAXSERVE_REDIS_URL).",
+@redis_url_option(
+    "Redis for --store redis: results, claims, cancels and tenant limits shared by every worker on it "
+    "(env JAXSERVE_REDIS_URL)."
 )
 @click.option("--heartbeat", type=int, default=30, show_default=True, help="AMQP heartbeat timeout (s).")
 @click.option("--interactive-prefetch", type=int, default=None, help="Default: engine max_num_seqs.")
