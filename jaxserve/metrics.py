@@ -40,7 +40,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 HealthCheck = Callable[[], bool | tuple[bool, str]]
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: buckets (seconds) of every latency histogram, the worker's and the
+#: gateway's (``jaxserve.gateway.metrics``), so their quantiles compare
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
@@ -83,58 +85,27 @@ class EngineMetrics:
         self.spec_decode_num_accepted_tokens = Counter(
             "jaxserve_spec_decode_num_accepted_tokens", "Guessed tokens the model kept", labels, registry=r
         )
+
         # Latencies, by queue class (interactive | batch). The worker observes
         # them per job (observe_job, observe_tokens): it knows the class.
-        qlabels = ["model_name", "queue"]
-        self.ttft = Histogram(
-            "jaxserve_time_to_first_token_seconds",
-            "Receipt to first token",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        def by_queue(name: str, documentation: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            """A histogram by model and queue class; every latency the
+            worker observes per job is one, on the latency buckets."""
+            return Histogram(name, documentation, ["model_name", "queue"], buckets=buckets, registry=r)
+
+        self.ttft = by_queue("jaxserve_time_to_first_token_seconds", "Receipt to first token")
+        self.itl = by_queue(
+            "jaxserve_inter_token_latency_seconds", "Time between two tokens, one observation per token", _ITL_BUCKETS
         )
-        self.itl = Histogram(
-            "jaxserve_inter_token_latency_seconds",
-            "Time between two tokens, one observation per token",
-            qlabels,
-            buckets=_ITL_BUCKETS,
-            registry=r,
+        self.e2e = by_queue("jaxserve_e2e_request_latency_seconds", "Receipt to final result")
+        self.queue_time = by_queue(
+            "jaxserve_request_queue_time_seconds", "Engine arrival to first scheduled (engine wait)"
         )
-        self.e2e = Histogram(
-            "jaxserve_e2e_request_latency_seconds",
-            "Receipt to final result",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.broker_wait = by_queue(
+            "jaxserve_broker_wait_seconds", "Publish (producer timestamp) to receipt by the worker"
         )
-        self.queue_time = Histogram(
-            "jaxserve_request_queue_time_seconds",
-            "Engine arrival to first scheduled (engine wait)",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.broker_wait = Histogram(
-            "jaxserve_broker_wait_seconds",
-            "Publish (producer timestamp) to receipt by the worker",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prefill_time = Histogram(
-            "jaxserve_request_prefill_time_seconds",
-            "First scheduled to first token",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.decode_time = Histogram(
-            "jaxserve_request_decode_time_seconds",
-            "First token to finish",
-            qlabels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.prefill_time = by_queue("jaxserve_request_prefill_time_seconds", "First scheduled to first token")
+        self.decode_time = by_queue("jaxserve_request_decode_time_seconds", "First token to finish")
         # The worker's own health and the broker as it sees it.
         self.rejections = Counter(
             "jaxserve_rejections",
@@ -401,22 +372,21 @@ def make_app(metrics: EngineMetrics) -> Callable:
         probe = probes.get(path)
         if probe is None:
             if path != "/metrics":
-                body = f"not found: {path}; try /metrics, /healthz or /readyz\n".encode()
-                start_response(
-                    "404 Not Found",
-                    [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
-                )
-                return [body]
+                return _text(start_response, "404 Not Found", f"not found: {path}; try /metrics, /healthz or /readyz")
             return exposition(environ, start_response)
         ok, reason = probe()
-        body = (reason + "\n").encode()
-        start_response(
-            "200 OK" if ok else "503 Service Unavailable",
-            [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))],
-        )
-        return [body]
+        return _text(start_response, "200 OK" if ok else "503 Service Unavailable", reason)
 
     return app
+
+
+def _text(start_response: Callable, status: str, line: str) -> list[bytes]:
+    """Answer ``line`` as one line of plain text: the probes' answers and
+    the 404 are read by people and orchestrators alike, so they share one
+    form."""
+    body = (line + "\n").encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 def serve(metrics: EngineMetrics, port: int, addr: str = "0.0.0.0") -> WSGIServer:

@@ -15,7 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+from jaxserve.metrics import LATENCY_BUCKETS
 
 
 class GatewayMetrics:
@@ -31,14 +31,14 @@ class GatewayMetrics:
             "jaxserve_gateway_request_duration_seconds",
             "Request received to response finished (a stream: to its last event)",
             ["route", "model_name"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "jaxserve_gateway_time_to_first_token_seconds",
             "Streamed requests: received to the first event with a token",
             ["model_name"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.disconnects = Counter(
