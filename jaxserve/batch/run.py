@@ -28,14 +28,18 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
 from jaxserve.batch import keys, openai_format
 from jaxserve.batch.inputs import BatchItem, canonical, is_deterministic
 from jaxserve.wire import RETRYABLE_CODES, Result
+
+if TYPE_CHECKING:
+    from jaxserve.client import AsyncClient
 
 
 @dataclasses.dataclass
@@ -195,6 +199,43 @@ def plan_publish(todo: list[BatchItem]) -> tuple[list[BatchItem], dict[str, list
     return publish, dict(followers)
 
 
+async def publish_item(
+    client: AsyncClient,
+    item: BatchItem,
+    *,
+    queue: str,
+    attempts: int,
+    on_final: Callable[[Result], Awaitable[None]],
+    priority: int | None = None,
+) -> None:
+    """Publish the job of ``item`` (one :func:`plan_publish` publishes, so
+    its body is set) to ``queue`` with its answer going to the client's
+    reply queue, retrying (backoff up to 5 s) while the queue is full, at
+    most ``attempts`` times; a ``body.model`` no worker serves is never
+    queued, and its ``unknown_model`` result goes to ``on_final`` at once.
+    Both batch runners publish through it (``jaxserve batch`` here, the
+    gateway's Batch API in ``jaxserve.gateway.batch_runner``), so a full
+    queue and an unknown model end the same way in either's output."""
+    from jaxserve.client import QueueFull, UnknownModel, retry_with_backoff
+
+    try:
+        await retry_with_backoff(
+            functools.partial(
+                client.publish,
+                cast(dict[str, Any], item.body),
+                key=item.key,
+                queue=queue,
+                expect_reply=False,
+                priority=priority,
+            ),
+            attempts=attempts,
+            max_delay=5.0,
+            retry_on=(QueueFull,),
+        )
+    except UnknownModel as exc:  # body.model names no served model: its line now, nothing queued
+        await on_final(exc.result)
+
+
 def run_batch(items: list[BatchItem], out_path: str | Path, settings: BatchSettings) -> BatchSummary:
     out_path = Path(out_path)
     summary = BatchSummary()
@@ -237,7 +278,7 @@ async def _run(
 ) -> int:
     from tqdm import tqdm
 
-    from jaxserve.client import AsyncClient, QueueFull, UnknownModel, retry_with_backoff
+    from jaxserve.client import AsyncClient
 
     pending = {item.key: item for item in publish}
     total = len(publish) + sum(len(v) for v in followers.values())
@@ -295,21 +336,7 @@ async def _run(
             if item.key not in pending:  # answered by a leftover reply already
                 window.release()
                 continue
-            try:
-                await retry_with_backoff(
-                    functools.partial(
-                        client.publish,
-                        cast(dict[str, Any], item.body),
-                        key=item.key,
-                        queue=settings.queue,
-                        expect_reply=False,
-                    ),
-                    attempts=30,
-                    max_delay=5.0,
-                    retry_on=(QueueFull,),
-                )
-            except UnknownModel as exc:  # body.model names no served model: its line now, nothing queued
-                await on_final(exc.result)
+            await publish_item(client, item, queue=settings.queue, attempts=30, on_final=on_final)
         while not all_done.is_set():
             try:
                 await asyncio.wait_for(all_done.wait(), 1.0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,8 @@ import structlog
 
 from jaxserve.batch import keys, openai_format
 from jaxserve.batch.inputs import BatchItem, InputOptions, read_items
-from jaxserve.batch.run import plan_publish, settled_custom_ids
-from jaxserve.client import AsyncClient, QueueFull, UnknownModel, retry_with_backoff
+from jaxserve.batch.run import plan_publish, publish_item, settled_custom_ids
+from jaxserve.client import AsyncClient
 from jaxserve.gateway.files import Files, new_file_id
 from jaxserve.gateway.metrics import GatewayMetrics, RecentEvents
 from jaxserve.gateway.store import GatewayStore
@@ -345,22 +344,14 @@ class BatchRunner:
             if item.key not in pending:  # answered by a reply left from before a restart
                 window.release()
                 continue
-            try:
-                await retry_with_backoff(
-                    functools.partial(
-                        client.publish,
-                        item.body or {},
-                        key=item.key,
-                        queue="batch",
-                        expect_reply=False,
-                        priority=self.record.get("_priority"),
-                    ),
-                    attempts=1_000_000,  # a full batch queue waits; the deadline or a cancel ends the wait
-                    max_delay=5.0,
-                    retry_on=(QueueFull,),
-                )
-            except UnknownModel as exc:  # body.model names no served model: its line now
-                await on_final(exc.result)
+            await publish_item(
+                client,
+                item,
+                queue="batch",
+                attempts=1_000_000,  # a full batch queue waits; the deadline or a cancel ends the wait
+                on_final=on_final,
+                priority=self.record.get("_priority"),
+            )
 
     async def _withdraw(self, client: AsyncClient, pending: dict[str, BatchItem], all_done: asyncio.Event) -> None:
         """Cancel every job still out, and give their answers a moment to come back."""
