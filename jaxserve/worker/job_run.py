@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -251,16 +252,18 @@ class JobRun(KeyJob):
                     deadline=deadline_mono,
                 )
             else:
+                # the same request from the saved tokens, and from nothing if the engine refuses them
+                add_request = functools.partial(
+                    host.add_request,
+                    self.request_id,
+                    p.prompt_ids,
+                    job.params,
+                    request_class=self.request_class,
+                    priority=job.engine_priority,
+                    deadline=deadline_mono,
+                )
                 try:
-                    await host.add_request(
-                        self.request_id,
-                        p.prompt_ids,
-                        job.params,
-                        request_class=self.request_class,
-                        priority=job.engine_priority,
-                        deadline=deadline_mono,
-                        prior=prior,
-                    )
+                    await add_request(prior=prior)
                 except RequestError as err:
                     if prior is None or err.code != "invalid_request":
                         raise
@@ -268,14 +271,7 @@ class JobRun(KeyJob):
                     log.warning("saved_tokens_refused", key=self.key, tokens=len(prior.token_ids), reason=err.message)
                     if self.progress is not None:
                         self.progress.resume(PriorOutput(()))
-                    await host.add_request(
-                        self.request_id,
-                        p.prompt_ids,
-                        job.params,
-                        request_class=self.request_class,
-                        priority=job.engine_priority,
-                        deadline=deadline_mono,
-                    )
+                    await add_request()
         except RequestError as err:
             self.holdings.forget("engine")
             if self.state is JobState.RUNNING:
