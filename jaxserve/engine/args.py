@@ -230,25 +230,11 @@ class EngineArgs:
 
         return np.dtype(model_dtype).name
 
-    def resolve_num_blocks(
-        self,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        cache_dtype,
-        max_model_len: int,
-        weight_bytes: int,
-    ) -> int:
-        """The KV cache's blocks, null block included (:meth:`size_kv_cache`)."""
-        return self.size_kv_cache(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            cache_dtype=cache_dtype,
-            max_model_len=max_model_len,
-            weight_bytes=weight_bytes,
-        ).num_blocks
+    def resolve_num_blocks(self, **sizes: Any) -> int:
+        """The KV cache's blocks, null block included: the ``num_blocks`` of
+        :meth:`size_kv_cache` for the same keyword arguments (one sizing
+        rule, so the count always matches the size it reports)."""
+        return self.size_kv_cache(**sizes).num_blocks
 
     def size_kv_cache(
         self,
