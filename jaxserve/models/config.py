@@ -31,7 +31,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 from jaxserve.models.errors import ModelLoadError
 
@@ -277,6 +277,34 @@ def required(d: Mapping[str, Any], key: str, source: str) -> Any:
     return d[key]
 
 
+def optional_int(value: Any) -> int | None:
+    """A setting that may be null (a sliding window): ``None`` stays ``None``."""
+    return None if value is None else int(value)
+
+
+def optional_float(value: Any) -> float | None:
+    """A setting that may be null (a soft-cap): ``None`` stays ``None``."""
+    return None if value is None else float(value)
+
+
+class AttentionBiases(TypedDict):
+    """:class:`ModelConfig`'s attention bias fields, to unpack into ``dataclasses.replace``."""
+
+    qkv_bias: bool
+    o_bias: bool
+
+
+def attention_biases(d: Mapping[str, Any], default: bool = False) -> AttentionBiases:
+    """``qkv_bias`` and ``o_bias`` from ``attention_bias``, which switches
+    the q, k, v and o biases together in every family that has the key
+    (transformers' default is ``False``, gpt-oss's ``True``). The families
+    pass it to ``dataclasses.replace``; :func:`read_base` leaves it out
+    because the families without the key (Mistral, Phi-3) ignore it and
+    Qwen2 has q/k/v biases only."""
+    bias = bool(d.get("attention_bias", default))
+    return AttentionBiases(qkv_bias=bias, o_bias=bias)
+
+
 def read_base(d: Mapping[str, Any], architecture: str, source: str, *, family: str) -> ModelConfig:
     """The Llama-shaped fields every family has (sizes, heads, rope, eos,
     dtype, ``hidden_act``), no biases and no window: the family module sets
@@ -471,12 +499,16 @@ def read_layer_types(d: Mapping[str, Any], source: str, default: list[str] | Non
 
 
 __all__ = [
+    "AttentionBiases",
     "MoEConfig",
     "ModelConfig",
     "NORM_PLACES",
     "RopeConfig",
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_ROPE_TYPES",
+    "attention_biases",
+    "optional_float",
+    "optional_int",
     "read_activation",
     "read_base",
     "read_json_config",

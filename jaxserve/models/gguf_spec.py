@@ -9,7 +9,9 @@ back: which architecture names it claims, its per-layer tensor names
 Q/K rows for llama.cpp's interleaved rope, whether it shifted the norm
 weights (Gemma's +1), and how to write the ``config.json`` the rest of
 jaxserve reads from the metadata (:class:`GGUFMetadata` and
-:func:`base_config` do the keys every family shares).
+:func:`base_config` do the keys every family shares; :func:`bias_keys`,
+:func:`expert_keys` and :func:`plain_config` the ones several share, so a
+family's ``config`` holds only what is its own).
 """
 
 from __future__ import annotations
@@ -108,10 +110,14 @@ def short_float(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def base_config(meta: GGUFMetadata, architecture: str) -> dict[str, Any]:
+def base_config(meta: GGUFMetadata, architecture: str, *, partial_rotary: bool = False) -> dict[str, Any]:
     """The ``config.json`` keys every family has, from the metadata llama.cpp
     writes for all of them (sizes, heads, norm epsilon, rope base and linear
-    scaling, context, vocabulary, tied embeddings, bos/eos)."""
+    scaling, context, vocabulary, tied embeddings, bos/eos).
+
+    A file whose rope turns only part of each head is refused
+    (:func:`full_rotary`) unless the family reads ``rope.dimension_count``
+    itself (``partial_rotary``: Phi-3)."""
     path = meta.path
     hidden = int(meta.key("embedding_length"))
     heads = int(meta.key("attention.head_count"))
@@ -153,7 +159,40 @@ def base_config(meta: GGUFMetadata, architecture: str) -> dict[str, Any]:
         value = meta.metadata.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[field] = int(value)
+    if not partial_rotary:
+        full_rotary(meta, head_dim)
     return config
+
+
+def plain_config(architecture: str) -> Callable[[GGUFMetadata], dict[str, Any]]:
+    """A :attr:`GGUFSpec.config` for a family whose files hold nothing
+    beyond :func:`base_config`'s keys (Qwen2, Qwen3)."""
+
+    def config(meta: GGUFMetadata) -> dict[str, Any]:
+        return base_config(meta, architecture)
+
+    return config
+
+
+def bias_keys(meta: GGUFMetadata, *, mlp: bool) -> dict[str, bool]:
+    """``attention_bias`` (with ``mlp`` also ``mlp_bias``) as the file's
+    tensors say: llama.cpp stores no flag, it writes the biases or not, so
+    layer 0's ``attn_q.bias`` (``ffn_gate.bias``) stands for every layer."""
+    keys = {"attention_bias": meta.has_tensor("blk.0.attn_q.bias")}
+    if mlp:
+        keys["mlp_bias"] = meta.has_tensor("blk.0.ffn_gate.bias")
+    return keys
+
+
+def expert_keys(meta: GGUFMetadata, *, count_key: str = "num_local_experts") -> dict[str, int]:
+    """The expert count (under ``count_key``, the name the family's
+    ``config.json`` gives it: Mixtral's and gpt-oss's ``num_local_experts``,
+    Qwen3-MoE's ``num_experts``) and the experts per token, which llama.cpp
+    writes alike for every mixture-of-experts family."""
+    return {
+        count_key: int(meta.key("expert_count")),
+        "num_experts_per_tok": int(meta.key("expert_used_count")),
+    }
 
 
 def yarn_scaling(meta: GGUFMetadata) -> dict[str, Any]:
@@ -232,7 +271,10 @@ __all__ = [
     "LLAMA_LAYER_NAMES",
     "QK_NORM_NAMES",
     "base_config",
+    "bias_keys",
+    "expert_keys",
     "full_rotary",
+    "plain_config",
     "short_float",
     "yarn_scaling",
 ]

@@ -40,7 +40,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.config import NORM_PLACES, ModelConfig, read_activation, read_base, read_layer_types
+from jaxserve.models.config import (
+    NORM_PLACES,
+    ModelConfig,
+    attention_biases,
+    optional_float,
+    optional_int,
+    read_activation,
+    read_base,
+    read_layer_types,
+)
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import (
@@ -48,7 +57,6 @@ from jaxserve.models.gguf_spec import (
     GGUFMetadata,
     GGUFSpec,
     base_config,
-    full_rotary,
     short_float,
 )
 from jaxserve.models.weights import ModelWeights, Params, llama_layer, top_params, whole
@@ -103,10 +111,6 @@ def causal_only(d: Mapping[str, Any], source: str) -> None:
         raise ModelLoadError(f"{source}: use_bidirectional_attention is set; jaxserve serves causal language models")
 
 
-def optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def gemma_config(d: Mapping[str, Any], architecture: str, source: str, *, family: str) -> ModelConfig:
     """What Gemma 2 and 3 read alike: the Llama fields, the four offset norms,
     the embedding scale, the attention scale, biases, the final soft-cap.
@@ -114,14 +118,12 @@ def gemma_config(d: Mapping[str, Any], architecture: str, source: str, *, family
     causal_only(d, source)
     read_activation(d, source, "hidden_activation")  # refused under the name the config uses
     c = read_base(d, architecture, source, family=family)
-    bias = bool(d.get("attention_bias"))
     scalar = d.get("query_pre_attn_scalar")
     if scalar is None or float(scalar) <= 0:
         raise ModelLoadError(f"{source}: query_pre_attn_scalar must be a positive number, got {scalar!r}")
     return dataclasses.replace(
         c,
-        qkv_bias=bias,
-        o_bias=bias,
+        **attention_biases(d),
         norms=NORM_PLACES,
         norm_weight_offset=1.0,
         # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the weight dtype
@@ -136,10 +138,9 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = gemma_config(d, ARCHITECTURE, source, family="gemma2")
     n = c.num_hidden_layers
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    window = d.get("sliding_window")
     return dataclasses.replace(
         c,
-        sliding_window=None if window is None else int(window),
+        sliding_window=optional_int(d.get("sliding_window")),
         layer_types=read_layer_types(d, source, default),
         attn_logit_softcap=optional_float(d.get("attn_logit_softcapping")),
     )
@@ -191,7 +192,6 @@ def gguf_layer_types(meta: GGUFMetadata, every: int) -> list[str]:
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
     config.pop("hidden_act")
     local_base = meta.get("rope.freq_base_swa")
     if local_base is not None and short_float(local_base) != config["rope_theta"]:

@@ -42,7 +42,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, RopeConfig, read_layer_types, read_rope
+from jaxserve.models.config import ModelConfig, RopeConfig, optional_int, read_layer_types, read_rope
 from jaxserve.models.families.gemma2 import (
     GEMMA_LAYER_NAMES,
     gemma_config,
@@ -52,7 +52,7 @@ from jaxserve.models.families.gemma2 import (
     with_defaults,
 )
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import QK_NORM_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary, short_float
+from jaxserve.models.gguf_spec import QK_NORM_NAMES, GGUFMetadata, GGUFSpec, base_config, short_float
 from jaxserve.models.weights import ModelWeights, qk_norms, top_params
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -121,11 +121,10 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = gemma_config(text, architecture, source, family="gemma3")
     n, period = c.num_hidden_layers, int(text["sliding_window_pattern"])
     default = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
-    window = text.get("sliding_window")
     return dataclasses.replace(
         c,
         qk_norm="head",
-        sliding_window=None if window is None else int(window),
+        sliding_window=optional_int(text.get("sliding_window")),
         layer_types=read_layer_types(text, source, default),
         rope=read_rope(text, source, layer_type="full_attention"),
         local_rope=local_rope(text, source),
@@ -144,7 +143,6 @@ def weights(c: ModelConfig) -> ModelWeights:
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
     config.pop("hidden_act")
     n = config["num_hidden_layers"]
     window = meta.get("attention.sliding_window")

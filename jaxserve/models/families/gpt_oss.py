@@ -37,7 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.models.config import ModelConfig, MoEConfig, read_base, read_layer_types, required
+from jaxserve.models.config import (
+    ModelConfig,
+    MoEConfig,
+    attention_biases,
+    optional_int,
+    read_base,
+    read_layer_types,
+    required,
+)
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import (
@@ -46,7 +54,8 @@ from jaxserve.models.gguf_spec import (
     GGUFSpec,
     JoinedTensor,
     base_config,
-    full_rotary,
+    bias_keys,
+    expert_keys,
 )
 from jaxserve.models.weights import ModelWeights, Part, llama_layer, top_params, whole
 
@@ -71,7 +80,6 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
         )
     c = read_base(d, ARCHITECTURE, source, family="gpt_oss")
     n = c.num_hidden_layers
-    bias = bool(d.get("attention_bias", True))
     window = d.get("sliding_window", DEFAULT_WINDOW)
     top_k = d.get("num_experts_per_tok", d.get("experts_per_token"))
     if top_k is None:
@@ -89,10 +97,9 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     )
     return dataclasses.replace(
         c,
-        qkv_bias=bias,
-        o_bias=bias,
+        **attention_biases(d, default=True),
         attention_sinks=True,
-        sliding_window=None if window is None else int(window),
+        sliding_window=optional_int(window),
         layer_types=read_layer_types(d, source, default_layer_types(n)),
         moe=moe,
     )
@@ -133,13 +140,10 @@ def weights(c: ModelConfig) -> ModelWeights:
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
-    n = config["num_hidden_layers"]
-    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
+    config.update(bias_keys(meta, mlp=False))
     config["sliding_window"] = int(meta.key("attention.sliding_window"))
-    config["layer_types"] = default_layer_types(n)
-    config["num_local_experts"] = int(meta.key("expert_count"))
-    config["num_experts_per_tok"] = int(meta.key("expert_used_count"))
+    config["layer_types"] = default_layer_types(config["num_hidden_layers"])
+    config.update(expert_keys(meta))
     config["intermediate_size"] = int(meta.key("expert_feed_forward_length", config["intermediate_size"]))
     if config["rope_scaling"] is not None and config["rope_scaling"]["rope_type"] == "yarn":
         config["rope_scaling"]["truncate"] = False

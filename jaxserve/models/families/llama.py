@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.config import ModelConfig, attention_biases, read_base
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, bias_keys
 from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -22,17 +22,14 @@ ARCHITECTURE = "LlamaForCausalLM"
 
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base(d, ARCHITECTURE, source, family="llama")
-    bias = bool(d.get("attention_bias", False))
-    return dataclasses.replace(c, qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+    return dataclasses.replace(c, **attention_biases(d), mlp_bias=bool(d.get("mlp_bias", False)))
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
     if meta.has_tensor("rope_freqs.weight"):  # Llama 3.1's scaling, as llama.cpp stores it
         config["rope_freq_factors"] = [float(f) for f in meta.tensor("rope_freqs.weight").reshape(-1)]
-    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
-    config["mlp_bias"] = meta.has_tensor("blk.0.ffn_gate.bias")
+    config.update(bias_keys(meta, mlp=True))
     return config
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.config import ModelConfig, optional_int, read_base
 from jaxserve.models.family import Family
 from jaxserve.models.weights import llama_weights
 
@@ -21,8 +21,7 @@ ARCHITECTURE = "MistralForCausalLM"
 
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base(d, ARCHITECTURE, source, family="mistral")
-    window = d.get("sliding_window")
-    return dataclasses.replace(c, sliding_window=None if window is None else int(window))
+    return dataclasses.replace(c, sliding_window=optional_int(d.get("sliding_window")))
 
 
 FAMILY = Family(

@@ -20,9 +20,9 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, MoEConfig, read_base, required
+from jaxserve.models.config import ModelConfig, MoEConfig, optional_int, read_base, required
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, expert_keys
 from jaxserve.models.weights import ModelWeights, llama_layer, per_expert_moe, top_params
 
 ARCHITECTURE = "MixtralForCausalLM"
@@ -31,7 +31,6 @@ _MOE = "block_sparse_moe."
 
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base(d, ARCHITECTURE, source, family="mixtral")
-    window = d.get("sliding_window")
     moe = MoEConfig(
         num_experts=int(required(d, "num_local_experts", source)),
         top_k=int(required(d, "num_experts_per_tok", source)),
@@ -39,7 +38,7 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
         router="softmax_topk",
         normalize_topk=True,
     )
-    return dataclasses.replace(c, sliding_window=None if window is None else int(window), moe=moe)
+    return dataclasses.replace(c, sliding_window=optional_int(d.get("sliding_window")), moe=moe)
 
 
 def weights(c: ModelConfig) -> ModelWeights:
@@ -53,11 +52,7 @@ def weights(c: ModelConfig) -> ModelWeights:
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
-    config["num_local_experts"] = int(meta.key("expert_count"))
-    config["num_experts_per_tok"] = int(meta.key("expert_used_count"))
-    return config
+    return {**base_config(meta, ARCHITECTURE), **expert_keys(meta)}
 
 
 def _has_experts(tensor_names: Collection[str]) -> bool:

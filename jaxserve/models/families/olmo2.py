@@ -19,16 +19,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.config import ModelConfig, attention_biases, read_base
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import (
-    LLAMA_LAYER_NAMES,
-    QK_NORM_NAMES,
-    GGUFMetadata,
-    GGUFSpec,
-    base_config,
-    full_rotary,
-)
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, QK_NORM_NAMES, GGUFMetadata, GGUFSpec, base_config, bias_keys
 from jaxserve.models.weights import ModelWeights, llama_layer, qk_norms, top_params, whole
 
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -38,8 +31,7 @@ DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
 
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base({**DEFAULTS, **d}, ARCHITECTURE, source, family="olmo2")
-    bias = bool(d.get("attention_bias", False))
-    return dataclasses.replace(c, qkv_bias=bias, o_bias=bias, norms=("attn_out", "ffn_out"), qk_norm="full")
+    return dataclasses.replace(c, **attention_biases(d), norms=("attn_out", "ffn_out"), qk_norm="full")
 
 
 def weights(c: ModelConfig) -> ModelWeights:
@@ -70,10 +62,7 @@ GGUF_LAYER_NAMES: dict[str, str] = {
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
-    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
-    return config
+    return {**base_config(meta, ARCHITECTURE), **bias_keys(meta, mlp=False)}
 
 
 FAMILY = Family(

@@ -53,7 +53,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base, rope_parameters
+from jaxserve.models.config import ModelConfig, optional_int, read_base, rope_parameters
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import GGUFMetadata, GGUFSpec, base_config, short_float
@@ -108,8 +108,7 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
             f"{source}: rope short_factor and long_factor need {(rotary or c.head_dim) // 2} entries "
             f"(half the rotated features), got {len(c.rope.short_factor)}"
         )
-    window = d.get("sliding_window")
-    return dataclasses.replace(c, rotary_dim=rotary, sliding_window=None if window is None else int(window))
+    return dataclasses.replace(c, rotary_dim=rotary, sliding_window=optional_int(d.get("sliding_window")))
 
 
 def weights(c: ModelConfig) -> ModelWeights:
@@ -143,7 +142,7 @@ GGUF_LAYER_NAMES: dict[str, str] = {
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    config = base_config(meta, ARCHITECTURE)
+    config = base_config(meta, ARCHITECTURE, partial_rotary=True)
     head_dim = config["head_dim"]
     rotary = int(meta.get("rope.dimension_count") or head_dim)
     if rotary != head_dim:

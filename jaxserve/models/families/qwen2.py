@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxserve.models.config import ModelConfig, read_base, read_layer_types
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec, plain_config
 from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "Qwen2ForCausalLM"
@@ -39,18 +39,12 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     return dataclasses.replace(c, qkv_bias=True, sliding_window=window, layer_types=layer_types)
 
 
-def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
-    return config
-
-
 FAMILY = Family(
     name="qwen2",
     architectures=(ARCHITECTURE,),
     model_types=("qwen2",),
     read_config=read_config,
     weights=llama_weights,
-    gguf=GGUFSpec(architectures=("qwen2",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config),
+    gguf=GGUFSpec(architectures=("qwen2",), layer_names=LLAMA_LAYER_NAMES, config=plain_config(ARCHITECTURE)),
     end_of_turn=("<|im_end|>",),
 )

@@ -12,17 +12,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base
+from jaxserve.models.config import ModelConfig, attention_biases, read_base
 from jaxserve.models.families.qwen2 import sliding_layers
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import (
-    LLAMA_LAYER_NAMES,
-    QK_NORM_NAMES,
-    GGUFMetadata,
-    GGUFSpec,
-    base_config,
-    full_rotary,
-)
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, QK_NORM_NAMES, GGUFSpec, plain_config
 from jaxserve.models.weights import ModelWeights, llama_layer, qk_norms, top_params
 
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -31,10 +24,7 @@ ARCHITECTURE = "Qwen3ForCausalLM"
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base(d, ARCHITECTURE, source, family="qwen3")
     window, layer_types = sliding_layers(d, source)
-    bias = bool(d.get("attention_bias", False))
-    return dataclasses.replace(
-        c, qkv_bias=bias, o_bias=bias, qk_norm="head", sliding_window=window, layer_types=layer_types
-    )
+    return dataclasses.replace(c, **attention_biases(d), qk_norm="head", sliding_window=window, layer_types=layer_types)
 
 
 def weights(c: ModelConfig) -> ModelWeights:
@@ -46,18 +36,14 @@ def weights(c: ModelConfig) -> ModelWeights:
     return ModelWeights(top_params(c), layers)
 
 
-def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
-    config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
-    return config
-
-
 FAMILY = Family(
     name="qwen3",
     architectures=(ARCHITECTURE,),
     model_types=("qwen3",),
     read_config=read_config,
     weights=weights,
-    gguf=GGUFSpec(architectures=("qwen3",), layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}, config=gguf_config),
+    gguf=GGUFSpec(
+        architectures=("qwen3",), layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}, config=plain_config(ARCHITECTURE)
+    ),
     end_of_turn=("<|im_end|>",),
 )

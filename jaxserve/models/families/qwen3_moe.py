@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, MoEConfig, read_base, required
+from jaxserve.models.config import ModelConfig, MoEConfig, attention_biases, optional_int, read_base, required
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import (
     LLAMA_LAYER_NAMES,
@@ -31,7 +31,7 @@ from jaxserve.models.gguf_spec import (
     GGUFMetadata,
     GGUFSpec,
     base_config,
-    full_rotary,
+    expert_keys,
 )
 from jaxserve.models.weights import ModelWeights, llama_layer, per_expert_moe, qk_norms, top_params
 
@@ -48,11 +48,8 @@ def moe_layers(d: Mapping[str, Any], num_experts: int, source: str) -> tuple[boo
 
 def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     c = read_base(d, ARCHITECTURE, source, family="qwen3_moe")
-    bias = bool(d.get("attention_bias", False))
     window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
-    c = dataclasses.replace(
-        c, qkv_bias=bias, o_bias=bias, qk_norm="head", sliding_window=None if window is None else int(window)
-    )
+    c = dataclasses.replace(c, **attention_biases(d), qk_norm="head", sliding_window=optional_int(window))
     num_experts = d.get("num_experts", d.get("num_local_experts"))
     num_experts = int(num_experts) if num_experts is not None else 0
     layers = moe_layers(d, num_experts, source)
@@ -92,10 +89,8 @@ def weights(c: ModelConfig) -> ModelWeights:
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
     n = config["num_hidden_layers"]
-    config["num_experts"] = int(meta.key("expert_count"))
-    config["num_experts_per_tok"] = int(meta.key("expert_used_count"))
+    config.update(expert_keys(meta, count_key="num_experts"))
     config["moe_intermediate_size"] = int(meta.key("expert_feed_forward_length"))
     config["norm_topk_prob"] = bool(meta.get("expert_weights_norm", True))
     config["mlp_only_layers"] = [i for i in range(n) if not meta.has_tensor(f"blk.{i}.ffn_gate_inp.weight")]

@@ -23,10 +23,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxserve.models.config import ModelConfig, read_base, read_layer_types, read_rope
+from jaxserve.models.config import ModelConfig, attention_biases, optional_int, read_base, read_layer_types, read_rope
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
-from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, full_rotary
+from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, bias_keys
 from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "SmolLM3ForCausalLM"
@@ -64,24 +64,20 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     else:
         default = ["full_attention" if r else "sliding_attention" for r in rope]
         layer_types = read_layer_types(d, source, default)
-    bias = bool(d.get("attention_bias", False))
     return dataclasses.replace(
         c,
-        qkv_bias=bias,
-        o_bias=bias,
+        **attention_biases(d),
         mlp_bias=bool(d.get("mlp_bias", False)),
         rope_layers=() if all(rope) else rope,
-        sliding_window=None if window is None else int(window),
+        sliding_window=optional_int(window),
         layer_types=layer_types,
     )
 
 
 def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     config = base_config(meta, ARCHITECTURE)
-    full_rotary(meta, config["head_dim"])
     config["no_rope_layer_interval"] = GGUF_NO_ROPE_INTERVAL
-    config["attention_bias"] = meta.has_tensor("blk.0.attn_q.bias")
-    config["mlp_bias"] = meta.has_tensor("blk.0.ffn_gate.bias")
+    config.update(bias_keys(meta, mlp=True))
     return config
 
 
