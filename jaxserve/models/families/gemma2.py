@@ -63,9 +63,9 @@ from jaxserve.models.weights import ModelWeights, Params, llama_layer, top_param
 
 ARCHITECTURE = "Gemma2ForCausalLM"
 
-#: transformers' ``Gemma2Config`` defaults, for keys a ``config.json`` leaves out
-DEFAULTS: dict[str, Any] = {
-    "vocab_size": 256000,
+#: the defaults transformers' ``Gemma2Config`` and ``Gemma3TextConfig`` share
+#: (the 2B models' sizes), for keys a ``config.json`` leaves out
+GEMMA_DEFAULTS: dict[str, Any] = {
     "hidden_size": 2304,
     "intermediate_size": 9216,
     "num_hidden_layers": 26,
@@ -73,15 +73,21 @@ DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 4,
     "head_dim": 256,
     "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-6,
     "bos_token_id": 2,
     "eos_token_id": 1,
     "tie_word_embeddings": True,
-    "rope_theta": 10000.0,
     "attention_bias": False,
     "query_pre_attn_scalar": 256,
     "sliding_window": 4096,
+}
+
+#: transformers' ``Gemma2Config`` defaults, for keys a ``config.json`` leaves out
+DEFAULTS: dict[str, Any] = {
+    **GEMMA_DEFAULTS,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
     "final_logit_softcapping": 30.0,
     "attn_logit_softcapping": 50.0,
 }

@@ -44,6 +44,7 @@ from typing import Any
 
 from jaxserve.models.config import ModelConfig, RopeConfig, optional_int, read_layer_types, read_rope
 from jaxserve.models.families.gemma2 import (
+    GEMMA_DEFAULTS,
     GEMMA_LAYER_NAMES,
     gemma_config,
     gemma_layer,
@@ -63,22 +64,9 @@ MULTIMODAL_PREFIX = "model.language_model."
 
 #: transformers' ``Gemma3TextConfig`` defaults, for keys a ``config.json`` leaves out
 DEFAULTS: dict[str, Any] = {
+    **GEMMA_DEFAULTS,
     "vocab_size": 262208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
     "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": 2,
-    "eos_token_id": 1,
-    "tie_word_embeddings": True,
-    "attention_bias": False,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
     "sliding_window_pattern": 6,
     "final_logit_softcapping": None,
     "rope_theta": 1_000_000.0,
