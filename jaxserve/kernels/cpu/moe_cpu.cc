@@ -74,9 +74,10 @@
 // at 64 tokens a group and 126 GOP/s at 4 (8 experts' gate/up); splitting
 // each block's 8 vpdpbusd into two chains measured no faster.
 //
-// Compile-time dispatch as qmatmul_cpu.cc: the intrinsic tiles need AVX-512
-// VNNI and BW; other targets build portable loops with the same integer
-// dots and per-(row, token) sums.
+// Compile-time dispatch as qmatmul_cpu.cc (quant_blocks.h, which also holds
+// the block quantization both use): the intrinsic tiles need AVX-512 VNNI
+// and BW; other targets build portable loops with the same integer dots and
+// per-(row, token) sums.
 
 #include <algorithm>
 #include <atomic>
@@ -86,49 +87,22 @@
 #include <memory>
 #include <vector>
 
+#include "quant_blocks.h"  // defines JAXSERVE_QUANT_VNNI where the intrinsic tiles build
 #include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(JAXSERVE_QUANT_PORTABLE)
-#define JAXSERVE_MOE_VNNI 1
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kGroup = 32;
+using namespace jaxserve_cpu::quant;  // kGroup, the kinds, HalfToFloat, QuantizeBlock, ...
+
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kUpRowsPerItem = 64;     // step 1: intermediate rows per item (whole blocks)
 constexpr int64_t kDownRowsPerItem = 128;  // step 2: output rows per item
 constexpr int64_t kCombineRowsPerItem = 256;
-enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF32 = 3 };
+constexpr int32_t kF32 = 3;  // a float32 stack's kind; the quantized ones are quant_blocks.h's
 enum Activation : int32_t { kSilu = 0, kSwigluOss = 1 };
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3FFu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // One expert stack: X matrices [O, K].
 struct Stack {
@@ -180,40 +154,14 @@ struct InputsBuffers {
 };
 
 // Quantizes one row of K floats into row `r` of `in` (as
-// quant.quantize_activations: d = amax * f32(1/127), xq = round-half-even(x *
-// (1 / d)); the volatiles keep -ffast-math from rewriting either rounding).
+// quant.quantize_activations and qmatmul_cpu.cc: quant_blocks.h's QuantizeBlock).
 void QuantizeRow(const float* x, int64_t r, int32_t kind, Inputs& in, int64_t b0 = 0, int64_t b1 = -1) {
   const int64_t K = in.K, G = in.G;
   if (b1 < 0) b1 = G;
-  const int32_t per_block = kind == kQ8_0 ? 128 : (kind == kQ4_0 ? 8 : 0);
+  const int32_t per_block = WeightOffset(kind);
   for (int64_t b = b0; b < b1; ++b) {
-    const float* v = x + b * kGroup;
-    int8_t* q = in.xq + r * K + b * kGroup;
-    int32_t sum = 0;
-#if defined(JAXSERVE_MOE_VNNI)
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-    volatile float d_kept = amax * (1.0f / 127.0f);
-    const float d = d_kept;
-    volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
-    const __m512 inv = _mm512_set1_ps(inv_kept);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
-    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#else
-    float amax = 0.0f;
-    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(v[k]));
-    volatile float d_kept = amax * (1.0f / 127.0f);
-    const float d = d_kept;
-    volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
-    const float inv = inv_kept;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inv));
-      sum += q[k];
-    }
-#endif
+    int32_t sum;
+    const float d = QuantizeBlock(x + b * kGroup, in.xq + r * K + b * kGroup, &sum);
     in.dx[r * G + b] = d;
     in.start[r * G + b] = -per_block * sum;
     in.dxs[r * G + b] = d * static_cast<float>(sum);
@@ -275,7 +223,7 @@ void PortableTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const In
   }
 }
 
-#if defined(JAXSERVE_MOE_VNNI)
+#if defined(JAXSERVE_QUANT_VNNI)
 // ------------------------------------------------------------------ AVX-512
 
 // v[j] (16 dwords, one row each) -> v[j] holding dword j of every row, row r in lane r.
@@ -310,12 +258,8 @@ inline __m512i LoadChunk(const uint8_t* row, int64_t c, bool two) {
     const __m512i w = two ? _mm512_loadu_si512(row + c * 64) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + c * 64);
     return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m256i p = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32))
-                          : _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32);
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(p, mask), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo b0, lo b1, hi b0, hi b1
-    return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));                 // lo b0, hi b0, lo b1, hi b1
+    return UnpackNibbles(two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32))
+                             : _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32));
   }
 }
 
@@ -416,12 +360,12 @@ void FloatTile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Input
     }
   }
 }
-#endif  // JAXSERVE_MOE_VNNI
+#endif  // JAXSERVE_QUANT_VNNI
 
 // acc [n, 16]: rows o0 .. o0 + nrows - 1 of expert e against inputs rows[0..n).
 void Tile(const Stack& w, int64_t e, int64_t o0, int64_t nrows, const Inputs& in, const int32_t* rows, int64_t n,
           float* acc, const uint8_t* next) {
-#if defined(JAXSERVE_MOE_VNNI)
+#if defined(JAXSERVE_QUANT_VNNI)
   switch (w.kind) {
     case kQ8_0: return QuantTile<kQ8_0>(w, e, o0, nrows, in, rows, n, acc, next);
     case kQ4_0: return QuantTile<kQ4_0>(w, e, o0, nrows, in, rows, n, acc, next);

@@ -57,10 +57,12 @@
 // q + 128 with one xor, and the accumulator starts at -128 * sum(xq) per
 // block to undo it).
 //
-// Compile-time dispatch: the intrinsic loops need AVX-512 VNNI and BW (this
-// library is built with -march=native on the machine that runs it); any
-// other target, AVX2-only EPYCs among them, builds the portable loops below,
-// the same integers and formula in plain C++ for the compiler to vectorise.
+// Compile-time dispatch (JAXSERVE_QUANT_VNNI, from quant_blocks.h, which
+// also holds the block arithmetic shared with moe_cpu.cc): the intrinsic
+// loops need AVX-512 VNNI and BW (this library is built with -march=native
+// on the machine that runs it); any other target, AVX2-only EPYCs among
+// them, builds the portable loops below, the same integers and formula in
+// plain C++ for the compiler to vectorise.
 // tests/test_quant_kernels.py checks both builds against a numpy reference.
 
 #include <algorithm>
@@ -71,48 +73,20 @@
 #include <memory>
 #include <vector>
 
+#include "quant_blocks.h"  // defines JAXSERVE_QUANT_VNNI where the intrinsic loops build
 #include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(JAXSERVE_QUANT_PORTABLE)
-#define JAXSERVE_QUANT_VNNI 1
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kGroup = 32;
+using namespace jaxserve_cpu::quant;  // kGroup, the kinds, HalfToFloat, QuantizeBlock, ...
+
 // Decode: the weight rows this far below a tile are prefetched into L2 as
 // the tile reads its own (matvec_cpu.cc's kAheadRows, for the same reason).
 constexpr int64_t kDecodeAheadRows = 16;
 constexpr int64_t kDecodeMaxTokens = 8;  // above: the prefill loop (benchmarks/quant_kernel_ab.py)
-enum Kind : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while ((mant & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3FFu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | mant << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // The activations of one call, quantized (see the header comment).
 struct Activations {
@@ -131,29 +105,17 @@ std::vector<float> TokenMajor(const float* x, int64_t I, int64_t T) {
   return out;
 }
 
-// The decode layout's quantization with AVX-512, the same arithmetic as the
-// scalar loop below (one multiply for d, one IEEE division for 1 / d, the
-// product rounded half to even by the conversion), so the two give the
-// same integers (tests/test_quant_kernels.py): one token's 32 features a
-// block, read from x directly at T = 1, from a token-major copy above.
+// The decode layout's quantization with AVX-512 (quant_blocks.h's
+// QuantizeBlock: the same integers as the scalar loop below,
+// tests/test_quant_kernels.py): one token's 32 features a block, read from
+// x directly at T = 1, from a token-major copy above.
 void QuantizeDecodeVnni(const float* x, int64_t I, int64_t T, Activations& a) {
   const int64_t G = a.G;
   const std::vector<float> tm = T > 1 ? TokenMajor(x, I, T) : std::vector<float>();
-  const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = T > 1 ? tm.data() + t * I : x;
     for (int64_t b = 0; b < G; ++b) {
-      const __m512 v0 = _mm512_loadu_ps(xt + b * kGroup), v1 = _mm512_loadu_ps(xt + b * kGroup + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-      volatile float d_kept = amax * (1.0f / 127.0f);
-      const float d = d_kept;
-      volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
-      const __m512 inv = _mm512_set1_ps(inv_kept);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + t * I + b * kGroup), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + t * I + b * kGroup + 16), _mm512_cvtsepi32_epi8(q1));
-      a.dx[t * G + b] = d;
-      a.sx[t * G + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      a.dx[t * G + b] = QuantizeBlock(xt + b * kGroup, a.xq.data() + t * I + b * kGroup, &a.sx[t * G + b]);
     }
   }
 }
@@ -214,30 +176,18 @@ void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Act
   return QuantizePrefillVnni(x, I, T, a);
 #endif
   float v[kGroup];
+  int8_t q[kGroup];
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t b = 0; b < G; ++b) {
-      float amax = 0.0f;
+      for (int64_t k = 0; k < kGroup; ++k) v[k] = x[(b * kGroup + k) * T + t];
+      int32_t sum;
+      const float d = QuantizeBlock(v, q, &sum);  // each rounding as the Python side's (quant_blocks.h)
       for (int64_t k = 0; k < kGroup; ++k) {
-        v[k] = x[(b * kGroup + k) * T + t];
-        amax = std::max(amax, std::fabs(v[k]));
-      }
-      // d = amax * float(1/127), inv = 1 / d, x * inv: each rounded as the
-      // Python side rounds it. The volatiles keep -ffast-math from folding
-      // them into 127 / amax or x / d, which round differently and move
-      // ties (x.5) of xq by one.
-      volatile float d_kept = amax * (1.0f / 127.0f);
-      const float d = d_kept;
-      volatile float inv_kept = d > 0.0f ? 1.0f / d : 0.0f;
-      const float inv = inv_kept;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int8_t q = static_cast<int8_t>(std::nearbyint(v[k] * inv));
-        sum += q;
         const int64_t f = b * kGroup + k;
         if (prefill)
-          a.xq[(f / 4 * Tp + t) * 4 + f % 4] = q;
+          a.xq[(f / 4 * Tp + t) * 4 + f % 4] = q[k];
         else
-          a.xq[t * I + f] = q;
+          a.xq[t * I + f] = q[k];
       }
       const int64_t at = prefill ? b * Tp + t : t * G + b;
       a.dx[at] = d;
@@ -326,7 +276,7 @@ void BuildDecodeVectors(int32_t kind, const Activations& a, DecodeTokenVectors& 
   v.dxs.assign(static_cast<size_t>(T * chunks * 16), 0.0f);
   // q8_0 flips weights to q + 128 (subtract 128 * sum / 8 lanes = 16 * sum
   // a lane); q4_0 subtracts 8 * sum (sum a lane)
-  const int32_t per_lane = kind == kQ8_0 ? 16 : (kind == kQ4_0 ? 1 : 0);
+  const int32_t per_lane = WeightOffset(kind) / 8;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t b = 0; b < G; ++b) {
       const int64_t base = (t * chunks + b / 2) * 16 + (b % 2) * 8;
@@ -347,12 +297,8 @@ inline __m512i LoadWeights(const uint8_t* row, int64_t c, bool half) {
     const __m512i w = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + c * 64) : _mm512_loadu_si512(row + c * 64);
     return half ? _mm512_maskz_xor_epi32(0x00FF, w, flip) : _mm512_xor_si512(w, flip);
   } else {
-    const __m256i packed = half ? _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(packed, mask), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-    // [lo b0 | lo b1 | hi b0 | hi b1] (16 bytes each) -> [lo b0 | hi b0 | lo b1 | hi b1]
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
+    return UnpackNibbles(half ? _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32)
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)));
   }
 }
 
@@ -411,7 +357,7 @@ void DecodeRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, c
 // Per block and token: the int32 start (-128 * sum for q8_0, -8 * sum for
 // q4_0, 0 for q4_1), for the prefill loop's token-lane vectors.
 void BuildPrefillStarts(int32_t kind, const Activations& a, std::vector<int32_t>& start, std::vector<float>& dxs) {
-  const int32_t per_block = kind == kQ8_0 ? 128 : (kind == kQ4_0 ? 8 : 0);
+  const int32_t per_block = WeightOffset(kind);
   start.resize(a.sx.size());
   dxs.resize(a.sx.size());
   for (size_t i = 0; i < a.sx.size(); ++i) {
