@@ -586,12 +586,75 @@ ffi::Error CheckCaches(const Shapes& s, ffi::Buffer<T>& k_cache, ffi::Buffer<T>&
   return ffi::Error::Success();
 }
 
-template <typename KV, ffi::DataType T>
-std::shared_ptr<Job<KV>> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache,
-                                ffi::Buffer<T>& v_cache, ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq,
-                                ffi::Buffer<ffi::S32>& limit, ffi::Buffer<ffi::S32>& lower,
-                                ffi::Buffer<ffi::F32>& sinks, float softcap, ffi::ResultBuffer<ffi::F32>& out) {
+// An int8 cache's scales: [NB, KVH, BS] each, as the caches' blocks.
+ffi::Error CheckScales(const Shapes& s, ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale) {
+  const auto kd = k_scale.dimensions(), vd = v_scale.dimensions();
+  if (kd.size() != 3 || vd.size() != 3 || kd[0] != s.NB || kd[1] != s.KVH || kd[2] != s.BS || vd[0] != s.NB ||
+      vd[1] != s.KVH || vd[2] != s.BS) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: int8 cache scales must be [NB, KVH, BS]");
+  }
+  return ffi::Error::Success();
+}
+
+// The shapes of token-major queries q [T, KVH, G, D] (already rotated and
+// scaled) and of the caches and block tables they attend over.
+template <ffi::DataType T>
+ffi::Error TokenMajorShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache, ffi::Buffer<T>& v_cache,
+                            ffi::Buffer<ffi::S32>& tables, Shapes* s) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
+  }
+  *s = Shapes{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
+  return ffi::Error::Success();
+}
+
+// The same for feature-major queries q [KVH * G * D, T] (PagedAttentionFmImpl)
+// with their cos and sin [T, D]; G and D are out's [T, KVH, G, D].
+template <ffi::DataType T>
+ffi::Error FeatureMajorShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& cos, ffi::Buffer<ffi::F32>& sin,
+                              ffi::Buffer<T>& k_cache, ffi::Buffer<T>& v_cache, ffi::Buffer<ffi::S32>& tables,
+                              ffi::ResultBuffer<ffi::F32>& out, Shapes* s) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
+  const auto od = out->dimensions();
+  if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q needs rank 2, k, v and out rank 4, tables rank 2");
+  }
+  *s = Shapes{qd[1], od[1], od[2], od[3], kd[0], kd[3], td[0], td[1]};
+  if (od[0] != s->T || qd[0] != s->KVH * s->G * s->D || s->D % 2) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q rows must be KVH * G * D (D even), one column per token");
+  }
+  if (cos.element_count() != s->T * s->D || sin.element_count() != s->T * s->D) {
+    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
+  }
+  return ffi::Error::Success();
+}
+
+// Feature-major queries' rotation (cos/sin [T, D]) and scale: Job's.
+struct Rope {
+  const float *cos, *sin;
+  float scale;
+};
+
+// The four entry points once their queries' shapes are known: checks the
+// caches (T: F32, or S8 with k_scale/v_scale, null for F32), fills the job
+// and runs it. rope: feature-major queries' (null: token-major ones).
+template <ffi::DataType T>
+ffi::Error Attend(ffi::ThreadPool& pool, const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache,
+                  ffi::Buffer<ffi::F32>* k_scale, ffi::Buffer<T>& v_cache, ffi::Buffer<ffi::F32>* v_scale,
+                  ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit,
+                  ffi::Buffer<ffi::S32>& lower, ffi::Buffer<ffi::F32>& sinks, float softcap, const Rope* rope,
+                  ffi::ResultBuffer<ffi::F32>& out) {
+  using KV = ffi::NativeType<T>;  // float or int8_t
+  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, softcap); e.failure()) return e;
+  if constexpr (kQuantized<KV>) {
+    if (ffi::Error e = CheckScales(s, *k_scale, *v_scale); e.failure()) return e;
+  }
   auto job = std::make_shared<Job<KV>>();
+  if constexpr (kQuantized<KV>) {
+    job->ks = k_scale->typed_data();
+    job->vs = v_scale->typed_data();
+  }
   job->s = s;
   job->q = q.typed_data();
   job->k = reinterpret_cast<const KV*>(k_cache.typed_data());
@@ -603,7 +666,14 @@ std::shared_ptr<Job<KV>> NewJob(const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::
   job->out = out->typed_data();
   job->softcap = softcap;
   job->sinks = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
-  return job;
+  if (rope != nullptr) {
+    job->feature_major = true;
+    job->cos = rope->cos;
+    job->sin = rope->sin;
+    job->scale = rope->scale;
+  }
+  RunJob(pool, job);
+  return ffi::Error::Success();
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
@@ -611,25 +681,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                               ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float logit_softcap,
                               ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
-  }
-  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  auto job = NewJob<float>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
-  RunJob(pool, job);
-  return ffi::Error::Success();
-}
-
-// An int8 cache's scales: [NB, KVH, BS] each, as the caches' blocks.
-ffi::Error CheckScales(const Shapes& s, ffi::Buffer<ffi::F32>& k_scale, ffi::Buffer<ffi::F32>& v_scale) {
-  const auto kd = k_scale.dimensions(), vd = v_scale.dimensions();
-  if (kd.size() != 3 || vd.size() != 3 || kd[0] != s.NB || kd[1] != s.KVH || kd[2] != s.BS || vd[0] != s.NB ||
-      vd[1] != s.KVH || vd[2] != s.BS) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: int8 cache scales must be [NB, KVH, BS]");
-  }
-  return ffi::Error::Success();
+  Shapes s;
+  if (ffi::Error e = TokenMajorShapes(q, k_cache, v_cache, tables, &s); e.failure()) return e;
+  return Attend(pool, s, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap,
+                nullptr, out);
 }
 
 // PagedAttentionImpl over an int8 cache (the header comment's int8 entry points).
@@ -638,18 +693,10 @@ ffi::Error PagedAttentionI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
                                 ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit, ffi::Buffer<ffi::S32> lower,
                                 ffi::Buffer<ffi::F32> sinks, float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu: q, k, v need rank 4 and tables rank 2");
-  }
-  Shapes s{qd[0], qd[1], qd[2], qd[3], kd[0], kd[3], td[0], td[1]};
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  if (ffi::Error e = CheckScales(s, k_scale, v_scale); e.failure()) return e;
-  auto job = NewJob<int8_t>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
-  job->ks = k_scale.typed_data();
-  job->vs = v_scale.typed_data();
-  RunJob(pool, job);
-  return ffi::Error::Success();
+  Shapes s;
+  if (ffi::Error e = TokenMajorShapes(q, k_cache, v_cache, tables, &s); e.failure()) return e;
+  return Attend(pool, s, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
+                nullptr, out);
 }
 
 // The same attention for queries straight out of the fused projection,
@@ -663,26 +710,11 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                                 ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
                                 float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
-  const auto od = out->dimensions();
-  if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q needs rank 2, k, v and out rank 4, tables rank 2");
-  }
-  Shapes s{qd[1], od[1], od[2], od[3], kd[0], kd[3], td[0], td[1]};
-  if (od[0] != s.T || qd[0] != s.KVH * s.G * s.D || s.D % 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q rows must be KVH * G * D (D even), one column per token");
-  }
-  if (cos.element_count() != s.T * s.D || sin.element_count() != s.T * s.D) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
-  }
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  auto job = NewJob<float>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
-  job->feature_major = true;
-  job->cos = cos.typed_data();
-  job->sin = sin.typed_data();
-  job->scale = scale;
-  RunJob(pool, job);
-  return ffi::Error::Success();
+  Shapes s;
+  if (ffi::Error e = FeatureMajorShapes(q, cos, sin, k_cache, v_cache, tables, out, &s); e.failure()) return e;
+  const Rope rope{cos.typed_data(), sin.typed_data(), scale};
+  return Attend(pool, s, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap,
+                &rope, out);
 }
 
 // PagedAttentionFmImpl over an int8 cache.
@@ -693,29 +725,11 @@ ffi::Error PagedAttentionFmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                                   ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
                                   float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions(), td = tables.dimensions();
-  const auto od = out->dimensions();
-  if (qd.size() != 2 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || od.size() != 4) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q needs rank 2, k, v and out rank 4, tables rank 2");
-  }
-  Shapes s{qd[1], od[1], od[2], od[3], kd[0], kd[3], td[0], td[1]};
-  if (od[0] != s.T || qd[0] != s.KVH * s.G * s.D || s.D % 2) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: q rows must be KVH * G * D (D even), one column per token");
-  }
-  if (cos.element_count() != s.T * s.D || sin.element_count() != s.T * s.D) {
-    return ffi::Error::InvalidArgument("paged_attention_cpu_fm: cos and sin need [T, D]");
-  }
-  if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, logit_softcap); e.failure()) return e;
-  if (ffi::Error e = CheckScales(s, k_scale, v_scale); e.failure()) return e;
-  auto job = NewJob<int8_t>(s, q, k_cache, v_cache, tables, seq, limit, lower, sinks, logit_softcap, out);
-  job->ks = k_scale.typed_data();
-  job->vs = v_scale.typed_data();
-  job->feature_major = true;
-  job->cos = cos.typed_data();
-  job->sin = sin.typed_data();
-  job->scale = scale;
-  RunJob(pool, job);
-  return ffi::Error::Success();
+  Shapes s;
+  if (ffi::Error e = FeatureMajorShapes(q, cos, sin, k_cache, v_cache, tables, out, &s); e.failure()) return e;
+  const Rope rope{cos.typed_data(), sin.typed_data(), scale};
+  return Attend(pool, s, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
+                &rope, out);
 }
 
 }  // namespace
