@@ -222,20 +222,9 @@ def attend(
     def serves(kernel: str) -> bool:
         return features <= pallas.KERNEL_FEATURES[kernel] and pallas.kernel_reads(kernel, stored)
 
-    if impl.kernel == "gpu" and small and serves("gpu"):
-        return pallas.gpu_paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            positions,
-            scale=scale,
-            cache_dtype=cache_dtype,
-            interpret=impl.interpret,
-            logit_softcap=logit_softcap,
-        )
-    if impl.kernel == "tpu" and small and serves("tpu"):
-        return pallas.tpu_paged_attention(
+    if impl.kernel in ("gpu", "tpu") and small and serves(impl.kernel):
+        paged = pallas.gpu_paged_attention if impl.kernel == "gpu" else pallas.tpu_paged_attention
+        return paged(
             q,
             k_cache,
             v_cache,
