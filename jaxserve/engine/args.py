@@ -53,8 +53,7 @@ class EngineArgs:
       ``head_dim + 4`` bytes instead of ``4 * head_dim``, 0.27x a float32
       cache at head_dim 64 and 0.53x a bfloat16 one).
     - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
-      restarted worker skips compiling (``""`` disables it; unset, it is on
-      for GPU and TPU and off on CPU: ``placement.enable_compilation_cache``).
+      restarted worker skips compiling (``""`` disables it).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async

@@ -18,21 +18,11 @@ log = structlog.get_logger(__name__)
 
 
 def enable_compilation_cache(path: str | None) -> None:
-    """Point JAX's persistent compilation cache at ``path``; ``""`` disables
-    it. ``None`` (the default): under ``$JAXSERVE_CACHE_DIR`` or
-    ``~/.cache/jaxserve`` on GPU and TPU, and off on CPU, where reading a
-    cached executable back can crash the process: XLA:CPU's executable
-    deserialisation has open segfaults (jax-ml/jax#28908, #29610), and one
-    took down the test suite in ``test_kv_int8`` (a SIGSEGV inside
-    ``compilation_cache.get_executable_and_time``). A CPU worker then
-    compiles at every start (seconds for SmolLM2); naming a directory turns
-    the cache on there too."""
+    """Point JAX's persistent compilation cache at ``path`` (default under
+    ``$JAXSERVE_CACHE_DIR`` or ``~/.cache/jaxserve``); ``""`` disables it."""
     if path == "":
         return
     if path is None:
-        if jax.default_backend() == "cpu":
-            log.info("compilation_cache.off", backend="cpu", reason="XLA:CPU executable deserialisation is unsafe")
-            return
         base = os.environ.get("JAXSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxserve")
         path = os.path.join(base, "xla")
     os.makedirs(path, exist_ok=True)
