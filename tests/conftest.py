@@ -16,21 +16,37 @@ import pytest_asyncio
 
 from queue_support import AMQP_URL, PrivateRedis, WorkerHarness, delete_prefix, unique_prefix
 
+#: mappings past which a test's end drops JAX's compiled programs: a quarter
+#: of the kernel's usual ``vm.max_map_count`` (65,530)
+MAPPINGS_BEFORE_CLEARING = 16_384
 
-@pytest.fixture(scope="module", autouse=True)
+
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux: nothing to count, nothing to clear
+        return 0
+
+
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """After each test module, drop JAX's caches of compiled programs.
+    """After a test that leaves this process holding many memory mappings,
+    drop JAX's caches of compiled programs.
 
-    Every XLA:CPU executable holds a few memory mappings (about 6 for a small
+    Every XLA:CPU executable holds a few mappings (about 6 for a small
     program, measured with ``/proc/self/maps``), and the jit caches keep them
     alive after their engine is gone. One pytest process compiles thousands
-    of programs over the suite, and reaching the kernel's ``vm.max_map_count``
-    (65,530) makes the next compile or cache read die with SIGSEGV: the suite
-    crashed that way at about 40 % (``test_kv_int8``, ``test_last_layer_pruning``).
-    ``jax.clear_caches()`` gives the mappings back."""
+    of programs over the suite (``test_family_gguf`` alone passes 25,000
+    mappings), and reaching ``vm.max_map_count`` makes the next compile or
+    cache read die with SIGSEGV: the suite crashed that way at about 40 %
+    (in ``test_kv_int8``, in ``test_last_layer_pruning``).
+    ``jax.clear_caches()`` gives the mappings back; done only past
+    :data:`MAPPINGS_BEFORE_CLEARING`, so module fixtures' programs are
+    rarely compiled twice."""
     yield
     jax = sys.modules.get("jax")
-    if jax is not None:
+    if jax is not None and _memory_mappings() > MAPPINGS_BEFORE_CLEARING:
         jax.clear_caches()
         gc.collect()
 
