@@ -103,6 +103,9 @@ CHILD = textwrap.dedent(
         engine = Engine(EngineArgs(
             model=folder, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, block_size=16,
             tensor_parallel_size=tp,
+            # the step counts compare the scheduler's plans; guesses (on by
+            # default) are accepted alike but may group steps differently
+            num_speculative_tokens=0,
         ))
         engine.warmup()
         for i, (prompt, p) in enumerate(zip(prompts, params)):
