@@ -77,6 +77,13 @@ def serve_or_once(base: dict, run: Callable[[], int], expected_tokens: int, serv
     if not serve:
         emit({"event": "result", **base, **timed_runs(run, repeats, expected_tokens)})
         return
+    serve_commands(base, lambda args: timed_runs(run, int(args[0]) if args else 1, expected_tokens))
+
+
+def serve_commands(base: dict, on_run: Callable[[list[str]], dict]) -> None:
+    """The ``--serve`` loop: ``ready``, then for each ``run ARGS...`` line on
+    stdin one ``result`` (``base`` and what ``on_run(ARGS)`` returns) or one
+    ``error``; ends at ``quit`` or end of input."""
     emit({"event": "ready", **base})
     for line in sys.stdin:
         words = line.split()
@@ -85,8 +92,7 @@ def serve_or_once(base: dict, run: Callable[[], int], expected_tokens: int, serv
         if words[0] == "quit":
             break
         if words[0] == "run":
-            count = int(words[1]) if len(words) > 1 else 1
             try:
-                emit({"event": "result", **base, **timed_runs(run, count, expected_tokens)})
+                emit({"event": "result", **base, **on_run(words[1:])})
             except Exception as exc:  # noqa: BLE001 - reported to the driver, which decides
                 emit({"event": "error", **base, "error": repr(exc)})

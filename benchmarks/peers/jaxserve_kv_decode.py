@@ -20,10 +20,9 @@ Protocol: ``common.py`` (``--serve``: ``ready``, then one ``result`` per
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
-from common import emit, load_prompts, peer_arguments
+from common import emit, load_prompts, peer_arguments, serve_commands
 
 
 def main() -> None:
@@ -123,18 +122,7 @@ def main() -> None:
     if not args.serve:
         emit(result(args.repeats))
         return
-    emit({"event": "ready", **base})
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "quit":
-            break
-        if words[0] == "run":
-            try:
-                emit(result(int(words[1]) if len(words) > 1 else 1))
-            except Exception as exc:  # noqa: BLE001 - reported to the driver, which decides
-                emit({"event": "error", **base, "error": repr(exc)})
+    serve_commands(base, lambda args: result(int(args[0]) if args else 1))
 
 
 if __name__ == "__main__":

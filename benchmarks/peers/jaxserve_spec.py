@@ -30,11 +30,10 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
-from common import emit
+from common import emit, serve_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 INVOICE_QUESTION = "Which company sent this, on what date, for what amount and in which currency? Answer in JSON."
@@ -165,18 +164,7 @@ def main() -> None:
         for name in jobs:
             emit({"event": "result", **base, **run(name, 1, 2)})
         return
-    emit({"event": "ready", **base})
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "quit":
-            break
-        if words[0] == "run":
-            try:
-                emit({"event": "result", **base, **run(words[1], int(words[2]), int(words[3]))})
-            except Exception as exc:  # noqa: BLE001 - reported to the driver, which decides
-                emit({"event": "error", **base, "error": repr(exc)})
+    serve_commands(base, lambda args: run(args[0], int(args[1]), int(args[2])))
 
 
 if __name__ == "__main__":
