@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import models, rounds
-from ..procs import ServePeer
 from ..record import Figure
+from .offline import ServeContender
 
 NAME = "speculative"
 DESCRIPTION = (
@@ -71,25 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for one turn")
 
 
-class SpecContender:
+class SpecContender(ServeContender):
     """One engine (``peers/jaxserve_spec.py``), loaded once; a turn runs the
     workload and concurrency set before it."""
 
     def __init__(self, name: str, cmd: list[str], log_path: Path, timeout: float) -> None:
-        self.name, self.cmd, self.log_path, self.timeout = name, cmd, log_path, timeout
-        self.peer: ServePeer | None = None
+        super().__init__(name, cmd, log_path, timeout, inner=1)
         self.work = ("random", 1, 1)
-
-    def start(self) -> dict[str, Any]:
-        self.peer = ServePeer(self.name, self.cmd, self.log_path)
-        return {}
-
-    def wait_ready(self) -> dict[str, Any]:
-        assert self.peer is not None
-        rec = self.peer.next_record(self.timeout)
-        if rec.get("event") != "ready":
-            raise RuntimeError(f"{self.name} did not start: {rec}\n{self.peer.stderr_tail()}")
-        return {k: rec.get(k) for k in ("startup_s", "compile_s", "settings", "version")}
 
     def turn(self) -> dict[str, Any]:
         assert self.peer is not None
@@ -104,13 +92,6 @@ class SpecContender:
             out["error"] = str(rec)[:500]
             out["stderr_tail"] = self.peer.stderr_tail()
         return out
-
-    def pids(self) -> list[int]:
-        return [self.peer.proc.pid] if self.peer and self.peer.proc.poll() is None else []
-
-    def stop(self) -> None:
-        if self.peer:
-            self.peer.stop()
 
 
 def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str, Any]], dict[str, Any]]:
