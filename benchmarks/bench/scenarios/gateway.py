@@ -5,9 +5,11 @@ One ``jaxserve worker`` (``--model``, default ``bench/models.py``) and one
 and compilation not timed); two pairs of systems alternate over the rounds:
 
 - **TTFT.** ``gateway-stream``: ``--samples`` streamed chats, one after the
-  other, through the gateway with the ``openai`` SDK (one client, its
-  connection kept); TTFT = the request sent to the first chunk the SDK
-  yields. ``submit-stream``: the same chats as ``jaxserve submit --stream``
+  other, through the gateway with the ``openai`` SDK's ``AsyncOpenAI`` (one
+  client, its connection kept: the synchronous ``OpenAI`` stream closes its
+  response at ``[DONE]`` before the chunked end, so each of its streams
+  connects anew, whatever the server); TTFT = the request sent to the first
+  chunk the SDK yields. ``submit-stream``: the same chats as ``jaxserve submit --stream``
   sends them (the reference client's ``stream`` on a connected client,
   the command's own code path, without the command's interpreter start);
   TTFT = publish to the first chunk. Every chat's prompt is new in every
@@ -174,34 +176,41 @@ class GatewayStream:
     name = "gateway-stream"
 
     def __init__(self, stack: Stack, args: argparse.Namespace) -> None:
-        import openai
-
         self.stack, self.args, self.turns = stack, args, 0
-        self.sdk = openai.OpenAI(base_url=stack.url, api_key="bench", max_retries=0, timeout=300)
 
     def start(self) -> dict[str, Any]:
         return {"worker_startup_s": round(self.stack.startup_s, 1)}
 
     def turn(self) -> dict[str, Any]:
         self.turns += 1
+        return asyncio.run(self._turn(self.turns))
+
+    async def _turn(self, rnd: int) -> dict[str, Any]:
+        import openai
+
+        # a client per turn, as SubmitStream connects one: each turn runs in its own event loop
+        sdk = openai.AsyncOpenAI(base_url=self.stack.url, api_key="bench", max_retries=0, timeout=300)
         ttfts = []
-        for i in range(self.args.samples):
-            t0 = time.perf_counter()
-            stream = self.sdk.chat.completions.create(
-                model=self.stack.served,
-                messages=_messages(self.turns, i),
-                max_tokens=self.args.stream_max_tokens,
-                temperature=0,
-                stream=True,
-                extra_body={"cache": False},
-            )
-            first = None
-            for _ in stream:
+        try:
+            for i in range(self.args.samples):
+                t0 = time.perf_counter()
+                stream = await sdk.chat.completions.create(
+                    model=self.stack.served,
+                    messages=_messages(rnd, i),
+                    max_tokens=self.args.stream_max_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"cache": False},
+                )
+                first = None
+                async for _ in stream:
+                    if first is None:
+                        first = time.perf_counter() - t0
                 if first is None:
-                    first = time.perf_counter() - t0
-            if first is None:
-                return {"ok": False, "error": "a stream without a chunk"}
-            ttfts.append(first)
+                    return {"ok": False, "error": "a stream without a chunk"}
+                ttfts.append(first)
+        finally:
+            await sdk.close()
         return {"ok": True, "value": round(1000 * statistics.median(ttfts), 2), "ttft_ms": [1000 * t for t in ttfts]}
 
     def pids(self) -> list[int]:
