@@ -38,6 +38,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 
+from jaxserve.wire.topology import QUEUE_CLASSES
+
 HealthCheck = Callable[[], bool | tuple[bool, str]]
 
 #: buckets (seconds) of every latency histogram, the worker's and the
@@ -46,52 +48,78 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+#: The worker's metrics labelled by model alone, ``(kind, name, help)``:
+#: :class:`EngineMetrics` declares each from this table, as the attribute
+#: named after it (less ``jaxserve_``), and creates its series at start-up,
+#: at zero, so a dashboard finds every one before the first job (one table,
+#: not a declaration each, so no metric is declared and then left out of
+#: that start-up list).
+_PER_MODEL: tuple[tuple[type[Gauge] | type[Counter], str, str], ...] = (
+    (Gauge, "jaxserve_num_requests_running", "Requests in the running batch"),
+    (Gauge, "jaxserve_num_requests_waiting", "Requests waiting to be scheduled"),
+    (Gauge, "jaxserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
+    (Counter, "jaxserve_num_preemptions", "Requests preempted to free KV blocks"),
+    (Counter, "jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    (Counter, "jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    (Counter, "jaxserve_prompt_tokens", "Prompt tokens of finished requests"),
+    (Counter, "jaxserve_generation_tokens", "Tokens generated"),
+    (Counter, "jaxserve_engine_steps", "Engine iterations"),
+    # speculative decoding (vLLM's spec_decode_* counters)
+    (Counter, "jaxserve_spec_decode_num_drafts", "Sequences' steps that carried guessed tokens"),
+    (Counter, "jaxserve_spec_decode_num_draft_tokens", "Guessed tokens verified"),
+    (Counter, "jaxserve_spec_decode_num_accepted_tokens", "Guessed tokens the model kept"),
+    (Counter, "jaxserve_engine_step_errors", "Engine steps that raised"),
+    (Gauge, "jaxserve_kv_cache_bytes", "Bytes of the KV cache"),
+    (Gauge, "jaxserve_model_load_seconds", "Seconds to build the engine (load the model)"),
+    (Gauge, "jaxserve_warmup_seconds", "Seconds to compile every shape bucket"),
+    # 0 while the idempotency store does not answer: the worker then takes
+    # no jobs and /readyz says "store unavailable" (worker.store_health)
+    (Gauge, "jaxserve_store_up", "1 while the idempotency store answers, 0 during an outage"),
+)
+
+
 class EngineMetrics:
     """All metrics of one worker, in one registry."""
+
+    # declared from _PER_MODEL
+    num_requests_running: Gauge
+    num_requests_waiting: Gauge
+    kv_cache_usage_perc: Gauge
+    num_preemptions: Counter
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    engine_steps: Counter
+    spec_decode_num_drafts: Counter
+    spec_decode_num_draft_tokens: Counter
+    spec_decode_num_accepted_tokens: Counter
+    engine_step_errors: Counter
+    kv_cache_bytes: Gauge
+    model_load_seconds: Gauge
+    warmup_seconds: Gauge
+    store_up: Gauge
 
     def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r = self.registry
-        labels = ["model_name"]
-        self.num_requests_running = Gauge(
-            "jaxserve_num_requests_running", "Requests in the running batch", labels, registry=r
-        )
-        self.num_requests_waiting = Gauge(
-            "jaxserve_num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r
-        )
-        self.kv_cache_usage_perc = Gauge(
-            "jaxserve_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r
-        )
-        self.num_preemptions = Counter(
-            "jaxserve_num_preemptions", "Requests preempted to free KV blocks", labels, registry=r
-        )
-        self.prefix_cache_queries = Counter(
-            "jaxserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r
-        )
-        self.prefix_cache_hits = Counter(
-            "jaxserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r
-        )
-        self.prompt_tokens = Counter("jaxserve_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
-        self.generation_tokens = Counter("jaxserve_generation_tokens", "Tokens generated", labels, registry=r)
-        self.engine_steps = Counter("jaxserve_engine_steps", "Engine iterations", labels, registry=r)
-        # speculative decoding (vLLM's spec_decode_* counters)
-        self.spec_decode_num_drafts = Counter(
-            "jaxserve_spec_decode_num_drafts", "Sequences' steps that carried guessed tokens", labels, registry=r
-        )
-        self.spec_decode_num_draft_tokens = Counter(
-            "jaxserve_spec_decode_num_draft_tokens", "Guessed tokens verified", labels, registry=r
-        )
-        self.spec_decode_num_accepted_tokens = Counter(
-            "jaxserve_spec_decode_num_accepted_tokens", "Guessed tokens the model kept", labels, registry=r
-        )
+        for kind, name, documentation in _PER_MODEL:
+            metric = kind(name, documentation, ["model_name"], registry=r)
+            metric.labels(model_name)  # the series, at zero from start-up
+            setattr(self, name.removeprefix("jaxserve_"), metric)
+        self.store_up.labels(model_name).set(1)
 
         # Latencies, by queue class (interactive | batch). The worker observes
         # them per job (observe_job, observe_tokens): it knows the class.
         def by_queue(name: str, documentation: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
-            """A histogram by model and queue class; every latency the
-            worker observes per job is one, on the latency buckets."""
-            return Histogram(name, documentation, ["model_name", "queue"], buckets=buckets, registry=r)
+            """A histogram by model and queue class, with both classes'
+            series from start-up; every latency the worker observes per job
+            is one, on the latency buckets."""
+            histogram = Histogram(name, documentation, ["model_name", "queue"], buckets=buckets, registry=r)
+            for queue in QUEUE_CLASSES:
+                histogram.labels(model_name, queue)
+            return histogram
 
         self.ttft = by_queue("jaxserve_time_to_first_token_seconds", "Receipt to first token")
         self.itl = by_queue(
@@ -141,7 +169,6 @@ class EngineMetrics:
         self.reconnects = Counter(
             "jaxserve_reconnects", "AMQP reconnections, by connection", ["model_name", "connection"], registry=r
         )
-        self.step_errors = Counter("jaxserve_engine_step_errors", "Engine steps that raised", labels, registry=r)
         self.queue_depth = Gauge(
             "jaxserve_queue_depth",
             "Ready messages in a queue (interactive, batch, dead, results)",
@@ -151,31 +178,8 @@ class EngineMetrics:
         self.queue_consumers = Gauge(
             "jaxserve_queue_consumers", "Consumers of a queue", ["model_name", "queue"], registry=r
         )
-        self.kv_cache_bytes = Gauge("jaxserve_kv_cache_bytes", "Bytes of the KV cache", labels, registry=r)
-        self.model_load_seconds = Gauge(
-            "jaxserve_model_load_seconds", "Seconds to build the engine (load the model)", labels, registry=r
-        )
-        self.warmup_seconds = Gauge(
-            "jaxserve_warmup_seconds", "Seconds to compile every shape bucket", labels, registry=r
-        )
-        # 0 while the idempotency store does not answer: the worker then takes
-        # no jobs and /readyz says "store unavailable" (worker.store_health)
-        self.store_up = Gauge(
-            "jaxserve_store_up", "1 while the idempotency store answers, 0 during an outage", labels, registry=r
-        )
-        self.store_up.labels(model_name).set(1)
         ProcessCollector(namespace="jaxserve", registry=r)  # jaxserve_process_resident_memory_bytes, cpu, fds
-        for q in ("interactive", "batch"):  # series present from start-up, at zero
-            for h in (
-                self.ttft,
-                self.itl,
-                self.e2e,
-                self.queue_time,
-                self.broker_wait,
-                self.prefill_time,
-                self.decode_time,
-            ):
-                h.labels(model_name, q)
+        for q in QUEUE_CLASSES:  # series present from start-up, at zero
             self.requeues.labels(model_name, q, "drain")
             for code in ("overloaded", "rate_limited"):
                 self.rejections.labels(model_name, q, code, "none", "default")
@@ -183,25 +187,6 @@ class EngineMetrics:
                 self.degradations.labels(model_name, q, reason)
         for c in ("interactive", "batch", "control", "publish"):
             self.reconnects.labels(model_name, c)
-        for metric in (
-            self.num_requests_running,
-            self.num_requests_waiting,
-            self.kv_cache_usage_perc,
-            self.num_preemptions,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.engine_steps,
-            self.spec_decode_num_drafts,
-            self.spec_decode_num_draft_tokens,
-            self.spec_decode_num_accepted_tokens,
-            self.step_errors,
-            self.kv_cache_bytes,
-            self.model_load_seconds,
-            self.warmup_seconds,
-        ):
-            metric.labels(model_name)
         self.request_success = Counter(
             "jaxserve_request_success",
             "Finished requests by finish reason",
@@ -229,7 +214,7 @@ class EngineMetrics:
             "generation": self.generation_tokens.labels(m),
             "prompt": self.prompt_tokens.labels(m),
         }
-        self._itl_children = {q: self.itl.labels(m, q) for q in ("interactive", "batch")}
+        self._itl_children = {q: self.itl.labels(m, q) for q in QUEUE_CLASSES}
         self._last_stats = None
         self._ready_check: HealthCheck | None = None
         self._live_check: HealthCheck | None = None

@@ -29,18 +29,6 @@ KV_CACHE_DTYPE_HELP = (
 )
 
 
-def kv_cache_dtype_option(profile: ProfileName, forward_unset: bool = False) -> Any:
-    """``--kv-cache-dtype`` with ``profile``'s default (``engine_option``)."""
-    return engine_option(
-        "--kv-cache-dtype",
-        field="kv_cache_dtype",
-        profile=profile,
-        forward_unset=forward_unset,
-        type=click.Choice(list(KV_CACHE_DTYPES)),
-        help=KV_CACHE_DTYPE_HELP,
-    )
-
-
 #: ``--num-speculative-tokens`` / ``--speculative-method`` (vLLM's names) of
 #: ``generate``, ``bench offline`` and ``worker``
 NUM_SPECULATIVE_TOKENS_HELP = (
@@ -54,26 +42,47 @@ SPECULATIVE_METHOD_HELP = (
 )
 
 
+#: The engine options of ``generate``, ``bench offline`` and ``worker`` whose
+#: default is a profile's: flag -> (type, help). Each is the ``EngineArgs``
+#: field of its name (``--kv-cache-dtype``: ``kv_cache_dtype``), so one table
+#: gives the three commands the same choices and help.
+_PROFILE_OPTIONS: dict[str, tuple[click.ParamType, str]] = {
+    "--kv-cache-dtype": (click.Choice(list(KV_CACHE_DTYPES)), KV_CACHE_DTYPE_HELP),
+    "--num-speculative-tokens": (click.IntRange(min=0), NUM_SPECULATIVE_TOKENS_HELP),
+    "--speculative-method": (click.Choice(list(SPECULATIVE_METHODS)), SPECULATIVE_METHOD_HELP),
+}
+
+
+def kv_cache_dtype_option(profile: ProfileName, forward_unset: bool = False) -> Any:
+    """``--kv-cache-dtype`` with ``profile``'s default (``engine_option``)."""
+    return _profile_options(profile, forward_unset, "--kv-cache-dtype")
+
+
 def speculative_options(profile: ProfileName, forward_unset: bool = False) -> Any:
     """``--num-speculative-tokens`` and ``--speculative-method`` with
     ``profile``'s defaults (``engine_option``)."""
-    tokens = engine_option(
-        "--num-speculative-tokens",
-        field="num_speculative_tokens",
-        profile=profile,
-        forward_unset=forward_unset,
-        type=click.IntRange(min=0),
-        help=NUM_SPECULATIVE_TOKENS_HELP,
-    )
-    method = engine_option(
-        "--speculative-method",
-        field="speculative_method",
-        profile=profile,
-        forward_unset=forward_unset,
-        type=click.Choice(list(SPECULATIVE_METHODS)),
-        help=SPECULATIVE_METHOD_HELP,
-    )
-    return lambda command: tokens(method(command))
+    return _profile_options(profile, forward_unset, "--num-speculative-tokens", "--speculative-method")
+
+
+def _profile_options(profile: ProfileName, forward_unset: bool, *flags: str) -> Any:
+    """One decorator adding the :data:`_PROFILE_OPTIONS` ``flags``, listed
+    by ``--help`` in the order given."""
+    options = []
+    for flag in flags:
+        param_type, help_text = _PROFILE_OPTIONS[flag]
+        field = flag.removeprefix("--").replace("-", "_")
+        options.append(
+            engine_option(
+                flag, field=field, profile=profile, forward_unset=forward_unset, type=param_type, help=help_text
+            )
+        )
+
+    def add_options(command: Any) -> Any:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return add_options
 
 
 def engine_option(*decls: str, field: str, profile: ProfileName, forward_unset: bool = False, **attrs: Any) -> Any:

@@ -48,7 +48,7 @@ from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.score_processor import ScoreProcessor
 from jaxserve.engine.speculative import Drafter, accepted_run
-from jaxserve.engine.step_inputs import draft_masks, draft_rows, sampling_row, seq_work, structured_masks
+from jaxserve.engine.step_inputs import draft_rows, grammar_masks, sampling_row, seq_work
 from jaxserve.engine.step_modes import choose
 from jaxserve.engine.structured import Constraint, StructuredBackend
 from jaxserve.engine.types import PriorOutput, RequestClass, RequestOutput
@@ -480,8 +480,7 @@ class Engine:
         in flight whose tokens are still pending on the device (an overlapped
         step reads them there, ``step_modes.OverlappedStep``)."""
         now = time.monotonic()
-        masks = structured_masks(self.structured, plan, self.scheduler.requests, self._constraints)
-        guess_masks = draft_masks(self.structured, plan, self.scheduler.requests, self._constraints)
+        masks, guess_masks = grammar_masks(self.structured, plan, self.scheduler.requests, self._constraints)
         feed = None if prev is None else prev.feed()
         work = []
         for s in plan.scheduled:

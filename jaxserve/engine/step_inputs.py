@@ -33,7 +33,7 @@ from jaxserve.engine.structured import Constraint, StructuredBackend
 
 def sampling_row(req: Request, mask: np.ndarray | None = None) -> SamplingRow:
     """The sampler's row for ``req``'s next token (``mask``: its
-    structured-output mask, from :func:`structured_masks`). The penalties'
+    structured-output mask, from :func:`grammar_masks`). The penalties'
     history is handed over only when a penalty is active."""
     p = req.sampling_params
     if p.has_penalties:
@@ -44,7 +44,7 @@ def sampling_row(req: Request, mask: np.ndarray | None = None) -> SamplingRow:
 def draft_rows(req: Request, drafts: Sequence[int], masks: np.ndarray | None = None) -> list[SamplingRow]:
     """The sampler's rows after each of ``req``'s guessed tokens ``drafts``
     (``masks[i]``: the grammar's mask after guess ``i``, from
-    :func:`draft_masks`): row ``i`` is :func:`sampling_row`'s as it will be
+    :func:`grammar_masks`): row ``i`` is :func:`sampling_row`'s as it will be
     once ``drafts[: i + 1]`` are output."""
     p = req.sampling_params
     rows = []
@@ -58,35 +58,30 @@ def draft_rows(req: Request, drafts: Sequence[int], masks: np.ndarray | None = N
     return rows
 
 
-def draft_masks(
+def grammar_masks(
     backend: StructuredBackend,
     plan: SchedulerOutput,
     requests: Mapping[str, Request],
     constraints: Mapping[str, Constraint],
-) -> dict[str, np.ndarray]:
-    """The grammar's masks after each guessed token of the plan's
-    constrained rows, by request: ``[len(draft_token_ids), words]``
-    (``StructuredBackend.fill_draft_masks``)."""
-    rows = [s for s in plan.scheduled if s.sample and s.draft_token_ids and s.request_id in constraints]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The grammar's masks of the plan's constrained sampling rows, by
+    request: each row's token mask (``StructuredBackend.fill_masks``,
+    computed together), and for the rows carrying guessed tokens the masks
+    after each guess, ``[len(draft_token_ids), words]``
+    (``StructuredBackend.fill_draft_masks``). One function, as a row with
+    guesses is one of the constrained sampling rows."""
+    rows = [s for s in plan.scheduled if s.sample and s.request_id in constraints]
     if not rows:
-        return {}
-    items = [(constraints[s.request_id], requests[s.request_id].output_token_ids, s.draft_token_ids) for s in rows]
-    return dict(zip([s.request_id for s in rows], backend.fill_draft_masks(items)))
-
-
-def structured_masks(
-    backend: StructuredBackend,
-    plan: SchedulerOutput,
-    requests: Mapping[str, Request],
-    constraints: Mapping[str, Constraint],
-) -> dict[str, np.ndarray]:
-    """The token masks of the plan's constrained sampling rows, by request,
-    computed together (``StructuredBackend.fill_masks``)."""
-    rows = [s.request_id for s in plan.scheduled if s.sample and s.request_id in constraints]
-    if not rows:
-        return {}
-    masks = backend.fill_masks([(constraints[rid], requests[rid].output_token_ids) for rid in rows])
-    return dict(zip(rows, masks))
+        return {}, {}
+    items = [(constraints[s.request_id], requests[s.request_id].output_token_ids) for s in rows]
+    masks = dict(zip([s.request_id for s in rows], backend.fill_masks(items)))
+    guessing = [s for s in rows if s.draft_token_ids]
+    if not guessing:
+        return masks, {}
+    draft_items = [
+        (constraints[s.request_id], requests[s.request_id].output_token_ids, s.draft_token_ids) for s in guessing
+    ]
+    return masks, dict(zip([s.request_id for s in guessing], backend.fill_draft_masks(draft_items)))
 
 
 def seq_work(

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from typing import Any
+from typing import Any, overload
 
 DEFAULT_PREFIX = "jaxserve"
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -98,6 +98,24 @@ class TopologyMismatch(RuntimeError):
     """An existing queue or exchange was declared with other arguments."""
 
 
+class _Prefixed:
+    """A name of the topology: its ``prefix``, a dot and ``suffix``
+    (``jaxserve.interactive``), read like an attribute. Every exchange and
+    queue name is built so; one descriptor keeps the rule in one place."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    @overload
+    def __get__(self, topology: None, owner: type | None = None) -> _Prefixed: ...
+    @overload
+    def __get__(self, topology: Topology, owner: type | None = None) -> str: ...
+    def __get__(self, topology: Topology | None, owner: type | None = None) -> str | _Prefixed:
+        if topology is None:  # on the class itself
+            return self
+        return f"{topology.prefix}.{self.suffix}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """Names and arguments. Every field has a stable default."""
@@ -108,51 +126,22 @@ class Topology:
     batch_max_length: int = 1_000_000
     interactive_ttl_ms: int = 120_000
 
-    # ---- names -----------------------------------------------------
-    @property
-    def interactive(self) -> str:
-        return f"{self.prefix}.interactive"
-
-    @property
-    def batch(self) -> str:
-        return f"{self.prefix}.batch"
-
-    @property
-    def dlx(self) -> str:
-        return f"{self.prefix}.dlx"
-
-    @property
-    def dead(self) -> str:
-        return f"{self.prefix}.dead"
-
-    @property
-    def results(self) -> str:
-        return f"{self.prefix}.results"
-
-    @property
-    def control(self) -> str:
-        return f"{self.prefix}.control"
-
-    @property
-    def models(self) -> str:
-        """The direct exchange that routes jobs naming a model."""
-        return f"{self.prefix}.models"
-
-    @property
-    def default_model(self) -> str:
-        """The exchange whose ``alternate-exchange`` argument names the
-        default model (``jaxserve.worker.routing.claim_default``)."""
-        return f"{self.prefix}.default-model"
-
-    @property
-    def default_model_alive(self) -> str:
-        """The queue each running worker of the default model consumes."""
-        return f"{self.prefix}.default-model.alive"
-
-    @property
-    def default_model_lock(self) -> str:
-        """The exclusive queue a starting worker holds while it decides."""
-        return f"{self.prefix}.default-model.lock"
+    # ---- names: PREFIX.<suffix> -----------------------------------------
+    interactive = _Prefixed("interactive")
+    batch = _Prefixed("batch")
+    dlx = _Prefixed("dlx")
+    dead = _Prefixed("dead")
+    results = _Prefixed("results")
+    control = _Prefixed("control")
+    #: the direct exchange that routes jobs naming a model
+    models = _Prefixed("models")
+    #: the exchange whose ``alternate-exchange`` argument names the default
+    #: model (``jaxserve.worker.routing.claim_default``)
+    default_model = _Prefixed("default-model")
+    #: the queue each running worker of the default model consumes
+    default_model_alive = _Prefixed("default-model.alive")
+    #: the exclusive queue a starting worker holds while it decides
+    default_model_lock = _Prefixed("default-model.lock")
 
     def reserved_names(self) -> frozenset[str]:
         """The worker's own queues and exchanges: a job's ``reply_to`` must

@@ -290,7 +290,7 @@ class Worker:
         self.stats["engine_step_errors"] += 1
         if self.served is not None:
             metrics = self.served.metrics
-            metrics.step_errors.labels(metrics.model_name).inc()
+            metrics.engine_step_errors.labels(metrics.model_name).inc()
         log.error("engine_step_failed", error=repr(exc), running=len(self.runs))
         for run in self.runs:
             run.step_failed(exc)
