@@ -202,17 +202,11 @@ def attend(
     ``[H]``) are this layer's (``paged_attention``); a shipped Pallas kernel
     serves the call only if it computes all of them (``KERNEL_FEATURES``),
     else the reference kernel does, over the same cache."""
+    # every kernel's inputs, in the order all of them take them
+    inputs = (q, k_cache, v_cache, meta, positions)
     if impl.kernel == "cpu":
         return cpu_kernel.paged_attention_cpu(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            positions,
-            scale=scale,
-            sliding_window=sliding_window,
-            logit_softcap=logit_softcap,
-            sinks=sinks,
+            *inputs, scale=scale, sliding_window=sliding_window, logit_softcap=logit_softcap, sinks=sinks
         )
     T = q.shape[0]
     small = T <= impl.kernel_tokens(meta)
@@ -225,23 +219,11 @@ def attend(
     if impl.kernel in ("gpu", "tpu") and small and serves(impl.kernel):
         paged = pallas.gpu_paged_attention if impl.kernel == "gpu" else pallas.tpu_paged_attention
         return paged(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            positions,
-            scale=scale,
-            cache_dtype=cache_dtype,
-            interpret=impl.interpret,
-            logit_softcap=logit_softcap,
+            *inputs, scale=scale, cache_dtype=cache_dtype, interpret=impl.interpret, logit_softcap=logit_softcap
         )
     if impl.kernel == "tpu" and impl.ragged and serves("tpu_ragged"):
         return pallas.tpu_ragged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta,
-            positions,
+            *inputs,
             scale=scale,
             sliding_window=sliding_window,
             cache_dtype=cache_dtype,
@@ -249,11 +231,7 @@ def attend(
             logit_softcap=logit_softcap,
         )
     return paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta,
-        positions,
+        *inputs,
         block_size=block_size,
         scale=scale,
         sliding_window=sliding_window,

@@ -19,7 +19,7 @@ from typing import Any
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.gguf_spec import GGUFSpec
-from jaxserve.models.weights import ModelWeights
+from jaxserve.models.weights import ModelWeights, llama_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +28,16 @@ class Family:
     name: str
     #: Hugging Face ``architectures`` names it reads (``Qwen3ForCausalLM``)
     architectures: tuple[str, ...]
-    #: ``model_type`` values it reads when a config has no ``architectures``
-    model_types: tuple[str, ...]
     #: ``(config.json as a dict, where it came from) -> ModelConfig``
     read_config: Callable[[Mapping[str, Any], str], ModelConfig]
-    #: where each parameter comes from in a checkpoint
-    weights: Callable[[ModelConfig], ModelWeights]
+    #: where each parameter comes from in a checkpoint; by default Llama's
+    #: names, which a family that only switches ``ModelConfig`` fields keeps
+    weights: Callable[[ModelConfig], ModelWeights] = llama_weights
+    #: ``model_type`` values it reads when a config has no ``architectures``;
+    #: left empty, its ``name`` alone: the registry names a family as its
+    #: configs' ``model_type`` does (Gemma 3 reads two, ``gemma3_text`` and
+    #: the multimodal ``gemma3``), so a family module writes it once
+    model_types: tuple[str, ...] = ()
     #: how its GGUF files are read; None when llama.cpp has no such architecture
     gguf: GGUFSpec | None = None
     #: tokens that end an assistant turn in its chat template, besides the
@@ -49,6 +53,10 @@ class Family:
     #: multimodal files: ``language_model.model.`` for ``model.language_model.``);
     #: the loader reads whichever the checkpoint has
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model_types:
+            object.__setattr__(self, "model_types", (self.name,))
 
 
 __all__ = ["Family"]

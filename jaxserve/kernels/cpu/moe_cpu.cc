@@ -85,6 +85,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "quant_blocks.h"  // defines JAXSERVE_QUANT_VNNI where the intrinsic tiles build
@@ -729,29 +730,28 @@ ffi::Error MoeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// MoeImpl's binding, in its parameters' order.
+auto MoeBinding() {
+  auto routing = ffi::Ffi::Bind()
+                     .Ctx<ffi::ThreadPool>()
+                     .Arg<ffi::Buffer<ffi::F32>>()   // x
+                     .Arg<ffi::Buffer<ffi::F32>>()   // router
+                     .Arg<ffi::Buffer<ffi::F32>>();  // b_router
+  return QuantizedWeightArgs(QuantizedWeightArgs(std::move(routing)))  // gate_up's stack, then down's
+      .Arg<ffi::Buffer<ffi::F32>>()                                     // b_gate_up
+      .Arg<ffi::Buffer<ffi::F32>>()                                     // b_down
+      .Arg<ffi::Buffer<ffi::S32>>()                                     // token_mask
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int32_t>("top_k")
+      .Attr<int32_t>("router")
+      .Attr<int32_t>("normalize")
+      .Attr<int32_t>("kind_gate_up")
+      .Attr<int32_t>("kind_down")
+      .Attr<int32_t>("activation")
+      .Attr<float>("limit")
+      .Attr<float>("alpha");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("top_k")
-                                  .Attr<int32_t>("router")
-                                  .Attr<int32_t>("normalize")
-                                  .Attr<int32_t>("kind_gate_up")
-                                  .Attr<int32_t>("kind_down")
-                                  .Attr<int32_t>("activation")
-                                  .Attr<float>("limit")
-                                  .Attr<float>("alpha"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMoeCpu, MoeImpl, MoeBinding());

@@ -60,6 +60,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -632,20 +633,29 @@ ffi::Error FeatureMajorShapes(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& c
 
 // Feature-major queries' rotation (cos/sin [T, D]) and scale: Job's.
 struct Rope {
-  const float *cos, *sin;
+  ffi::Buffer<ffi::F32>* cos;
+  ffi::Buffer<ffi::F32>* sin;
   float scale;
 };
 
-// The four entry points once their queries' shapes are known: checks the
-// caches (T: F32, or S8 with k_scale/v_scale, null for F32), fills the job
-// and runs it. rope: feature-major queries' (null: token-major ones).
+// The four entry points' work: checks the shapes (rope: feature-major
+// queries', null for token-major ones) and the caches (T: F32, or S8 with
+// k_scale/v_scale, null for F32), fills the job and runs it.
 template <ffi::DataType T>
-ffi::Error Attend(ffi::ThreadPool& pool, const Shapes& s, ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache,
+ffi::Error Attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<T>& k_cache,
                   ffi::Buffer<ffi::F32>* k_scale, ffi::Buffer<T>& v_cache, ffi::Buffer<ffi::F32>* v_scale,
                   ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& seq, ffi::Buffer<ffi::S32>& limit,
                   ffi::Buffer<ffi::S32>& lower, ffi::Buffer<ffi::F32>& sinks, float softcap, const Rope* rope,
                   ffi::ResultBuffer<ffi::F32>& out) {
   using KV = ffi::NativeType<T>;  // float or int8_t
+  Shapes s;
+  if (rope == nullptr) {
+    if (ffi::Error e = TokenMajorShapes(q, k_cache, v_cache, tables, &s); e.failure()) return e;
+  } else {
+    if (ffi::Error e = FeatureMajorShapes(q, *rope->cos, *rope->sin, k_cache, v_cache, tables, out, &s); e.failure()) {
+      return e;
+    }
+  }
   if (ffi::Error e = CheckCaches(s, k_cache, v_cache, seq, limit, lower, sinks, softcap); e.failure()) return e;
   if constexpr (kQuantized<KV>) {
     if (ffi::Error e = CheckScales(s, *k_scale, *v_scale); e.failure()) return e;
@@ -668,8 +678,8 @@ ffi::Error Attend(ffi::ThreadPool& pool, const Shapes& s, ffi::Buffer<ffi::F32>&
   job->sinks = sinks.element_count() == 0 ? nullptr : sinks.typed_data();
   if (rope != nullptr) {
     job->feature_major = true;
-    job->cos = rope->cos;
-    job->sin = rope->sin;
+    job->cos = rope->cos->typed_data();
+    job->sin = rope->sin->typed_data();
     job->scale = rope->scale;
   }
   RunJob(pool, job);
@@ -681,10 +691,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                               ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float logit_softcap,
                               ffi::ResultBuffer<ffi::F32> out) {
-  Shapes s;
-  if (ffi::Error e = TokenMajorShapes(q, k_cache, v_cache, tables, &s); e.failure()) return e;
-  return Attend(pool, s, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap,
-                nullptr, out);
+  return Attend(pool, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap, nullptr,
+                out);
 }
 
 // PagedAttentionImpl over an int8 cache (the header comment's int8 entry points).
@@ -693,9 +701,7 @@ ffi::Error PagedAttentionI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> tables,
                                 ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit, ffi::Buffer<ffi::S32> lower,
                                 ffi::Buffer<ffi::F32> sinks, float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  Shapes s;
-  if (ffi::Error e = TokenMajorShapes(q, k_cache, v_cache, tables, &s); e.failure()) return e;
-  return Attend(pool, s, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
+  return Attend(pool, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
                 nullptr, out);
 }
 
@@ -710,11 +716,9 @@ ffi::Error PagedAttentionFmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                                 ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
                                 float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  Shapes s;
-  if (ffi::Error e = FeatureMajorShapes(q, cos, sin, k_cache, v_cache, tables, out, &s); e.failure()) return e;
-  const Rope rope{cos.typed_data(), sin.typed_data(), scale};
-  return Attend(pool, s, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap,
-                &rope, out);
+  const Rope rope{&cos, &sin, scale};
+  return Attend(pool, q, k_cache, nullptr, v_cache, nullptr, tables, seq, limit, lower, sinks, logit_softcap, &rope,
+                out);
 }
 
 // PagedAttentionFmImpl over an int8 cache.
@@ -725,77 +729,74 @@ ffi::Error PagedAttentionFmI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::S32> seq, ffi::Buffer<ffi::S32> limit,
                                   ffi::Buffer<ffi::S32> lower, ffi::Buffer<ffi::F32> sinks, float scale,
                                   float logit_softcap, ffi::ResultBuffer<ffi::F32> out) {
-  Shapes s;
-  if (ffi::Error e = FeatureMajorShapes(q, cos, sin, k_cache, v_cache, tables, out, &s); e.failure()) return e;
-  const Rope rope{cos.typed_data(), sin.typed_data(), scale};
-  return Attend(pool, s, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
+  const Rope rope{&cos, &sin, scale};
+  return Attend(pool, q, k_cache, &k_scale, v_cache, &v_scale, tables, seq, limit, lower, sinks, logit_softcap,
                 &rope, out);
+}
+
+// The four entry points' FFI bindings, in their parameters' order. They
+// differ in two places only: q's layout (feature-major q comes with cos and
+// sin, and takes the scale as an attribute) and the cache's element type (an
+// int8 cache passes each of its keys and values with their scales). Built
+// from one list, so the four cannot drift apart.
+
+template <bool kFeatureMajor, class Binding>
+auto QueryArgs(Binding&& binding) {
+  if constexpr (kFeatureMajor) {
+    return std::move(binding)
+        .template Arg<ffi::Buffer<ffi::F32>>()   // q, feature-major [KVH * G * D, T]
+        .template Arg<ffi::Buffer<ffi::F32>>()   // cos
+        .template Arg<ffi::Buffer<ffi::F32>>();  // sin
+  } else {
+    return std::move(binding).template Arg<ffi::Buffer<ffi::F32>>();  // q [T, KVH, G, D]
+  }
+}
+
+template <ffi::DataType kCache, class Binding>
+auto CacheArgs(Binding&& binding) {
+  if constexpr (kCache == ffi::S8) {
+    return std::move(binding)
+        .template Arg<ffi::Buffer<ffi::S8>>()    // k_cache
+        .template Arg<ffi::Buffer<ffi::F32>>()   // k_scale
+        .template Arg<ffi::Buffer<ffi::S8>>()    // v_cache
+        .template Arg<ffi::Buffer<ffi::F32>>();  // v_scale
+  } else {
+    return std::move(binding).template Arg<ffi::Buffer<kCache>>().template Arg<ffi::Buffer<kCache>>();
+  }
+}
+
+// What follows the caches: the same arguments for all four, the scale
+// attribute for feature-major q only.
+template <bool kFeatureMajor, class Binding>
+auto TableArgsAndAttrs(Binding&& binding) {
+  auto args = std::move(binding)
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // tables
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // seq
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // limit
+                  .template Arg<ffi::Buffer<ffi::S32>>()   // lower
+                  .template Arg<ffi::Buffer<ffi::F32>>();  // sinks
+  if constexpr (kFeatureMajor) {
+    return std::move(args).template Attr<float>("scale").template Attr<float>("logit_softcap");
+  } else {
+    return std::move(args).template Attr<float>("logit_softcap");
+  }
+}
+
+template <ffi::DataType kCache, bool kFeatureMajor>
+auto PagedAttentionBinding() {
+  auto args = CacheArgs<kCache>(QueryArgs<kFeatureMajor>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+  return TableArgsAndAttrs<kFeatureMajor>(std::move(args)).template Ret<ffi::Buffer<ffi::F32>>();  // out
 }
 
 }  // namespace
 
+// (Each binding in parentheses: the macro would take the comma between its
+// template arguments for one between its own.)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpu, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Attr<float>("logit_softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
+                              (PagedAttentionBinding<ffi::F32, false>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFm, PagedAttentionFmImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Attr<float>("scale")
-                                  .Attr<float>("logit_softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
+                              (PagedAttentionBinding<ffi::F32, true>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuI8, PagedAttentionI8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // v_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Attr<float>("logit_softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
+                              (PagedAttentionBinding<ffi::S8, false>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionCpuFmI8, PagedAttentionFmI8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q, feature-major
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // v_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
-                                  .Attr<float>("scale")
-                                  .Attr<float>("logit_softcap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              (PagedAttentionBinding<ffi::S8, true>()));

@@ -594,12 +594,8 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmatmulCpu, QmatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                              QuantizedWeightArgs(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("kind")
                                   .Attr<int32_t>("mode"));

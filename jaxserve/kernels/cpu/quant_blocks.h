@@ -20,6 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(JAXSERVE_QUANT_PORTABLE)
 #define JAXSERVE_QUANT_VNNI 1
@@ -119,6 +122,19 @@ inline int32_t WeightOffset(int32_t kind) { return kind == kQ8_0 ? 128 : (kind =
   return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));                 // lo b0, hi b0, lo b1, hi b1
 }
 #endif
+
+// A quantized weight's arguments in an FFI binding: its blocks q (int8 or
+// packed nibbles), their float16 scales, and their float16 mins (Q4_1 only;
+// the others pass the scales again). jaxserve.kernels.cpu passes a weight
+// (qmatmul_cpu) and each expert stack (moe_cpu, which passes a float32 stack
+// in q with empty scale and mins) as these three buffers, in this order.
+template <class Binding>
+auto QuantizedWeightArgs(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<xla::ffi::AnyBuffer>()   // q
+      .template Arg<xla::ffi::AnyBuffer>()   // scale
+      .template Arg<xla::ffi::AnyBuffer>();  // mins
+}
 
 }  // namespace jaxserve_cpu::quant
 

@@ -220,7 +220,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 FAMILY = Family(
     name="gemma2",
     architectures=(ARCHITECTURE,),
-    model_types=("gemma2",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(architectures=("gemma2",), layer_names=GEMMA_LAYER_NAMES, config=gguf_config, norm_offset=1.0),

@@ -155,7 +155,6 @@ _EXPERTS = "mlp.experts."
 FAMILY = Family(
     name="gpt_oss",
     architectures=(ARCHITECTURE,),
-    model_types=("gpt_oss",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(

@@ -15,7 +15,6 @@ from typing import Any
 from jaxserve.models.config import ModelConfig, attention_biases, read_base
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, bias_keys
-from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -41,9 +40,7 @@ def _dense(tensor_names: Collection[str]) -> bool:
 FAMILY = Family(
     name="llama",
     architectures=(ARCHITECTURE,),
-    model_types=("llama",),
     read_config=read_config,
-    weights=llama_weights,
     gguf=GGUFSpec(
         architectures=("llama",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True, claims=_dense
     ),

@@ -14,7 +14,6 @@ from typing import Any
 
 from jaxserve.models.config import ModelConfig, optional_int, read_base
 from jaxserve.models.family import Family
-from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "MistralForCausalLM"
 
@@ -27,7 +26,5 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
 FAMILY = Family(
     name="mistral",
     architectures=(ARCHITECTURE,),
-    model_types=("mistral",),
     read_config=read_config,
-    weights=llama_weights,
 )

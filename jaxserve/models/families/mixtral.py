@@ -62,7 +62,6 @@ def _has_experts(tensor_names: Collection[str]) -> bool:
 FAMILY = Family(
     name="mixtral",
     architectures=(ARCHITECTURE,),
-    model_types=("mixtral",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(

@@ -68,7 +68,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 FAMILY = Family(
     name="olmo2",
     architectures=(ARCHITECTURE,),
-    model_types=("olmo2",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(architectures=("olmo2",), layer_names=GGUF_LAYER_NAMES, config=gguf_config),

@@ -174,7 +174,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 FAMILY = Family(
     name="phi3",
     architectures=(ARCHITECTURE,),
-    model_types=("phi3",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(architectures=("phi3",), layer_names=GGUF_LAYER_NAMES, config=gguf_config),

@@ -15,7 +15,6 @@ from typing import Any
 from jaxserve.models.config import ModelConfig, read_base, read_layer_types
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFSpec, plain_config
-from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 
@@ -42,9 +41,7 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
 FAMILY = Family(
     name="qwen2",
     architectures=(ARCHITECTURE,),
-    model_types=("qwen2",),
     read_config=read_config,
-    weights=llama_weights,
     gguf=GGUFSpec(architectures=("qwen2",), layer_names=LLAMA_LAYER_NAMES, config=plain_config(ARCHITECTURE)),
     end_of_turn=("<|im_end|>",),
 )

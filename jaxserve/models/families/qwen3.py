@@ -39,7 +39,6 @@ def weights(c: ModelConfig) -> ModelWeights:
 FAMILY = Family(
     name="qwen3",
     architectures=(ARCHITECTURE,),
-    model_types=("qwen3",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(

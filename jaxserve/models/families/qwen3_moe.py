@@ -100,7 +100,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 FAMILY = Family(
     name="qwen3_moe",
     architectures=(ARCHITECTURE,),
-    model_types=("qwen3_moe",),
     read_config=read_config,
     weights=weights,
     gguf=GGUFSpec(

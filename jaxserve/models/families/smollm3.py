@@ -27,7 +27,6 @@ from jaxserve.models.config import ModelConfig, attention_biases, optional_int, 
 from jaxserve.models.errors import ModelLoadError
 from jaxserve.models.family import Family
 from jaxserve.models.gguf_spec import LLAMA_LAYER_NAMES, GGUFMetadata, GGUFSpec, base_config, bias_keys
-from jaxserve.models.weights import llama_weights
 
 ARCHITECTURE = "SmolLM3ForCausalLM"
 #: SmolLM3Config's defaults for the keys a config.json may leave out
@@ -84,9 +83,7 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 FAMILY = Family(
     name="smollm3",
     architectures=(ARCHITECTURE,),
-    model_types=("smollm3",),
     read_config=read_config,
-    weights=llama_weights,
     gguf=GGUFSpec(architectures=("smollm3",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True),
     end_of_turn=("<|im_end|>",),
 )
