@@ -218,10 +218,11 @@ class JobTrace:
         else:
             phases.append(("admission", t.received, started, {}))
             # a token came, so the job had a decode phase, even where the
-            # first token's stamp is not after the scheduling one (the two
-            # come from different clocks' readers: the engine's, else the
-            # worker's); once, on a loaded 2-core host, test_tracing's
-            # decode span went missing when that case dropped it
+            # first token's stamp is not after the scheduling one (without
+            # the engine's stamps, the worker's admitted_mono is taken when
+            # the engine's add returns, which can be after the first token);
+            # test_tracing once lost its decode span on a loaded 2-core host
+            # (not reproduced alone, its cause not pinned down)
             first = None if t.first_token is None else max(t.first_token, started)
             last = t.finished if t.finished is not None and t.finished >= (first or started) else work_end
             prompt_attr = {} if usage is None else {"gen_ai.usage.input_tokens": usage.prompt_tokens}
