@@ -55,7 +55,6 @@ This module finds, validates, hashes and caches presets;
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -66,6 +65,7 @@ from typing import Any
 
 import jaxserve
 from jaxserve.cache_folders import build_folder_once, cache_dir
+from jaxserve.json_files import read_json_object
 
 # Bump when the materialized output changes for the same preset file.
 FORMAT_VERSION = 1
@@ -201,12 +201,7 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
 
 
 def load_preset(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise PresetError(f"cannot read preset {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise PresetError(f"preset {path} must be a JSON object")
+    data = read_json_object(path, PresetError, "preset ")
     if "gguf" in data:
         return _check_gguf_preset(path, data)
     for key in ("config", "tokenizer"):

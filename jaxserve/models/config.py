@@ -27,12 +27,12 @@ a model whose windows never bind runs plain causal attention.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
+from jaxserve.json_files import read_json_object
 from jaxserve.models.errors import ModelLoadError
 
 #: rope types the model implements (:mod:`jaxserve.models.rope`)
@@ -258,14 +258,7 @@ def read_json_config(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelLoadError(f"config file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
-    if not isinstance(d, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return d
+    return read_json_object(path, ModelLoadError)
 
 
 # ---------------------------------------------------------------- shared parsing

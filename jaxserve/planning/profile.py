@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.planning.files import read_json
+from jaxserve.json_files import read_json
 
 PROFILE_KIND = "jaxserve-profile"
 PROFILE_VERSION = 1

@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from jaxserve.planning.files import read_json
+from jaxserve.json_files import read_json
 
 
 class ScaleoutError(ValueError):

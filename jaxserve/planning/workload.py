@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxserve.planning.files import parse_json, read_text
+from jaxserve.json_files import parse_json, read_text
 
 
 class WorkloadError(ValueError):

@@ -9,7 +9,6 @@ token is prepended is decided by its post-processor, never by this class.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from jaxserve.json_files import read_json_object
 from jaxserve.tokenizer.chat_template import ChatTemplateError, fold_system_message, render_chat_template
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -57,14 +57,7 @@ def _token_content(value: Any) -> str | None:
 def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    try:
-        with path.open(encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise TokenizerLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, TokenizerLoadError)
 
 
 def _id_list(value: Any) -> list[int]:
