@@ -10,6 +10,14 @@ on the driver's prompts, which are the ones the CLI draws itself (same
 recipe and seed). The CLI builds a fresh engine per run; this script exists
 so the driver can interleave jaxserve's timed runs tightly with the other
 systems' (``--serve``, see ``common.py``).
+
+Speculative decoding is off unless ``--num-speculative-tokens`` says
+otherwise: the peers (llama.cpp's batched bench, vLLM) decode one token per
+step, and random-weight models (offline-moe) collapse to repeating one token,
+which prompt lookup guesses every time (offline-moe-2026-12-07T035114Z.json:
+2.0x llama.cpp and "151 % of read bandwidth" with it on), so the figure
+would measure the guesser, not the engine. The ``speculative`` scenario
+measures speculation on workloads where it is meant to help.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from common import load_prompts, peer_arguments, serve_or_once
 def main() -> None:
     parser = peer_arguments(__doc__.splitlines()[0], warmup_tokens=False)
     parser.add_argument("--quantization", default=None, help="int8 or int4 (weight-only, as the CLI's --quantization)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help="guesses per step (default 0: off)")
     args = parser.parse_args()
 
     prompts, input_len = load_prompts(args.prompts)
@@ -39,6 +48,7 @@ def main() -> None:
         max_num_seqs=min(num_prompts, 256),
         max_model_len=max(input_len + args.output_len, 64),
         enable_prefix_caching=False,
+        num_speculative_tokens=args.num_speculative_tokens,
         **({"quantization": args.quantization} if args.quantization else {}),
     )
     llm.generate([prompts[0][: min(16, input_len)]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -65,6 +75,7 @@ def main() -> None:
             "block_size": llm.engine.scheduler_config.block_size,
             "num_blocks": llm.engine.num_blocks,
             "enable_prefix_caching": False,
+            "num_speculative_tokens": args.num_speculative_tokens,
             "quantization": args.quantization,
         },
         "first_output_ids": first,
