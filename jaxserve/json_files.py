@@ -1,7 +1,8 @@
-"""Reading JSON files and bodies with one-line errors in the caller's error type.
+"""Reading JSON files with one-line errors in the caller's error type.
 
-Model configs, tokenizer files, presets, the planner's inputs and job bodies
-are all "a JSON object or a one-line error naming where it came from"; each
+Model configs, safetensors indexes, tokenizer files, presets and the
+planner's inputs are all "a JSON object or a one-line error naming the
+file"; each
 caller keeps its own exception class (ModelLoadError, TokenizerLoadError,
 PresetError, ProfileError, ...) so its handlers and exit codes stay as they
 are. This module sits below every layer: it imports nothing of jaxserve.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.json_files import read_json_object
 from jaxserve.models import quant
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.decoder import CausalLM, DecoderLayer
@@ -74,11 +74,9 @@ class _TensorSource:
         single = os.path.join(folder, SINGLE_FILE)
         index = os.path.join(folder, INDEX_FILE)
         if os.path.isfile(index):
-            try:
-                with open(index, "rb") as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ModelLoadError(f"cannot read {index}: {e}") from e
+            weight_map = read_json_object(index, ModelLoadError).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelLoadError(f"{index} must hold a weight_map object, got {type(weight_map).__name__}")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             files = [SINGLE_FILE]
