@@ -30,6 +30,7 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -216,12 +217,23 @@ def machine_facts() -> dict:
     return {
         "cpu": _cpu_model(),
         "flags": [f for f in FLAGS_OF_INTEREST if f in flags],
+        "int8_kernel_units": _int8_kernel_units(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)),
         "physical_cores": len(physical) or None,
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "platform": platform.platform(),
     }
+
+
+def _int8_kernel_units() -> str | None:
+    """Where jaxserve's quantized kernel takes its prefill products on this
+    machine (``jaxserve.kernels.cpu.int8_units``: amx, avx512_vnni or
+    portable; ``None`` without the C++ kernels)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from jaxserve.kernels import cpu
+
+    return cpu.int8_units()
 
 
 def _cpu_model() -> str:

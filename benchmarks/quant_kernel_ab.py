@@ -12,11 +12,17 @@ against float activations? Both read the same quantized weights.
   boundary between the two integer loops;
 - prefill sizes (32+ tokens): ``mode=0`` against XLA's float32 matmul on a
   dequantized copy of the weights: the float alternative at its best (the
-  widening done once, not per call), so an integer win here is a lower bound.
+  widening done once, not per call), so an integer win here is a lower bound;
+  and ``mode=3``, the VNNI prefill loop where ``mode=0`` runs on AMX tiles
+  (on a CPU without AMX the two are the same loop). Each side's rate is
+  also given in GOP/s (2 x weights x tokens / time).
 
 One process, the two sides alternated round by round over the matrices of
 one SmolLM2-135M layer plus its vocabulary projection (random weights of the
-same shapes), median and min-max of each side's per-round time.
+same shapes), median and min-max of each side's per-round time. Above 512
+tokens (prefill chunks) without the vocabulary projection: a prefill step
+projects only the tokens it samples, and at 2,048 tokens its 400 MB output
+would be most of what is timed.
 
     python benchmarks/quant_kernel_ab.py --kind q8_0 --rounds 9
 """
@@ -69,15 +75,18 @@ def main() -> None:
 
     def chain(mode: int):
         def run(ws, xs):
-            return [cpu.qmatmul_cpu(ws[n], xs[n], mode=mode) for n in SHAPES]
+            return [cpu.qmatmul_cpu(ws[n], xs[n], mode=mode) for n in xs]
 
         return jax.jit(run)
 
-    integer, floats, lanes = chain(0), chain(1), chain(2)
-    xla = jax.jit(lambda ws, xs: [jnp.dot(ws[n], xs[n], preferred_element_type=jnp.float32) for n in SHAPES])
+    integer, floats, lanes, vnni = chain(0), chain(1), chain(2), chain(3)
+
+    xla = jax.jit(lambda ws, xs: [jnp.dot(ws[n], xs[n], preferred_element_type=jnp.float32) for n in xs])
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        xs = {n: jnp.asarray(rng.standard_normal((s[1], T)).astype(np.float32)) for n, s in SHAPES.items()}
+        shapes = {n: s for n, s in SHAPES.items() if T <= 512 or n != "vocab"}
+        xs = {n: jnp.asarray(rng.standard_normal((s[1], T)).astype(np.float32)) for n, s in shapes.items()}
+        ops_per_token = 2 * sum(o * i for o, i in shapes.values())
         if T <= 16:
             sides = {
                 "integer": lambda xs=xs: integer(weights, xs),
@@ -85,7 +94,11 @@ def main() -> None:
                 "integer_token_lanes": lambda xs=xs: lanes(weights, xs),
             }
         else:
-            sides = {"integer": lambda xs=xs: integer(weights, xs), "float": lambda xs=xs: xla(dense, xs)}
+            sides = {
+                "integer": lambda xs=xs: integer(weights, xs),
+                "float": lambda xs=xs: xla(dense, xs),
+                "integer_vnni": lambda xs=xs: vnni(weights, xs),
+            }
         for f in sides.values():  # compile and warm
             jax.block_until_ready(f())
         times = {k: [] for k in sides}
@@ -96,6 +109,7 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {
             "tokens": T,
+            "matrices": list(shapes),
             "float_side": "mode 1 (widened in registers)" if T <= 16 else "XLA f32 matmul on dequantized weights",
             "integer_ms": round(1e3 * med["integer"], 3),
             "float_ms": round(1e3 * med["float"], 3),
@@ -105,6 +119,12 @@ def main() -> None:
         }
         if "integer_token_lanes" in med:  # the prefill loop (tokens in lanes) at a decode size
             row["token_lanes_over_integer"] = round(med["integer_token_lanes"] / med["integer"], 3)
+        if "integer_vnni" in med:  # the VNNI prefill loop against mode 0 (AMX where the CPU has it)
+            row["vnni_ms"] = round(1e3 * med["integer_vnni"], 3)
+            row["vnni_range_ms"] = [round(1e3 * min(times["integer_vnni"]), 3), round(1e3 * max(times["integer_vnni"]), 3)]
+            row["vnni_over_integer"] = round(med["integer_vnni"] / med["integer"], 3)
+            row["integer_gop_s"] = round(ops_per_token * T / med["integer"] / 1e9, 1)
+            row["vnni_gop_s"] = round(ops_per_token * T / med["integer_vnni"] / 1e9, 1)
         rows.append(row)
         print(
             f"T={T:4d}  integer {row['integer_ms']:8.3f} ms  float {row['float_ms']:8.3f} ms  "
@@ -112,6 +132,12 @@ def main() -> None:
             + (
                 f"  token-lanes/integer {row['token_lanes_over_integer']:.2f}x"
                 if "token_lanes_over_integer" in row
+                else ""
+            )
+            + (
+                f"  vnni/integer {row['vnni_over_integer']:.2f}x"
+                f" ({row['integer_gop_s']:.0f} vs {row['vnni_gop_s']:.0f} GOP/s)"
+                if "vnni_over_integer" in row
                 else ""
             )
         )

@@ -6,7 +6,10 @@ prefill sizes (9 and up, tokens in vector lanes), with odd token counts, an
 odd number of blocks per row (a half 64-weight chunk) and row counts that
 leave partial tiles. The portable build (what a CPU without AVX-512 VNNI
 compiles, AVX2-only EPYCs among them) is checked the same way in a
-subprocess that builds the library with ``-mno-avx512vnni``."""
+subprocess that builds the library with ``-mno-avx512vnni``; on a CPU with
+AMX the default build's prefill loop runs on AMX tiles, so the VNNI build
+(``-mno-amx-tile -mno-amx-int8``) is checked in a subprocess too, and the
+AMX loop gives the VNNI loop's bits (``mode=3``)."""
 
 from __future__ import annotations
 
@@ -75,6 +78,19 @@ def test_a_token_does_not_depend_on_the_rest_of_a_decode_batch():
     np.testing.assert_array_equal(batch[:, 4:5], alone)
 
 
+@pytest.mark.skipif(cpu.available() and cpu.int8_units() != "amx", reason="the CPU has no AMX-INT8 (or Linux refused it)")
+@pytest.mark.parametrize("kind", quant.KINDS)
+def test_amx_prefill_gives_the_vnni_loops_bits(kind):
+    """The AMX loop scales each block's tile of integer dots in the VNNI
+    prefill loop's order of operations, so the two agree bitwise, over
+    16-row panels, a remainder of rows below 16 and partial token tiles."""
+    vnni = jax.jit(lambda w, x: cpu.qmatmul_cpu(w, x, mode=3))
+    for O, I, T in [(100, 576, 70), (48, 96, 17), (40, 1536, 300)]:
+        q, x = _case(O, I, T, kind, seed=O + T)
+        jq, jx = quant.to_device(q), jnp.asarray(x)
+        np.testing.assert_array_equal(np.asarray(_kernel(jq, jx)), np.asarray(vnni(jq, jx)))
+
+
 def test_shapes_it_refuses():
     q = quant.to_device(quant.quantize(np.zeros((8, 64), np.float32), "q8_0"))
     with pytest.raises(ValueError, match="qmatmul_cpu takes"):
@@ -97,12 +113,20 @@ for kind in quant.KINDS:
             ref = quant.reference_matmul(w, x)
             got = np.asarray(cpu.qmatmul_cpu(quant.to_device(w), jnp.asarray(x)))
             np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6 * np.abs(ref).max())
-print("portable ok")
-"""
+print("build ok")
+"""  # run with other compiler flags; says which loops the build has
 
 
-def test_portable_build_equals_reference():
-    env = dict(os.environ, JAXSERVE_CPU_KERNEL_CFLAGS="-mno-avx512vnni")
-    proc = subprocess.run([sys.executable, "-c", _PORTABLE], env=env, capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize(
+    "flags,units",
+    [("-mno-avx512vnni", "portable"), ("-mno-amx-tile -mno-amx-int8", "avx512_vnni")],
+    ids=["portable", "vnni"],
+)
+def test_other_builds_equal_reference(flags, units):
+    if units == "avx512_vnni" and cpu.int8_units() == "portable":
+        pytest.skip("the CPU has no AVX-512 VNNI")
+    env = dict(os.environ, JAXSERVE_CPU_KERNEL_CFLAGS=flags)
+    code = _PORTABLE + f"assert cpu.int8_units() == {units!r}, cpu.int8_units()\n"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "portable ok" in proc.stdout
+    assert "build ok" in proc.stdout

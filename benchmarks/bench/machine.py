@@ -55,8 +55,10 @@ def short(machine: dict[str, Any]) -> str:
     flags = machine.get("flags") or []
     simd = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     extra = [f for f in ("avx512_vnni", "amx_int8") if f in flags]
+    units = machine.get("int8_kernel_units")
     return (
-        f"{cpu}, {machine.get('usable_cpus')} cores, {simd}{'+' + '+'.join(extra) if extra else ''}; "
+        f"{cpu}, {machine.get('usable_cpus')} cores, {simd}{'+' + '+'.join(extra) if extra else ''}"
+        f"{f' (int8 prefill on {units})' if units else ''}; "
         f"{machine.get('read_gb_s')} GB/s read, {machine.get('f32_gflop_s')} GFLOP/s f32, "
         f"{machine.get('int8_gop_s')} GOP/s int8"
     )

@@ -181,6 +181,7 @@ def available() -> bool:
                 )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _state["int8_units"] = _INT8_UNITS.get(int(lib.JaxserveInt8Units()), "portable")
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-JAX kernel"
                 why = f"{type(exc).__name__}: {exc}"
@@ -188,6 +189,19 @@ def available() -> bool:
             log.warning("cpu_kernel.unavailable", reason=why, fallback="pure-JAX paged attention")
         _state["ok"] = ok
         return ok
+
+
+#: ``JaxserveInt8Units()`` (qmatmul_cpu.cc) by name
+_INT8_UNITS = {2: "amx", 1: "avx512_vnni", 0: "portable"}
+
+
+def int8_units() -> str | None:
+    """Where the quantized kernel's prefill loop (9+ tokens) takes its int8
+    products: ``"amx"`` (AMX tiles: the CPU has AMX-INT8 and Linux granted
+    the tile state), ``"avx512_vnni"``, or ``"portable"`` (plain C++); decided
+    when the library is built (``-march=native``) and loaded. ``None`` where
+    the kernels are unavailable."""
+    return str(_state["int8_units"]) if available() else None
 
 
 def unsupported(cache_dtype) -> str | None:
@@ -392,7 +406,9 @@ def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     an even number of blocks per row, float activations against weights
     widened to float instead (the alternative the kernel was measured
     against); ``mode=2``: the prefill loop (tokens in lanes) at any token
-    count. Call :func:`available` first."""
+    count; ``mode=3``: the VNNI prefill loop where the CPU would run it on
+    AMX tiles (:func:`amx` says whether it does; the same bits either way).
+    Call :func:`available` first."""
     if not qmatmul_serves(w, x):
         raise ValueError(
             f"qmatmul_cpu takes a quantized [O, I] weight @ float [I, T], not "
@@ -544,6 +560,7 @@ __all__ = [
     "paged_attention_cpu",
     "paged_attention_cpu_fm",
     "qmatmul_cpu",
+    "int8_units",
     "qmatmul_serves",
     "unsupported",
     "vocab_argmax_cpu",

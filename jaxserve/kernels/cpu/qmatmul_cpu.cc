@@ -91,9 +91,20 @@ constexpr int64_t kDecodeMaxTokens = 8;  // above: the prefill loop (benchmarks/
 // The activations of one call, quantized (see the header comment).
 struct Activations {
   int64_t I = 0, T = 0, G = 0, Tp = 0;
-  std::vector<int8_t> xq;     // decode: [T, I] token-major; prefill: [I / 4, Tp, 4]
-  std::vector<float> dx;      // decode: [T, G]; prefill: [G, Tp]
+  std::vector<int8_t> xq;     // decode: [T, I] token-major; prefill: [Tp / 16, I / 4, 16, 4]
+  std::vector<float> dx;      // decode: [T, G]; prefill: [Tp / 16, G, 16]
   std::vector<int32_t> sx;    // same layout as dx: sum of the block's xq
+
+  // The prefill layout, by tiles of 16 tokens: a tile's activations are
+  // contiguous (I / 4 rows of 4 features x 16 tokens, 64 bytes each), and so
+  // are its block scales and sums. A loop over one tile's blocks then reads
+  // consecutive bytes; with a [I / 4, Tp, 4] layout each of its 64-byte
+  // reads was 4 x Tp bytes from the last, a new page at 2,048 tokens, and
+  // the AMX loop's tile loads of it took a third of its time (perf record).
+  int64_t TileXq(int64_t t0) const { return t0 * I; }            // xq offset of the tile holding token t0
+  int64_t TileBlocks(int64_t t0) const { return t0 * G; }        // dx / sx offset of that tile
+  int64_t PrefillXq(int64_t f, int64_t t) const { return TileXq(t - t % 16) + (f / 4) * 64 + (t % 16) * 4 + f % 4; }
+  int64_t PrefillBlock(int64_t b, int64_t t) const { return TileBlocks(t - t % 16) + b * 16 + t % 16; }
 };
 
 #if defined(JAXSERVE_QUANT_VNNI)
@@ -126,13 +137,15 @@ void QuantizeDecodeVnni(const float* x, int64_t I, int64_t T, Activations& a) {
 // forms), which -ffast-math may not rewrite into 127 / amax, so the integers
 // are the scalar loop's. Four features of a token are packed into one int32
 // lane: one 64-byte store writes xq's [4 features x 16 tokens] group.
-void QuantizePrefillVnni(const float* x, int64_t I, int64_t T, Activations& a) {
-  const int64_t G = a.G, Tp = a.Tp;
+// Tokens [t_begin, t_end), both multiples of 16 (PrefillPrep splits a call
+// by them over the pool).
+void QuantizePrefillVnni(const float* x, int64_t T, int64_t t_begin, int64_t t_end, Activations& a) {
+  const int64_t G = a.G;
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m512 sign = _mm512_set1_ps(-0.0f), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
   const __m512 inv127 = _mm512_set1_ps(1.0f / 127.0f);
   const __m512i byte = _mm512_set1_epi32(0xFF);
-  for (int64_t t0 = 0; t0 < Tp; t0 += 16) {
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += 16) {
     const __mmask16 live = T - t0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (T - t0)) - 1);
     for (int64_t b = 0; b < G; ++b) {
       __m512 v[kGroup];
@@ -151,10 +164,10 @@ void QuantizePrefillVnni(const float* x, int64_t I, int64_t T, Activations& a) {
           sum = _mm512_add_epi32(sum, q);
           packed = _mm512_or_si512(packed, _mm512_slli_epi32(_mm512_and_si512(q, byte), 8 * j));
         }
-        _mm512_storeu_si512(a.xq.data() + ((b * kGroup + k) / 4 * Tp + t0) * 4, packed);
+        _mm512_storeu_si512(a.xq.data() + a.TileXq(t0) + (b * kGroup + k) / 4 * 64, packed);
       }
-      _mm512_storeu_ps(a.dx.data() + b * Tp + t0, d);
-      _mm512_storeu_si512(a.sx.data() + b * Tp + t0, sum);
+      _mm512_storeu_ps(a.dx.data() + a.TileBlocks(t0) + b * 16, d);
+      _mm512_storeu_si512(a.sx.data() + a.TileBlocks(t0) + b * 16, sum);
     }
   }
 }
@@ -162,6 +175,7 @@ void QuantizePrefillVnni(const float* x, int64_t I, int64_t T, Activations& a) {
 
 // Quantizes x [I, T] (feature-major): for the decode loop token-major; for
 // the prefill loop in groups of 4 features per token, tokens padded to Tp.
+// With VNNI the prefill layout is left to PrefillPrep (on the pool).
 void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Activations& a) {
   a.I = I;
   a.T = T;
@@ -173,7 +187,7 @@ void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Act
   a.sx.assign(static_cast<size_t>(G * Tp), 0);
 #if defined(JAXSERVE_QUANT_VNNI)
   if (!prefill) return QuantizeDecodeVnni(x, I, T, a);
-  return QuantizePrefillVnni(x, I, T, a);
+  return;
 #endif
   float v[kGroup];
   int8_t q[kGroup];
@@ -185,11 +199,11 @@ void QuantizeActivations(const float* x, int64_t I, int64_t T, bool prefill, Act
       for (int64_t k = 0; k < kGroup; ++k) {
         const int64_t f = b * kGroup + k;
         if (prefill)
-          a.xq[(f / 4 * Tp + t) * 4 + f % 4] = q[k];
+          a.xq[a.PrefillXq(f, t)] = q[k];
         else
           a.xq[t * I + f] = q[k];
       }
-      const int64_t at = prefill ? b * Tp + t : t * G + b;
+      const int64_t at = prefill ? a.PrefillBlock(b, t) : t * G + b;
       a.dx[at] = d;
       a.sx[at] = sum;
     }
@@ -222,7 +236,7 @@ inline float BlockTerm(int32_t kind, int32_t dot, int32_t sx, float d, float m, 
 
 void PortableRows(int32_t kind, const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const Activations& a,
                   bool prefill, float* out, int64_t o0, int64_t o1) {
-  const int64_t I = a.I, T = a.T, G = a.G, Tp = a.Tp;
+  const int64_t I = a.I, T = a.T, G = a.G;
   int32_t w[kGroup];
   std::vector<float> acc(static_cast<size_t>(T));
   for (int64_t o = o0; o < o1; ++o) {
@@ -235,10 +249,10 @@ void PortableRows(int32_t kind, const uint8_t* q, const uint16_t* scale, const u
         int32_t dot = 0;
         for (int k = 0; k < kGroup; ++k) {
           const int64_t f = b * kGroup + k;
-          const int8_t xv = prefill ? a.xq[(f / 4 * Tp + t) * 4 + f % 4] : a.xq[t * I + f];
+          const int8_t xv = prefill ? a.xq[a.PrefillXq(f, t)] : a.xq[t * I + f];
           dot += w[k] * xv;
         }
-        const int64_t at = prefill ? b * Tp + t : t * G + b;
+        const int64_t at = prefill ? a.PrefillBlock(b, t) : t * G + b;
         acc[t] += BlockTerm(kind, dot, a.sx[at], d, m, a.dx[at]);
       }
     }
@@ -355,16 +369,40 @@ void DecodeRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, c
 }
 
 // Per block and token: the int32 start (-128 * sum for q8_0, -8 * sum for
-// q4_0, 0 for q4_1), for the prefill loop's token-lane vectors.
-void BuildPrefillStarts(int32_t kind, const Activations& a, std::vector<int32_t>& start, std::vector<float>& dxs) {
+// q4_0, 0 for q4_1), for the prefill loop's token-lane vectors, and q4_1's
+// dx * sum; tokens [t_begin, t_end) (the arrays sized by the caller).
+void BuildPrefillStarts(int32_t kind, const Activations& a, int64_t t_begin, int64_t t_end, int32_t* start,
+                        float* dxs) {
   const int32_t per_block = WeightOffset(kind);
-  start.resize(a.sx.size());
-  dxs.resize(a.sx.size());
-  for (size_t i = 0; i < a.sx.size(); ++i) {
+  for (int64_t i = a.TileBlocks(t_begin); i < a.TileBlocks(t_end); ++i) {
     start[i] = -per_block * a.sx[i];
     dxs[i] = a.dx[i] * static_cast<float>(a.sx[i]);
   }
 }
+
+// A prefill call's activations quantized (QuantizePrefillVnni) and its
+// starts built, by items of whole 16-token tiles on the pool before the
+// matmul's items start: on the calling thread alone, as before, it was a
+// serial fifth of an AMX product's time at 2,048 tokens (SmolLM2-135M's
+// gate/up projection: 0.9 of 4-5 ms; the down projection 2.5 of 6).
+struct PrefillPrep {
+  const float* x;
+  int32_t kind;
+  Activations* a;
+  int32_t* start;
+  float* dxs;
+  int64_t tiles_per_item, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void RunItem(int64_t item) const {
+    const int64_t t_begin = item * tiles_per_item * 16, t_end = std::min(a->Tp, t_begin + tiles_per_item * 16);
+    QuantizePrefillVnni(x, a->T, t_begin, t_end, *a);
+    BuildPrefillStarts(kind, *a, t_begin, t_end, start, dxs);
+  }
+
+  void Run() { jaxserve_cpu::RunItems(*this, items); }
+};
 
 // The 4-byte group j (0..7) of block b of a row as unsigned weight bytes.
 template <int32_t kind>
@@ -382,7 +420,7 @@ inline uint32_t WeightGroup(const uint8_t* row, int64_t b, int j) {
 template <int32_t kind, int R, int TV>
 void PrefillTile(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const Activations& a,
                  const int32_t* start, const float* dxs, int64_t o, int64_t t0, float* out) {
-  const int64_t I = a.I, G = a.G, Tp = a.Tp, T = a.T;
+  const int64_t I = a.I, G = a.G, T = a.T;
   const int64_t row_bytes = kind == kQ8_0 ? I : I / 2;
   __m512 acc[R][TV];
   for (int r = 0; r < R; ++r)
@@ -390,25 +428,25 @@ void PrefillTile(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, 
   for (int64_t b = 0; b < G; ++b) {
     __m512i dot[R][TV];
     for (int j = 0; j < TV; ++j) {
-      const __m512i s = _mm512_loadu_si512(start + b * Tp + t0 + 16 * j);
+      const __m512i s = _mm512_loadu_si512(start + a.TileBlocks(t0 + 16 * j) + b * 16);
       for (int r = 0; r < R; ++r) dot[r][j] = s;
     }
     for (int g = 0; g < 8; ++g) {
       __m512i xv[TV];
-      for (int j = 0; j < TV; ++j) xv[j] = _mm512_loadu_si512(a.xq.data() + ((b * 8 + g) * Tp + t0 + 16 * j) * 4);
+      for (int j = 0; j < TV; ++j) xv[j] = _mm512_loadu_si512(a.xq.data() + a.TileXq(t0 + 16 * j) + (b * 8 + g) * 64);
       for (int r = 0; r < R; ++r) {
         const __m512i wb = _mm512_set1_epi32(static_cast<int>(WeightGroup<kind>(q + (o + r) * row_bytes, b, g)));
         for (int j = 0; j < TV; ++j) dot[r][j] = _mm512_dpbusd_epi32(dot[r][j], wb, xv[j]);
       }
     }
     __m512 dx[TV];
-    for (int j = 0; j < TV; ++j) dx[j] = _mm512_loadu_ps(a.dx.data() + b * Tp + t0 + 16 * j);
+    for (int j = 0; j < TV; ++j) dx[j] = _mm512_loadu_ps(a.dx.data() + a.TileBlocks(t0 + 16 * j) + b * 16);
     for (int r = 0; r < R; ++r) {
       const __m512 d = OneHalf(scale + (o + r) * G + b);
       for (int j = 0; j < TV; ++j) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(d, dx[j]), acc[r][j]);
       if (kind == kQ4_1) {
         const __m512 m = OneHalf(mins + (o + r) * G + b);
-        for (int j = 0; j < TV; ++j) acc[r][j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(dxs + b * Tp + t0 + 16 * j), acc[r][j]);
+        for (int j = 0; j < TV; ++j) acc[r][j] = _mm512_fmadd_ps(m, _mm512_loadu_ps(dxs + a.TileBlocks(t0 + 16 * j) + b * 16), acc[r][j]);
       }
     }
   }
@@ -436,6 +474,180 @@ void PrefillRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, 
     if (t < Tp) PrefillTile<kind, 1, 1>(q, scale, mins, a, start, dxs, o, t, out);
   }
 }
+
+#if defined(JAXSERVE_QUANT_AMX)
+// ------------------------------------------------------------------ AMX
+
+// The tile registers (palette 1), by number since the tile intrinsics take
+// literals: tmm0, tmm1 C, 16 x 16 int32 dots; tmm2, tmm3 A, 16 weight rows
+// x one block (32 bytes); tmm4, tmm5 B, one block x 16 tokens, 8 rows of 4
+// features x 16 tokens (the prefill activation layout's rows as they lie).
+constexpr int64_t kAmxRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads the tile shapes on the calling thread; released at the end of the
+// item (AmxItem) so a context switch does not carry 8 KB of tile state.
+inline void ConfigureTiles() {
+  TileConfig cfg;
+  for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
+  for (int t : {4, 5}) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
+  // GCC 12 does not count ldtilecfg as reading cfg and drops the stores
+  // above it (the tile load then faults on a config of zeros): a barrier.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// One 16-row panel of the weight as signed bytes, row-major [16, I], with
+// its scales (and q4_1's mins) as float32 [16, G]. q8_0 is read in place;
+// q4 nibbles are unpacked here once per panel (q4_0 as q - 8, so the
+// integer dot needs no correction; q4_1 as q, its min term added apart)
+// and then serve every token tile.
+struct AmxPanel {
+  std::vector<int8_t> ints;
+  std::vector<float> d, m;
+  const int8_t* rows = nullptr;
+};
+
+template <int32_t kind>
+void LoadPanel(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, int64_t I, int64_t o, AmxPanel& p) {
+  const int64_t G = I / kGroup;
+  p.d.resize(static_cast<size_t>(kAmxRows * G));
+  for (int64_t i = 0; i < kAmxRows * G; ++i) p.d[i] = HalfToFloat(scale[o * G + i]);
+  if (kind == kQ4_1) {
+    p.m.resize(static_cast<size_t>(kAmxRows * G));
+    for (int64_t i = 0; i < kAmxRows * G; ++i) p.m[i] = HalfToFloat(mins[o * G + i]);
+  }
+  if (kind == kQ8_0) {
+    p.rows = reinterpret_cast<const int8_t*>(q) + o * I;
+    return;
+  }
+  p.ints.resize(static_cast<size_t>(kAmxRows * I));
+  const int8_t shift = kind == kQ4_0 ? 8 : 0;
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    const uint8_t* src = q + (o + r) * (I / 2);
+    int8_t* dst = p.ints.data() + r * I;
+    for (int64_t b = 0; b < G; ++b)
+      for (int k = 0; k < kGroup / 2; ++k) {
+        const uint8_t v = src[b * (kGroup / 2) + k];
+        dst[b * kGroup + k] = static_cast<int8_t>((v & 0x0F) - shift);
+        dst[b * kGroup + k + kGroup / 2] = static_cast<int8_t>((v >> 4) - shift);
+      }
+  }
+  p.rows = p.ints.data();
+}
+
+// What block b adds to the 16 x 16 outputs in acc: the tile's int32 dots
+// (stored to dots) times d * dx (plus q4_1's m * dx * sum(xq)), in the VNNI
+// prefill loop's order of operations, so the two loops give the same bits.
+template <int32_t kind>
+[[gnu::always_inline]] inline void AddBlock(const int32_t* dots, const AmxPanel& p, const float* dx_row,
+                                            const float* dxs_row, int64_t G, int64_t b, __m512 acc[kAmxRows]) {
+  const __m512 dx = _mm512_loadu_ps(dx_row);
+#pragma GCC unroll 16  // acc stays in registers only if every index is a constant
+  for (int r = 0; r < kAmxRows; ++r) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r));
+    acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_set1_ps(p.d[r * G + b]), dx), acc[r]);
+    if (kind == kQ4_1) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p.m[r * G + b]), _mm512_loadu_ps(dxs_row), acc[r]);
+  }
+}
+
+// out rows [o, o + 16) x token columns [t0, t0 + 16): per block one
+// TDPBSSD (16 x 16 x 32 signed byte products into int32), its tile stored
+// and scaled into float accumulators. The tile registers are not renamed,
+// so a store waits for its product and a load into a tile for the product
+// still reading it: blocks alternate between two sets (tmm0/2/4 and
+// tmm1/3/5), and each block's product is issued before the previous
+// block's tile is stored and scaled, so the tile unit works on one while
+// the vector units scale the other (issue, then drain, in block order).
+template <int32_t kind>
+void AmxTile(const AmxPanel& p, const Activations& a, const float* dxs, int64_t o, int64_t t0, float* out) {
+  const int64_t I = a.I, G = a.G, T = a.T;
+  alignas(64) int32_t dots[kAmxRows * 16];
+  __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* xq = a.xq.data() + a.TileXq(t0);
+  const float* dx = a.dx.data() + a.TileBlocks(t0);
+  dxs += a.TileBlocks(t0);
+  const int8_t* w = p.rows;
+  auto x_at = [&](int64_t b) { return xq + b * (kGroup / 4) * 64; };
+  auto issue0 = [&](int64_t b) {
+    _tile_zero(0);
+    _tile_loadd(2, w + b * kGroup, I);
+    _tile_loadd(4, x_at(b), 64);
+    _tile_dpbssd(0, 2, 4);
+  };
+  auto issue1 = [&](int64_t b) {
+    _tile_zero(1);
+    _tile_loadd(3, w + b * kGroup, I);
+    _tile_loadd(5, x_at(b), 64);
+    _tile_dpbssd(1, 3, 5);
+  };
+  auto drain0 = [&](int64_t b) {
+    _tile_stored(0, dots, 64);
+    AddBlock<kind>(dots, p, dx + b * 16, dxs + b * 16, G, b, acc);
+  };
+  auto drain1 = [&](int64_t b) {
+    _tile_stored(1, dots, 64);
+    AddBlock<kind>(dots, p, dx + b * 16, dxs + b * 16, G, b, acc);
+  };
+  issue0(0);
+  int64_t b = 1;
+  for (; b + 1 < G; b += 2) {
+    issue1(b);
+    drain0(b - 1);
+    issue0(b + 1);
+    drain1(b);
+  }
+  if (b < G) {  // G even: block G - 1 is still to issue
+    issue1(b);
+    drain0(b - 1);
+    drain1(b);
+  } else {
+    drain0(b - 1);
+  }
+  const __mmask16 keep = T - t0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (T - t0)) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) _mm512_mask_storeu_ps(out + (o + r) * T + t0, keep, acc[r]);
+}
+
+// Rows [o0, o1) by chunks of kAmxTokens tokens (their activations, I x 256
+// bytes, stay in L2 for all of the item's rows; with every token at once
+// the item re-read 1.2 MB of them per group, and at 2,048 tokens the loop
+// took 23 ms where 8 x its 256-token time is 14.5, on one core), then
+// groups of up to kAmxPanels 16-row panels, each token tile read from L1 by
+// every panel of the group in turn. A remainder of fewer than 16 rows goes
+// to the VNNI loop (the same bits, see AddBlock).
+constexpr int64_t kAmxPanels = 4;
+constexpr int64_t kAmxTokens = 256;
+
+template <int32_t kind>
+void AmxRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const Activations& a,
+             const int32_t* start, const float* dxs, float* out, int64_t o0, int64_t o1) {
+  ConfigureTiles();
+  AmxPanel panels[kAmxPanels];
+  const int64_t whole = o0 + (o1 - o0) / kAmxRows * kAmxRows;
+  for (int64_t t0 = 0; t0 < a.T; t0 += kAmxTokens) {
+    const int64_t t1 = std::min(a.T, t0 + kAmxTokens);
+    for (int64_t o = o0; o < whole; o += kAmxPanels * kAmxRows) {
+      const int64_t n = std::min<int64_t>(kAmxPanels, (whole - o) / kAmxRows);
+      for (int64_t i = 0; i < n; ++i) LoadPanel<kind>(q, scale, mins, a.I, o + i * kAmxRows, panels[i]);
+      for (int64_t t = t0; t < t1; t += 16)
+        for (int64_t i = 0; i < n; ++i) AmxTile<kind>(panels[i], a, dxs, o + i * kAmxRows, t, out);
+    }
+  }
+  _tile_release();
+  if (whole < o1) PrefillRows<kind>(q, scale, mins, a, start, dxs, out, whole, o1);
+}
+#endif  // JAXSERVE_QUANT_AMX
 
 // The measured alternative at decode sizes (mode 1, benchmarks/quant_kernel_ab.py
 // only): float activations, each 16 weights widened to float and scaled by
@@ -500,6 +712,7 @@ struct Job {
   int64_t O;
   bool prefill;
   bool float_decode = false;  // mode 1 (see FloatDecodeRow)
+  bool amx = false;           // the prefill loop on AMX tiles (AmxRows)
   std::vector<float> xt;      // mode 1: x token-major [T, I]
   Activations a;
 #if defined(JAXSERVE_QUANT_VNNI)
@@ -521,6 +734,14 @@ struct Job {
         case kQ4_0: FloatDecodeRows<kQ4_0>(q, scale, mins, xt.data(), I, T, out, o0, o1); break;
         default: FloatDecodeRows<kQ4_1>(q, scale, mins, xt.data(), I, T, out, o0, o1); break;
       }
+    } else if (amx) {
+#if defined(JAXSERVE_QUANT_AMX)
+      switch (kind) {
+        case kQ8_0: AmxRows<kQ8_0>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
+        case kQ4_0: AmxRows<kQ4_0>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
+        default: AmxRows<kQ4_1>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
+      }
+#endif
     } else if (prefill) {
       switch (kind) {
         case kQ8_0: PrefillRows<kQ8_0>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
@@ -564,6 +785,9 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   job->out = out->typed_data();
   job->O = O;
   job->prefill = T > kDecodeMaxTokens || mode == 2;  // mode 2: the prefill loop at any T (A/B)
+#if defined(JAXSERVE_QUANT_AMX)
+  job->amx = job->prefill && mode != 3 && AmxUsable();  // mode 3: the VNNI prefill loop where AMX serves (A/B)
+#endif
 #if defined(JAXSERVE_QUANT_VNNI)
   if (mode == 1 && T <= 16 && (I / kGroup) % 2 == 0) {  // the A/B alternative
     job->float_decode = true;
@@ -576,22 +800,51 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   {
     QuantizeActivations(x.typed_data(), I, T, job->prefill, job->a);
 #if defined(JAXSERVE_QUANT_VNNI)
-    if (job->prefill)
-      BuildPrefillStarts(kind, job->a, job->start, job->dxs);
-    else
+    if (job->prefill) {
+      job->start.resize(job->a.sx.size());
+      job->dxs.resize(job->a.sx.size());
+      auto prep = std::make_shared<PrefillPrep>();
+      prep->x = x.typed_data();
+      prep->kind = kind;
+      prep->a = &job->a;
+      prep->start = job->start.data();
+      prep->dxs = job->dxs.data();
+      const int64_t tiles = job->a.Tp / 16;
+      prep->tiles_per_item = std::max<int64_t>(4, tiles / (4 * jaxserve_cpu::Workers(pool)));
+      prep->items = (tiles + prep->tiles_per_item - 1) / prep->tiles_per_item;
+      jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(jaxserve_cpu::Workers(pool) - 1, prep->items - 1),
+                              prep->items);
+    } else {
       BuildDecodeVectors(kind, job->a, job->dv);
+    }
 #endif
   }
   // About 8 items per thread for balance, each a whole number of 12-row
-  // pieces (both loops' row tiles divide it) of at least 48 rows.
+  // pieces (the VNNI loops' row tiles, 4 and 6, divide it; 48 with AMX's
+  // 16-row panels) of at least 48 rows.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->rows_per_item = std::max<int64_t>(48, (O / (8 * threads) + 11) / 12 * 12);
+  const int64_t piece = job->amx ? 48 : 12;
+  job->rows_per_item = std::max<int64_t>(48, (O / (8 * threads) + piece - 1) / piece * piece);
   job->items = (O + job->rows_per_item - 1) / job->rows_per_item;
   jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// Which units this build's int8 prefill loop runs on: 2 AMX tiles, 1 AVX-512
+// VNNI, 0 the portable loops (jaxserve.kernels.cpu.int8_units, which the
+// benchmarks' machine record carries). AMX also needs Linux's grant.
+extern "C" int JaxserveInt8Units() {
+#if defined(JAXSERVE_QUANT_AMX)
+  if (AmxUsable()) return 2;
+#endif
+#if defined(JAXSERVE_QUANT_VNNI)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQmatmulCpu, QmatmulImpl,
                               QuantizedWeightArgs(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())

@@ -29,6 +29,16 @@
 #include <immintrin.h>
 #endif
 
+// JAXSERVE_QUANT_AMX: the VNNI loops plus AMX int8 tiles for the prefill
+// loop, where the host has AMX-TILE and AMX-INT8 (Sapphire Rapids and later
+// Xeons). Whether the kernel may use them is also asked of Linux at run
+// time (AmxUsable): tile data is off for a process until it requests it.
+#if defined(JAXSERVE_QUANT_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define JAXSERVE_QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace jaxserve_cpu::quant {
 
 // Values per block (one scale each), of the weights and the activations.
@@ -120,6 +130,22 @@ inline int32_t WeightOffset(int32_t kind) { return kind == kQ8_0 ? 128 : (kind =
   const __m256i lo = _mm256_and_si256(packed, mask), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
   const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo b0, lo b1, hi b0, hi b1
   return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));                 // lo b0, hi b0, lo b1, hi b1
+}
+#endif
+
+#if defined(JAXSERVE_QUANT_AMX)
+// Whether this process may use the AMX tile registers: Linux (5.16+) keeps
+// their 8 KB of state out of every context switch until a process asks for
+// it with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the grant
+// covers all of its threads. Asked once; a refusal (an older kernel, a
+// hypervisor that hides the state) leaves the VNNI loops to do the work.
+inline bool AmxUsable() {
+  static const bool usable = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;  // arch/x86/include/uapi/asm/prctl.h
+    constexpr long kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+  }();
+  return usable;
 }
 #endif
 
