@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import classify, gateway, kv_int8, memory, moe, offline, speculative, ttft, two_model
+from . import classify, gateway, kv_int8, memory, moe, offline, prefill, speculative, ttft, two_model
 from .external import ACCURACY, QUANT_QUALITY, STRUCTURED
 
 SCENARIOS: dict[str, Any] = {
@@ -19,6 +19,7 @@ SCENARIOS: dict[str, Any] = {
     for m in (
         offline,
         moe,
+        prefill,
         classify,
         ttft,
         memory,

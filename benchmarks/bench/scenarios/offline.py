@@ -150,12 +150,15 @@ def model_costs(folder: Path) -> dict[str, int]:
 class ServeContender:
     """jaxserve, vLLM or transformers, loaded once, one ``run`` per turn."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path, timeout: float, inner: int) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], log_path: Path, timeout: float, inner: int, env: dict[str, str] | None = None
+    ) -> None:
         self.name, self.cmd, self.log_path, self.timeout, self.inner = name, cmd, log_path, timeout, inner
+        self.env = env  # added to the process's environment
         self.peer: ServePeer | None = None
 
     def start(self) -> dict[str, Any]:
-        self.peer = ServePeer(self.name, self.cmd, self.log_path)
+        self.peer = ServePeer(self.name, self.cmd, self.log_path, self.env)
         return {}
 
     def wait_ready(self) -> dict[str, Any]:
