@@ -121,7 +121,10 @@ def main() -> None:
             row["token_lanes_over_integer"] = round(med["integer_token_lanes"] / med["integer"], 3)
         if "integer_vnni" in med:  # the VNNI prefill loop against mode 0 (AMX where the CPU has it)
             row["vnni_ms"] = round(1e3 * med["integer_vnni"], 3)
-            row["vnni_range_ms"] = [round(1e3 * min(times["integer_vnni"]), 3), round(1e3 * max(times["integer_vnni"]), 3)]
+            row["vnni_range_ms"] = [
+                round(1e3 * min(times["integer_vnni"]), 3),
+                round(1e3 * max(times["integer_vnni"]), 3),
+            ]
             row["vnni_over_integer"] = round(med["integer_vnni"] / med["integer"], 3)
             row["integer_gop_s"] = round(ops_per_token * T / med["integer"] / 1e9, 1)
             row["vnni_gop_s"] = round(ops_per_token * T / med["integer_vnni"] / 1e9, 1)

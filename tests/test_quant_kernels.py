@@ -78,7 +78,9 @@ def test_a_token_does_not_depend_on_the_rest_of_a_decode_batch():
     np.testing.assert_array_equal(batch[:, 4:5], alone)
 
 
-@pytest.mark.skipif(cpu.available() and cpu.int8_units() != "amx", reason="the CPU has no AMX-INT8 (or Linux refused it)")
+@pytest.mark.skipif(
+    cpu.available() and cpu.int8_units() != "amx", reason="the CPU has no AMX-INT8 (or Linux refused it)"
+)
 @pytest.mark.parametrize("kind", quant.KINDS)
 def test_amx_prefill_gives_the_vnni_loops_bits(kind):
     """The AMX loop scales each block's tile of integer dots in the VNNI
