@@ -50,7 +50,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"   working files in {ctx.tmp}", file=sys.stderr, flush=True)
     figures, runs, settings = scenario.run(args, ctx)
-    command = " ".join([".venv/bin/python", "benchmarks/suite.py", *map(shlex.quote, sys.argv[1:])])
+    # --no-doc changes where the table goes, not the figures: left out of the command to rerun
+    rerun = [a for a in sys.argv[1:] if a != "--no-doc"]
+    command = " ".join([".venv/bin/python", "benchmarks/suite.py", *map(shlex.quote, rerun)])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items() if k != "func"}
     settings["wall_s"] = round(time.monotonic() - started, 1)
     git = settings.pop("git", None) or machine.git_state()  # a scenario that imports a report names its commit

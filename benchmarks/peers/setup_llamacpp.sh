@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp peer: built from the llama-cpp-python 0.3.36 sdist's vendored tree
 # (the ggml a Python user of llama.cpp gets), with the tools the benchmark
-# uses: llama-bench, llama-batched-bench, llama-quantize. Output in
+# uses: llama-bench, llama-batched-bench, llama-quantize, and llama-server
+# (the memory scenario's peer). Output in
 # .peers/llama.cpp (ignored by git). Never part of jaxserve's install or tests.
 #   JOBS=2 benchmarks/peers/setup_llamacpp.sh
 #
@@ -32,7 +33,7 @@ fi
 cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON \
-  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF
-cmake --build "$ROOT/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
+cmake --build "$ROOT/build" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize llama-server
 ls -la "$ROOT/build/bin/"
 "$ROOT/build/bin/llama-bench" --help >/dev/null && echo "llama.cpp tools ready in $ROOT/build/bin"

@@ -22,7 +22,7 @@
 // side at its best). With VNNI one vpdpbusd does 64 multiply-adds of bytes
 // where an FMA does 16 of floats, and the weights are never widened.
 //
-// Two loops, by token count:
+// Two loops, by token count, and the prefill loop's AMX form:
 //
 // - decode (T <= 8): every weight row is streamed once; a tile of up to 4
 //   rows x up to 4 tokens holds 16-lane float accumulators; per 64 weights
@@ -44,25 +44,42 @@
 //   FMA per block, a quarter of the instructions of float FMAs on the same
 //   products. At 16 tokens it took 0.47x the decode loop's time, at 8
 //   1.30x (the same A/B, mode 2), hence the boundary at 8.
+// - prefill on AMX (JAXSERVE_QUANT_AMX: the CPU has AMX-TILE and
+//   AMX-INT8, Sapphire Rapids and later Xeons, and Linux grants the tile
+//   state): a 16-row panel of weights against 16-token tiles, one TDPBSSD
+//   per block of 32 (16 x 16 x 32 signed byte products into int32 with no
+//   offset correction: the tile unit multiplies signed by signed), each
+//   block's tile stored and scaled by d * dx in the VNNI prefill loop's
+//   order of operations, so the two loops give the same bits
+//   (tests/test_quant_kernels.py). A block's scales differ per row and per
+//   token, so every 32-deep product needs its own store and scaling: that,
+//   not the tile unit, bounds the loop (AmxTile), at about 800 GOP/s on
+//   SmolLM2-135M's layer matrices at 2,048 tokens on a 2-core AMX Xeon,
+//   1.5-1.8x the VNNI loop and a quarter of XLA's plain s8 GEMM there
+//   (benchmarks/quant_kernel_ab.py; the engine's prefill steps:
+//   BENCHMARKS.md, int8-prefill).
 //
-// The activations are quantized on the calling thread before the pool
-// starts, so that loop is vectorised too (QuantizeDecodeVnni,
-// QuantizePrefillVnni): done a scalar at a time, reading a feature-major x
-// one token at a time (a cache line per value), it took a third of the
-// int8 SmolLM2-135M prefill step (2,048 tokens: 1,956 ms scalar, 1,309 ms
-// vectorised; benchmarks/offline_profile.py --quantization int8).
+// The activations are quantized before the matmul's items start, so that
+// loop is vectorised too (QuantizeDecodeVnni, QuantizePrefillVnni): done a
+// scalar at a time, reading a feature-major x one token at a time (a cache
+// line per value), it took a third of the int8 SmolLM2-135M prefill step
+// (2,048 tokens: 1,956 ms scalar, 1,309 ms vectorised;
+// benchmarks/offline_profile.py --quantization int8). The decode layout is
+// quantized on the calling thread, the prefill layout on the pool by
+// 16-token tiles (PrefillPrep).
 //
 // vpdpbusd multiplies unsigned by signed bytes: the weights are the
 // unsigned side (the nibbles are 0..15 already; int8 weights are flipped to
 // q + 128 with one xor, and the accumulator starts at -128 * sum(xq) per
 // block to undo it).
 //
-// Compile-time dispatch (JAXSERVE_QUANT_VNNI, from quant_blocks.h, which
-// also holds the block arithmetic shared with moe_cpu.cc): the intrinsic
-// loops need AVX-512 VNNI and BW (this library is built with -march=native
-// on the machine that runs it); any other target, AVX2-only EPYCs among
-// them, builds the portable loops below, the same integers and formula in
-// plain C++ for the compiler to vectorise.
+// Compile-time dispatch (JAXSERVE_QUANT_VNNI and JAXSERVE_QUANT_AMX, from
+// quant_blocks.h, which also holds the block arithmetic shared with
+// moe_cpu.cc): the intrinsic loops need AVX-512 VNNI and BW, the tile loop
+// AMX as well (this library is built with -march=native on the machine that
+// runs it); any other target, AVX2-only EPYCs among them, builds the
+// portable loops below, the same integers and formula in plain C++ for the
+// compiler to vectorise. JaxserveInt8Units says which a build runs.
 // tests/test_quant_kernels.py checks both builds against a numpy reference.
 
 #include <algorithm>
