@@ -14,7 +14,8 @@ and ``llama-quantize``), which both systems read:
   ``-npp 128 -ntg 128 -npl N``. On some Intel VMs its Q8_0 weight repacking
   dies with SIGILL (rc 132; ``/work/shared/reference/llamacpp-as-peer.md``):
   a short probe run first, and if repacking crashes the peer runs with
-  ``-nr`` (no repacking), which the result records (``settings.startups``).
+  ``-nr`` (no repacking), which the result records (``settings.startups``;
+  ``offline.LlamaCppContender``).
 
 Workload and figure as offline-smollm2's: N prompts of 128 random token ids
 to exactly 128 new tokens, greedy, EOS ignored, at N = 64 and 1; output
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,8 +58,6 @@ LABELS = {"jaxserve-int8": "jaxserve int8", "llamacpp-Q8_0": "llama.cpp Q8_0"}
 GOALS = {1: 1.0, 64: 1.5}
 #: the share of the read bandwidth a one-prompt run should move
 BANDWIDTH_GOAL = 0.6
-#: rc of a process killed by SIGILL, as a shell reports it and as subprocess does
-SIGILL_RCS = (132, -4)
 
 
 def default_gguf(layers: int) -> Path:
@@ -107,42 +105,6 @@ def read_costs(gguf: Path) -> dict[str, Any]:
     return {"file_bytes": total, "active_bytes_per_token": active, "experts": X, "experts_per_token": k}
 
 
-class PeerContender(LlamaCppContender):
-    """``llama-batched-bench`` with the repacking setting that runs here."""
-
-    def __init__(self, *args: Any, repack: str = "auto", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.repack = repack
-        self.extra: list[str] = [] if repack != "off" else ["-nr"]
-
-    def command(self) -> list[str]:
-        return super().command() + self.extra
-
-    def _probe(self, extra: list[str]) -> subprocess.CompletedProcess:
-        cmd = [str(self.binary), "-m", str(self.gguf), "-c", "256", "-npp", "8", "-ntg", "2", "-npl", "1"]
-        cmd += ["-t", str(self.threads), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
-
-    def start(self) -> dict[str, Any]:
-        facts = super().start()
-        if self.repack == "auto":
-            proc = self._probe([])
-            if proc.returncode in SIGILL_RCS:
-                again = self._probe(["-nr"])
-                if again.returncode != 0:
-                    raise RuntimeError(f"llama.cpp fails with and without repacking: rc {again.returncode}")
-                self.extra = ["-nr"]
-                facts["repack"] = f"off: the repacking probe died with SIGILL (rc {proc.returncode}); -nr runs"
-            elif proc.returncode != 0:
-                raise RuntimeError(f"llama.cpp probe failed: rc {proc.returncode}: {proc.stderr[-1000:]}")
-            else:
-                facts["repack"] = "on (default): the probe ran"
-        else:
-            facts["repack"] = f"{self.repack} (asked)"
-        facts["command"] = " ".join(self.command())
-        return facts
-
-
 def contender(name: str, args: argparse.Namespace, gguf: Path, n: int, prompts_file: Path, tmp: Path) -> Any:
     inner = 1 if n >= 8 else 3
     if name == "jaxserve-int8":
@@ -157,7 +119,7 @@ def contender(name: str, args: argparse.Namespace, gguf: Path, n: int, prompts_f
             "int8",
         ]
         return ServeContender(name, cmd, tmp / f"{name}-{n}.log", args.timeout, inner)
-    return PeerContender(
+    return LlamaCppContender(
         name,
         Path(args.llamacpp_bin) / "llama-batched-bench",
         gguf,

@@ -18,7 +18,9 @@ prepare_smollm2.py`` writes every copy from the shipped Q4_1 GGUF):
   (``peers/setup_llamacpp.sh``), ``-npp 128 -ntg 128 -npl N``, 2 threads;
   figure = N x 128 / (prompt time + generation time) from its report, the
   same definition as the others' (the process's model load is not counted,
-  as no one else's is);
+  as no one else's is); its weight repacking probed at start and turned off
+  (``-nr``) where it dies with SIGILL (``LlamaCppContender``, ``--repack``),
+  as recorded in the result's start-up facts;
 - below 8 prompts a turn is the median of 3 runs for every system (the
   serving peers' ``run 3``; ``-npl 1,1,1``);
 - ``transformers-f32`` (not in the default set): batched ``generate``.
@@ -112,6 +114,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument(
+        "--repack",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="llama.cpp's weight repacking: auto probes it and turns it off (-nr) if it crashes",
+    )
     p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for one peer's answer")
 
@@ -193,8 +201,19 @@ class ServeContender:
             self.peer.stop()
 
 
+#: rc of a process killed by SIGILL, as a shell reports it and as subprocess does
+SIGILL_RCS = (132, -4)
+
+
 class LlamaCppContender:
-    """``llama-batched-bench`` on one GGUF file, one process per turn."""
+    """``llama-batched-bench`` on one GGUF file, one process per turn.
+
+    ``repack``: llama.cpp's weight repacking. On some Intel VMs its Q8_0
+    repacking dies with SIGILL (rc 132) where F32 runs
+    (``/work/shared/reference/llamacpp-as-peer.md``): ``auto`` runs a short
+    probe at start and, if that happens, runs the peer with ``-nr`` (no
+    repacking); ``on`` / ``off`` as asked. The start facts (the result's
+    settings) record which and why."""
 
     def __init__(
         self,
@@ -207,9 +226,12 @@ class LlamaCppContender:
         threads: int,
         timeout: float,
         inner: int,
+        repack: str = "auto",
     ) -> None:
         self.name, self.binary, self.gguf, self.inner = name, binary, gguf, inner
         self.n, self.input_len, self.output_len, self.threads, self.timeout = n, input_len, output_len, threads, timeout
+        self.repack = repack
+        self.extra: list[str] = ["-nr"] if repack == "off" else []
 
     def command(self) -> list[str]:
         ctx = self.n * (self.input_len + self.output_len) + 64
@@ -235,13 +257,35 @@ class LlamaCppContender:
             str(self.threads),
             "--output-format",
             "jsonl",
+            *self.extra,
         ]
+
+    def _probe(self, extra: list[str]) -> subprocess.CompletedProcess:
+        cmd = [str(self.binary), "-m", str(self.gguf), "-c", "256", "-npp", "8", "-ntg", "2", "-npl", "1"]
+        cmd += ["-t", str(self.threads), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
 
     def start(self) -> dict[str, Any]:
         for path in (self.binary, self.gguf):
             if not path.exists():
                 raise RuntimeError(f"{path} missing: run benchmarks/peers/setup_llamacpp.sh and prepare_smollm2.py")
-        return {"command": " ".join(self.command())}
+        facts: dict[str, Any] = {}
+        if self.repack == "auto":
+            proc = self._probe([])
+            if proc.returncode in SIGILL_RCS:
+                again = self._probe(["-nr"])
+                if again.returncode != 0:
+                    raise RuntimeError(f"llama.cpp fails with and without repacking: rc {again.returncode}")
+                self.extra = ["-nr"]
+                facts["repack"] = f"off: the repacking probe died with SIGILL (rc {proc.returncode}); -nr runs"
+            elif proc.returncode != 0:
+                raise RuntimeError(f"llama.cpp probe failed: rc {proc.returncode}: {proc.stderr[-1000:]}")
+            else:
+                facts["repack"] = "on (default): the probe ran"
+        else:
+            facts["repack"] = f"{self.repack} (asked)"
+        facts["command"] = " ".join(self.command())
+        return facts
 
     def turn(self) -> dict[str, Any]:
         proc = subprocess.run(self.command(), capture_output=True, text=True, timeout=self.timeout)
@@ -336,6 +380,7 @@ def contender(name: str, args: argparse.Namespace, n: int, prompts_file: Path, t
             args.threads,
             args.timeout,
             inner,
+            repack=args.repack,
         )
     raise ValueError(name)
 
