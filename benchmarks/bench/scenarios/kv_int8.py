@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import models, rounds
 from ..record import Figure, Stat
-from .offline import ServeContender, make_prompts
+from .offline import ServeContender, alternate_loaded, make_prompts
 
 NAME = "kv-int8"
 DESCRIPTION = "int8 vs float32 KV cache: decode tok/s at 64 sequences of 1,024-token contexts and KV bytes per token, SmolLM2-135M"
@@ -89,16 +89,7 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
             *(["--quantization", args.quantization] if args.quantization else []),
         ]
         contenders.append(ServeContender(name, cmd, ctx.tmp / f"{name}.log", args.timeout, inner=1))
-    started = {}
-    try:
-        for c in contenders:
-            c.start()
-        for c in contenders:
-            started[c.name] = c.wait_ready()
-        records = rounds.alternate(contenders, ctx.rounds, ctx.warmup_rounds)
-    finally:
-        for c in contenders:
-            c.stop()
+    records, started = alternate_loaded(contenders, ctx)
     weights = args.quantization or "float32"
     what = f"decode tok/s, {seqs} sequences of {context}-token contexts (+{output_len}), {models.label(args.model)} {weights} weights"
     figs: list[Figure] = []

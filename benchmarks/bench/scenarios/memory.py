@@ -95,6 +95,20 @@ async def _answer(prefix: str, n: int) -> int:
         await client.close()
 
 
+def reading(rss: float, rss_ready: float, ready_s: float, answered: int, jobs: int) -> dict[str, Any]:
+    """One turn's record: the RSS after the jobs (the figure), at ready, and
+    whether every job was answered (else the turn does not count)."""
+    ok = answered == jobs
+    return {
+        "ok": ok,
+        "value": rss,
+        "rss_at_ready_mib": rss_ready,
+        "ready_s": round(ready_s, 1),
+        "answered": answered,
+        **({} if ok else {"error": f"{answered}/{jobs} jobs answered"}),
+    }
+
+
 class MemoryContender:
     def __init__(self, kind: str, args: argparse.Namespace, ctx: Any) -> None:
         self.name, self.args, self.ctx, self.turns = kind, args, ctx, 0
@@ -123,15 +137,7 @@ class MemoryContender:
         finally:
             worker.stop()
             qc.delete_topology(prefix)
-        ok = answered == self.args.jobs
-        return {
-            "ok": ok,
-            "value": rss,
-            "rss_at_ready_mib": rss_ready,
-            "ready_s": round(ready_s, 1),
-            "answered": answered,
-            **({} if ok else {"error": f"{answered}/{self.args.jobs} jobs answered"}),
-        }
+        return reading(rss, rss_ready, ready_s, answered, self.args.jobs)
 
     def pids(self) -> list[int]:
         return []
@@ -202,16 +208,7 @@ class LlamaServerContender:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
-        ok = answered == self.args.jobs
-        return {
-            "ok": ok,
-            "value": rss,
-            "rss_at_ready_mib": rss_ready,
-            "ready_s": round(ready_s, 1),
-            "answered": answered,
-            "cmd": cmd,
-            **({} if ok else {"error": f"{answered}/{self.args.jobs} completions answered"}),
-        }
+        return {**reading(rss, rss_ready, ready_s, answered, self.args.jobs), "cmd": cmd}
 
     def pids(self) -> list[int]:
         return []

@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import models, rounds
 from ..record import Figure, Stat
-from .offline import ServeContender, make_prompts, model_costs
+from .offline import ServeContender, alternate_loaded, make_prompts, model_costs
 
 NAME = "int8-prefill"
 DESCRIPTION = (
@@ -95,16 +95,7 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
         cmd += ["--serve", *([] if name == "jaxserve-f32" else ["--quantization", "int8"])]
         env = NO_AMX if name == "jaxserve-int8-vnni" else None
         contenders.append(ServeContender(name, cmd, ctx.tmp / f"{name}.log", args.timeout, inner=1, env=env))
-    started: dict[str, Any] = {}
-    try:
-        for c in contenders:
-            c.start()
-        for c in contenders:
-            started[c.name] = c.wait_ready()
-        records = rounds.alternate(contenders, ctx.rounds, ctx.warmup_rounds)
-    finally:
-        for c in contenders:
-            c.stop()
+    records, started = alternate_loaded(contenders, ctx)
     for r in records:  # one new token per prompt: prompts/s -> prompt tokens/s
         if r.get("value") is not None:
             r["value"] = r["value"] * input_len
