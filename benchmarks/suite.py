@@ -56,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items() if k != "func"}
     settings["wall_s"] = round(time.monotonic() - started, 1)
     git = settings.pop("git", None) or machine.git_state()  # a scenario that imports a report names its commit
+    # a scenario's variant (speculative --quantization int8) is a result and table rows of its own
+    variant = scenario.variant(args) if hasattr(scenario, "variant") else None
     result = Result(
-        scenario=scenario.NAME,
+        scenario=f"{scenario.NAME}-{variant}" if variant else scenario.NAME,
         command=command,
         machine=mach,
         git=git,
@@ -76,7 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_table() -> None:
-    table.write(table.render([(s.NAME, s.DESCRIPTION, s.COMMAND) for s in SCENARIOS.values()]))
+    rows = []
+    for s in SCENARIOS.values():
+        rows.append((s.NAME, s.DESCRIPTION, s.COMMAND))
+        for v, flags in getattr(s, "VARIANTS", {}).items():
+            rows.append((f"{s.NAME}-{v}", f"{s.DESCRIPTION} ({v})", f"{s.COMMAND} {flags}"))
+    table.write(table.render(rows))
 
 
 def main() -> int:

@@ -28,7 +28,8 @@ without speculation, so the two systems' digests must agree (a figure's
 note says whether they did), and the guesses made and kept.
 
 Both systems stay loaded and alternate in rounds (``rounds.py``). Run it
-once per weight type for the f32 and int8 figures:
+once per weight type for the f32 and int8 figures (an int8 or int4 run is the
+result and table rows `speculative-int8` / `-int4`, kept beside the f32 ones):
 
     .venv/bin/python benchmarks/suite.py run speculative
     .venv/bin/python benchmarks/suite.py run speculative --quantization int8
@@ -58,6 +59,15 @@ ROOT = Path(__file__).resolve().parents[3]
 PEER = ROOT / "benchmarks" / "peers" / "jaxserve_spec.py"
 WORKLOADS = ("invoices", "summaries", "random")
 GOALS = {"invoices": 1.5, "summaries": 1.5, "random": 0.97}
+#: runs whose results (and table rows) are kept apart from the float32 one's: name -> the flags
+VARIANTS = {"int8": "--quantization int8", "int4": "--quantization int4"}
+
+
+def variant(args: argparse.Namespace) -> str | None:
+    """The weights' variant this run measures (None: float32, the scenario itself)."""
+    return args.quantization
+
+
 LABELS = {"spec-on": "jaxserve, speculative decoding", "spec-off": "jaxserve, no speculation"}
 
 
