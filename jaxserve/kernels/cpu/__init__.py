@@ -407,7 +407,7 @@ def qmatmul_cpu(w, x: jax.Array, mode: int = 0) -> jax.Array:
     widened to float instead (the alternative the kernel was measured
     against); ``mode=2``: the prefill loop (tokens in lanes) at any token
     count; ``mode=3``: the VNNI prefill loop where the CPU would run it on
-    AMX tiles (:func:`amx` says whether it does; the same bits either way).
+    AMX tiles (:func:`int8_units` says whether it does; the same bits either way).
     Call :func:`available` first."""
     if not qmatmul_serves(w, x):
         raise ValueError(
@@ -551,6 +551,7 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
 
 __all__ = [
     "available",
+    "int8_units",
     "matmul_cpu",
     "matmul_pays",
     "matvec_cpu",
@@ -560,7 +561,6 @@ __all__ = [
     "paged_attention_cpu",
     "paged_attention_cpu_fm",
     "qmatmul_cpu",
-    "int8_units",
     "qmatmul_serves",
     "unsupported",
     "vocab_argmax_cpu",

@@ -509,8 +509,8 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Loads the tile shapes on the calling thread; released at the end of the
-// item (AmxItem) so a context switch does not carry 8 KB of tile state.
+// Loads the tile shapes on the calling thread; AmxRows releases them at the
+// end of its item so a context switch does not carry 8 KB of tile state.
 inline void ConfigureTiles() {
   TileConfig cfg;
   for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
@@ -812,11 +812,10 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
       prep->a = &job->a;
       prep->start = job->start.data();
       prep->dxs = job->dxs.data();
-      const int64_t tiles = job->a.Tp / 16;
-      prep->tiles_per_item = std::max<int64_t>(4, tiles / (4 * jaxserve_cpu::Workers(pool)));
+      const int64_t tiles = job->a.Tp / 16, workers = jaxserve_cpu::Workers(pool);
+      prep->tiles_per_item = std::max<int64_t>(4, tiles / (4 * workers));
       prep->items = (tiles + prep->tiles_per_item - 1) / prep->tiles_per_item;
-      jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(jaxserve_cpu::Workers(pool) - 1, prep->items - 1),
-                              prep->items);
+      jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(workers - 1, prep->items - 1), prep->items);
     } else {
       BuildDecodeVectors(kind, job->a, job->dv);
     }
