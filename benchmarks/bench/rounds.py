@@ -110,6 +110,13 @@ def alternate(
     return records
 
 
+def values(records: list[dict[str, Any]], system: str, where: dict[str, Any] | None = None) -> list[float]:
+    """``system``'s timed value in each round, in round order (warm-ups and
+    failed turns left out), restricted to records matching ``where``."""
+    a = _by_round(records, system, where or {})
+    return [a[k] for k in sorted(a)]
+
+
 def _by_round(records: list[dict[str, Any]], system: str, where: dict[str, Any]) -> dict[int, float]:
     out = {}
     for r in records:
@@ -137,7 +144,7 @@ def figure(
     where = where or {}
     labels = labels or {}
     a = _by_round(records, system, where)
-    sys_stat = Stat(labels.get(system, system), unit, [a[k] for k in sorted(a)])
+    sys_stat = Stat(labels.get(system, system), unit, values(records, system, where))
     if peer is None:
         return Figure(what, sys_stat, **goal)
     b = _by_round(records, peer, where)

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import rounds
-from ..record import Figure, Stat
-from .offline import LlamaCppContender, ServeContender, make_prompts
+from ..record import Figure
+from .offline import LlamaCppContender, ServeContender, bandwidth_figure, make_prompts
 
 NAME = "offline-moe"
 DESCRIPTION = (
@@ -175,13 +175,14 @@ def figures(
             )
         f.note = f"({per_token / 1e6:.0f} MB read per token; " + "; ".join(notes) + ")" if notes else ""
         if bw and system == "jaxserve-int8":
-            runs = [round(v * per_token / 1e9, 2) for v in f.system.runs]
             out.append(
-                Figure(
+                bandwidth_figure(
                     f"{what}: weight bytes per token x tok/s",
-                    Stat(LABELS[system], "GB/s", runs),
-                    goal=f">= {int(100 * BANDWIDTH_GOAL)}% of {bw} GB/s read",
-                    goal_value=round(BANDWIDTH_GOAL * bw, 2),
+                    LABELS[system],
+                    f.system.runs,
+                    per_token,
+                    bw,
+                    BANDWIDTH_GOAL,
                 )
             )
     return out

@@ -124,10 +124,7 @@ def figures(
             figs.append(rounds.figure(records, what, "jaxserve-int8", peer, "tok/s", labels=names, compare_swing=False))
     rate = machine.get("int8_gop_s")
     if "jaxserve-int8" in systems and rate:
-        runs = [
-            round(v * 2 * layer_params / 1e9, 1)
-            for v in rounds.figure(records, what, "jaxserve-int8", None, "").system.runs
-        ]
+        runs = [round(v * 2 * layer_params / 1e9, 1) for v in rounds.values(records, "jaxserve-int8")]
         goal = {}
         if units == "amx":
             goal = {
