@@ -413,7 +413,11 @@ void AttendOne(const Shapes& s, const float* q, const KV* k_cache, const KV* v_c
       // G is a multiple of 3: SmolLM2's 9 over 3) or pairs: each key and
       // value row is loaded once for the group (three rows hold 12
       // accumulators of 16 floats). With 16 (AVX2) a pair's 16 accumulators
-      // of 8 floats would spill, so each head runs alone.
+      // of 8 floats would spill, so each head runs alone. Threes against a
+      // pair and then the third (29e6eb1): 64 sequences at context 192, 30
+      // layers of 9 over 3 heads, 37.8 -> 32.9 ms (1.148x, bitwise the same;
+      // benchmarks/attention_kernel_ab.py --baseline 48fba6f --kv-heads 3
+      // --group 3 --layers 30, attention-kernel-ab-2026-12-06T040951Z.json).
       int64_t g = 0;
       if constexpr (kGroupHeads) {
         if (G % 3 == 0) {
