@@ -394,7 +394,7 @@ def _serve(engine: Engine, jobs, stagger: int = 2) -> dict[str, dict]:
     return done
 
 
-def _assert_same(plain: dict[str, dict], spec: dict[str, dict]) -> None:
+def _assert_same(plain: dict[str, dict], spec: dict[str, dict], atol: float = 1e-5) -> None:
     assert plain.keys() == spec.keys()
     for rid, want in plain.items():
         got = spec[rid]
@@ -403,7 +403,7 @@ def _assert_same(plain: dict[str, dict], spec: dict[str, dict]) -> None:
         if want["logprobs"] is not None:
             # the same to float32 rounding (a few 1e-6): a position's logits come from a program of
             # another row count (the step's guesses are rows too), whose matmul may sum in another order
-            np.testing.assert_allclose(got["logprobs"], want["logprobs"], rtol=0, atol=1e-5, err_msg=rid)
+            np.testing.assert_allclose(got["logprobs"], want["logprobs"], rtol=0, atol=atol, err_msg=rid)
         if want["top"] is not None:
             assert [[t for t, _ in alts] for alts in got["top"]] == [[t for t, _ in alts] for alts in want["top"]], rid
 
@@ -434,6 +434,27 @@ def test_outputs_with_guesses_equal_outputs_without_over_many_jobs(plain_engine,
     assert spec_engine.num_steps < plain_engine.num_steps
     finishes = {out["finish"] for out in spec.values()}
     assert finishes == {"stop", "length"}
+
+
+@pytest.fixture(scope="module")
+def int8_engines(checkpoint):
+    return _engine(checkpoint, 0, quantization="int8"), _engine(checkpoint, 4, quantization="int8")
+
+
+def test_int8_outputs_with_guesses_are_the_same_bits_as_without(int8_engines):
+    """With int8 weights every layer's product quantizes its input per
+    token and block, so a last-bit difference in a position's activations
+    can become another integer and, on a real model, another greedy token.
+    A position's logits must therefore be the same bits whatever else its
+    step holds (its own guesses, other rows): 100 jobs' tokens and
+    log-probabilities, exactly."""
+    plain_engine, spec_engine = int8_engines
+    jobs = _jobs(100, seed=11)
+    plain = _serve(plain_engine, jobs)
+    spec = _serve(spec_engine, jobs)
+    _assert_same(plain, spec, atol=0.0)
+    drafter = spec_engine.drafter
+    assert drafter is not None and drafter.num_accepted_tokens > 50
 
 
 def test_seeded_sampling_with_guesses_is_the_text_without_them(plain_engine, spec_engine):

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models.blocks import ordered_sum
 from jaxserve.sampling_params import SamplingParams
 
 _NEG_INF = -1e30
@@ -164,13 +165,28 @@ def argmax(logits: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.where(first < vocab, first, 0)
 
 
+def _logsumexp(logits: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """log(sum(exp(logits))) along ``axis``, summed in an order fixed by the
+    vocabulary alone (``ordered_sum``), so a row's value does not depend on
+    the rows beside it: the same log-probabilities and the same draws with
+    and without speculative guesses (tests/test_speculative.py)."""
+    best = jnp.max(logits, axis=axis, keepdims=True)
+    total = ordered_sum(jnp.exp(logits - best), axis=axis, keepdims=True)
+    lse = jnp.log(total) + best
+    return lse if keepdims else jnp.squeeze(lse, axis)
+
+
+def _softmax(x: jax.Array) -> jax.Array:
+    """``jax.nn.softmax`` over the last axis, normalised by an ordered sum (:func:`_logsumexp`)."""
+    e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+    return e / ordered_sum(e, axis=-1, keepdims=True)
+
+
 def chosen_logprobs(logits: jax.Array, tokens: jax.Array, axis: int = -1) -> jax.Array:
     """Log-probability of each chosen token under the softmax along ``axis``,
     without materialising the whole log-softmax."""
-    best = jnp.max(logits, axis=axis, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - best), axis=axis)) + jnp.squeeze(best, axis)
     chosen = jnp.take_along_axis(logits, jnp.expand_dims(tokens, axis), axis=axis)
-    return jnp.squeeze(chosen, axis) - lse
+    return jnp.squeeze(chosen, axis) - _logsumexp(logits, axis=axis)
 
 
 def apply_token_mask(logits: jax.Array, token_mask: jax.Array, masked: jax.Array) -> jax.Array:
@@ -199,7 +215,7 @@ def top_logprobs(raw_logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, 
     k = min(MAX_TOP_LOGPROBS, vocab)
 
     def compute(x):
-        values, ids = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), k)
+        values, ids = jax.lax.top_k(x - _logsumexp(x, keepdims=True), k)
         return values, ids.astype(jnp.int32)
 
     def skip(x):
@@ -237,13 +253,13 @@ def _filter(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     # top-p over the top-k survivors: keep the smallest prefix whose mass
     # reaches top_p (the token that crosses the line is kept).
     masked_sorted = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, _NEG_INF)
-    probs_sorted = jax.nn.softmax(masked_sorted, axis=-1)
+    probs_sorted = _softmax(masked_sorted)
     mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
     cutoff_count = jnp.sum(mass_before < t.top_p[:, None], axis=-1)
     cutoff_value = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_count - 1, 0)[:, None], axis=-1)
     keep = keep & (scaled >= cutoff_value)
     # min-p: drop tokens whose probability is below min_p * max probability.
-    probs = jax.nn.softmax(jnp.where(keep, scaled, _NEG_INF), axis=-1)
+    probs = _softmax(jnp.where(keep, scaled, _NEG_INF))
     keep = keep & (probs >= t.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True))
     return jnp.where(keep, scaled, _NEG_INF)
 

@@ -5,6 +5,9 @@ Each is a small pure function over float32 activations, so the decoder
 a family that differs in one piece (Gemma's ``1 + w`` norm, GeGLU, q/k
 norms) differs in one argument. Activations are feature-major (``[features,
 tokens]``) inside the layers; ``axis`` says which axis a norm reduces.
+
+Sums over features go through :func:`ordered_sum`, so a token's values do
+not depend on how many tokens share its step (see there).
 """
 
 from __future__ import annotations
@@ -13,12 +16,35 @@ import jax
 import jax.numpy as jnp
 
 
+def ordered_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """``x`` summed over ``axis`` in an order fixed by that axis's length
+    alone: its first half plus its second (a zero appended to an odd
+    length), repeated, as elementwise adds. ``jnp.sum``'s order is XLA's
+    and follows the whole shape: an RMSNorm's mean over 576 features of one
+    token came out a bit apart alone and among 8 tokens. With int8 weights
+    the next product quantizes its input, so such a bit can become another
+    integer and another greedy token when a speculative step's guesses
+    join the tokens (tests/test_speculative.py, the int8 engine). Each
+    level reads the array once more in halves: about twice a plain sum's
+    reads."""
+    axis = axis % x.ndim
+    while x.shape[axis] > 1:
+        n = x.shape[axis]
+        if n % 2:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, 1)
+            x = jnp.pad(x, pad)
+            n += 1
+        x = jax.lax.slice_in_dim(x, 0, n // 2, axis=axis) + jax.lax.slice_in_dim(x, n // 2, n, axis=axis)
+    return x if keepdims else jnp.squeeze(x, axis)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1, offset: float = 0.0) -> jax.Array:
     """RMSNorm over ``axis`` in float32: ``x / rms(x) * (offset + weight)``;
     returns float32. ``offset`` 1 is Gemma's norm, whose checkpoints store
     the weight minus one."""
     x = x.astype(jnp.float32)
-    var = jnp.mean(x * x, axis=axis, keepdims=True)
+    var = ordered_sum(x * x, axis=axis, keepdims=True) / jnp.float32(x.shape[axis])
     w = weight.astype(jnp.float32)
     if offset:
         w = w + jnp.float32(offset)
@@ -55,4 +81,4 @@ def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     return jnp.tanh(x / c) * c
 
 
-__all__ = ["gated_activation", "head_rms_norm", "rms_norm", "softcap"]
+__all__ = ["gated_activation", "head_rms_norm", "ordered_sum", "rms_norm", "softcap"]

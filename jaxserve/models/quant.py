@@ -29,6 +29,8 @@ VNNI's ``vpdpbusd``; the pure-JAX path here (GPU/TPU, and the CPU with
 ``JAXSERVE_CPU_KERNEL=0``) does it with an int8 ``dot_general`` with int32
 accumulation, so both paths share every rounding but the order of the
 float sums over blocks (tests/test_quant_model.py: the same greedy tokens).
+Each path sums a token's blocks in one order whatever the call's token
+count, so a token's outputs do not depend on the rest of its batch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import TYPE_CHECKING, Any, overload
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.models.blocks import ordered_sum
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -350,7 +354,7 @@ def matmul(w: QuantizedWeight, x: jax.Array) -> jax.Array:
     scaled = acc.astype(jnp.float32) * (w.scale.astype(jnp.float32).T[:, :, None] * dx.T[:, None, :])
     if w.kind == "q4_1":
         scaled = scaled + w.min.astype(jnp.float32).T[:, :, None] * (dx * sx.astype(jnp.float32)).T[:, None, :]
-    return jnp.sum(scaled, axis=0)
+    return ordered_sum(scaled, axis=0)  # a token's bits whatever the call's token count
 
 
 def embed(w: QuantizedWeight, ids: jax.Array) -> jax.Array:

@@ -58,7 +58,7 @@ SOURCES = tuple(
     )
 )
 #: included by the sources; part of the library's cache key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("run_on_pool.h", "vec16.h", "quant_blocks.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("run_on_pool.h", "vec16.h", "quant_blocks.h", "row_tile.h"))
 TARGET = "jaxserve_paged_attention_cpu"
 SYMBOL = "JaxservePagedAttentionCpu"
 #: the entry point for feature-major, not yet rotated queries (``paged_attention_cpu_fm``)

@@ -24,19 +24,28 @@
 //
 // Two loops, by token count, and the prefill loop's AMX form:
 //
-// - decode (T <= 8): every weight row is streamed once; a tile of up to 4
-//   rows x up to 4 tokens holds 16-lane float accumulators; per 64 weights
-//   (two blocks) and (row, token) one vpdpbusd into an int32 vector that
-//   starts at the block's offset correction, one conversion, one FMA with
-//   the two blocks' d * dx (lanes 0-7 block 0, 8-15 block 1). The rows 16
-//   below a tile are prefetched (T1 hint) as it reads its own. With only
-//   the next 256 bytes of each row prefetched, as before, 120 SmolLM2-135M
-//   layer products at one token took 6.3-7.5 ms (17 GB/s, 30 distinct
-//   layers' weights so nothing stays in cache); with 8, 16 or 32 rows
-//   ahead 4.9-5.9 ms (alternated runs of a throwaway probe; 16 is
-//   matvec_cpu.cc's distance too), and the int8 one-prompt decode of
-//   `suite.py run offline-smollm2` went from 86 to 113-117 tok/s
-//   (benchmarks/offline_profile.py --quantization int8 --num-prompts 1).
+// - decode (T <= 8): row_tile.h's tile, shared with moe_cpu.cc: 16 weight
+//   rows in the vector lanes, every token of the call against them (one
+//   vpdpbusd per row and an add tree at one token, a transpose of the
+//   rows' bytes above), the next tile's rows prefetched (T1 hint) as a
+//   tile reads its own (16 rows ahead: with only the next 256 bytes of each
+//   row prefetched an earlier loop took 6.3-7.5 ms for 120 SmolLM2-135M
+//   layer products at one token, 4.9-5.9 ms with 8-32 rows ahead). Each
+//   (row, token) is summed block by block as the prefill loop sums it: the
+//   exact int32 block dot, then acc = fma(float(dot), d * dx, acc) in block
+//   order, so a token's outputs are the same bits whatever the call's
+//   token count and loop (tests/test_quant_kernels.py). With speculative
+//   decoding a step's guesses are tokens of the same call: the loop before
+//   this one summed each row's 16 lanes apart and added them at the end,
+//   its outputs parted from the prefill loop's in the last bit, the next
+//   layer's activation quantization made that another integer, and int8
+//   greedy text changed with speculation on (tests/test_speculative.py).
+//   Against that loop, alternated in one process over 120 SmolLM2-135M
+//   layer products (30 layers' distinct weights, medians of 11 rounds, a
+//   2-core AVX-512 EPYC): q8_0 0.95x at 1 token (3.18 ms, 35.5 GB/s: the
+//   machine's read rate), 0.92x at 2, 1.11x at 4, 1.72x at 8; q4_1 0.92x,
+//   1.05x, 1.36x, 1.87x. What is left of the one-token gap is the
+//   transposition of the rows' scales (row_tile.h's ScalePairs16).
 // - prefill (T > 8): tokens in the vector lanes, 16 a vector, so each
 //   4-byte group of a weight row is broadcast once for 2 x 16 tokens and
 //   each activation vector serves a tile of 6 rows; a block's 8 vpdpbusd
@@ -91,6 +100,7 @@
 #include <vector>
 
 #include "quant_blocks.h"  // defines JAXSERVE_QUANT_VNNI where the intrinsic loops build
+#include "row_tile.h"      // the decode loop's tile
 #include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -100,9 +110,6 @@ namespace {
 
 using namespace jaxserve_cpu::quant;  // kGroup, the kinds, HalfToFloat, QuantizeBlock, ...
 
-// Decode: the weight rows this far below a tile are prefetched into L2 as
-// the tile reads its own (matvec_cpu.cc's kAheadRows, for the same reason).
-constexpr int64_t kDecodeAheadRows = 16;
 constexpr int64_t kDecodeMaxTokens = 8;  // above: the prefill loop (benchmarks/quant_kernel_ab.py)
 
 // The activations of one call, quantized (see the header comment).
@@ -280,109 +287,58 @@ void PortableRows(int32_t kind, const uint8_t* q, const uint16_t* scale, const u
 #if defined(JAXSERVE_QUANT_VNNI)
 // ------------------------------------------------------------------ VNNI
 
-// The f32 vector [h[0] x 8, h[1] x 8] of two consecutive float16 values.
-inline __m512 PairOfHalves(const uint16_t* h) {
-  const __m256i idx = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  uint32_t two;
-  std::memcpy(&two, h, sizeof two);
-  return _mm512_cvtph_ps(_mm256_permutexvar_epi16(idx, _mm256_castsi128_si256(_mm_cvtsi32_si128(two))));
-}
-
 inline __m512 OneHalf(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(*h)));
 }
 
-// Per token and chunk of 64 features, what the decode loop adds to each
-// block's lanes: the int32 start (offset correction spread over the 8 lanes
-// of a block), dx, and dx * sum(xq) (q4_1).
-struct DecodeTokenVectors {
-  std::vector<int32_t> start;  // [T, chunks, 16]
-  std::vector<float> dx, dxs;  // [T, chunks, 16]
+// The decode loop (T <= 8): row_tile.h's tile, 16 rows in the lanes, over
+// every token of the call. Starts and dx * sum per (token, block) as the
+// prefill loop builds them, so a (row, token) is the same float arithmetic
+// in either loop.
+struct DecodeInputs {
+  std::vector<int32_t> start, tokens;
+  std::vector<float> dxs;
+  Inputs in;
+  Stack w;
 };
 
-void BuildDecodeVectors(int32_t kind, const Activations& a, DecodeTokenVectors& v) {
-  const int64_t chunks = (a.G + 1) / 2, T = a.T, G = a.G;
-  v.start.assign(static_cast<size_t>(T * chunks * 16), 0);
-  v.dx.assign(static_cast<size_t>(T * chunks * 16), 0.0f);
-  v.dxs.assign(static_cast<size_t>(T * chunks * 16), 0.0f);
-  // q8_0 flips weights to q + 128 (subtract 128 * sum / 8 lanes = 16 * sum
-  // a lane); q4_0 subtracts 8 * sum (sum a lane)
-  const int32_t per_lane = WeightOffset(kind) / 8;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < G; ++b) {
-      const int64_t base = (t * chunks + b / 2) * 16 + (b % 2) * 8;
-      for (int l = 0; l < 8; ++l) {
-        v.start[base + l] = -per_lane * a.sx[t * G + b];
-        v.dx[base + l] = a.dx[t * G + b];
-        v.dxs[base + l] = a.dx[t * G + b] * static_cast<float>(a.sx[t * G + b]) * 0.125f;  // 8 lanes a block
-      }
-    }
+void BuildDecodeInputs(int32_t kind, const uint8_t* q, const uint16_t* scale, const uint16_t* mins, int64_t O,
+                       Activations& a, DecodeInputs& d) {
+  const int32_t per_block = WeightOffset(kind);
+  d.start.resize(a.sx.size());
+  d.dxs.resize(a.sx.size());
+  for (size_t i = 0; i < a.sx.size(); ++i) {
+    d.start[i] = -per_block * a.sx[i];
+    d.dxs[i] = a.dx[i] * static_cast<float>(a.sx[i]);
+  }
+  d.tokens.resize(static_cast<size_t>(a.T));
+  for (int64_t t = 0; t < a.T; ++t) d.tokens[t] = static_cast<int32_t>(t);
+  d.in.K = a.I;
+  d.in.G = a.G;
+  d.in.xq = a.xq.data();
+  d.in.dx = a.dx.data();
+  d.in.dxs = d.dxs.data();
+  d.in.start = d.start.data();
+  d.w.kind = kind;
+  d.w.q = q;
+  d.w.scale = scale;
+  d.w.mins = mins;
+  d.w.O = O;
+  d.w.K = a.I;
+  d.w.G = a.G;
+  d.w.row_bytes = kind == kQ8_0 ? a.I : a.I / 2;
 }
 
-// 64 weights (two blocks) of one row as unsigned bytes in feature order;
-// `half`: only the first block (the last, odd block of a row).
-template <int32_t kind>
-inline __m512i LoadWeights(const uint8_t* row, int64_t c, bool half) {
-  if (kind == kQ8_0) {
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    const __m512i w = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + c * 64) : _mm512_loadu_si512(row + c * 64);
-    return half ? _mm512_maskz_xor_epi32(0x00FF, w, flip) : _mm512_xor_si512(w, flip);
-  } else {
-    return UnpackNibbles(half ? _mm256_maskz_loadu_epi8(0xFFFFu, row + c * 32)
-                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32)));
+// Rows [o0, o1) by tiles of 16, each prefetching the next tile's rows.
+void TileRows(const DecodeInputs& d, int64_t T, float* out, int64_t o0, int64_t o1) {
+  alignas(64) float acc[kDecodeMaxTokens * kTileRows];
+  for (int64_t o = o0; o < o1; o += kTileRows) {
+    const int64_t nrows = std::min<int64_t>(kTileRows, o1 - o);
+    const uint8_t* next = o + kTileRows < d.w.O ? d.w.Row(0, o + kTileRows) : nullptr;
+    Tile(d.w, 0, o, nrows, d.in, d.tokens.data(), T, acc, next);
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t t = 0; t < T; ++t) out[(o + r) * T + t] = acc[t * kTileRows + r];
   }
-}
-
-template <int32_t kind, int R, int GT>
-void DecodeTile(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const Activations& a,
-                const DecodeTokenVectors& v, int64_t o, int64_t t0, float* out) {
-  const int64_t I = a.I, G = a.G, chunks = (G + 1) / 2;
-  const int64_t row_bytes = kind == kQ8_0 ? I : I / 2;
-  __m512 acc[R][GT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < GT; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const bool half = 2 * c + 1 == G;
-    __m512i w[R];
-    __m512 d[R], m[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* row = q + (o + r) * row_bytes;
-      __builtin_prefetch(row + kDecodeAheadRows * row_bytes + c * (kind == kQ8_0 ? 64 : 32), 0, 1);
-      w[r] = LoadWeights<kind>(row, c, half);
-      d[r] = half ? OneHalf(scale + (o + r) * G + 2 * c) : PairOfHalves(scale + (o + r) * G + 2 * c);
-      if (kind == kQ4_1) m[r] = half ? OneHalf(mins + (o + r) * G + 2 * c) : PairOfHalves(mins + (o + r) * G + 2 * c);
-    }
-    for (int t = 0; t < GT; ++t) {
-      const int64_t tt = t0 + t;
-      const __m512i xv = half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, a.xq.data() + tt * I + c * 64)
-                              : _mm512_loadu_si512(a.xq.data() + tt * I + c * 64);
-      const int64_t vi = (tt * chunks + c) * 16;
-      const __m512i start = _mm512_loadu_si512(v.start.data() + vi);
-      const __m512 dx = _mm512_loadu_ps(v.dx.data() + vi);
-      for (int r = 0; r < R; ++r) {
-        const __m512i dot = _mm512_dpbusd_epi32(start, w[r], xv);
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[r], dx), acc[r][t]);
-        if (kind == kQ4_1) acc[r][t] = _mm512_fmadd_ps(m[r], _mm512_loadu_ps(v.dxs.data() + vi), acc[r][t]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < GT; ++t) out[(o + r) * a.T + t0 + t] = _mm512_reduce_add_ps(acc[r][t]);
-}
-
-template <int32_t kind>
-void DecodeRows(const uint8_t* q, const uint16_t* scale, const uint16_t* mins, const Activations& a,
-                const DecodeTokenVectors& v, float* out, int64_t o0, int64_t o1) {
-  const int64_t T = a.T;
-  int64_t o = o0;
-  for (; o + 4 <= o1; o += 4) {
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) DecodeTile<kind, 2, 4>(q, scale, mins, a, v, o, t, out), DecodeTile<kind, 2, 4>(q, scale, mins, a, v, o + 2, t, out);
-    for (; t + 2 <= T; t += 2) DecodeTile<kind, 4, 2>(q, scale, mins, a, v, o, t, out);
-    for (; t < T; ++t) DecodeTile<kind, 4, 1>(q, scale, mins, a, v, o, t, out);
-  }
-  for (; o < o1; ++o)
-    for (int64_t t = 0; t < T; ++t) DecodeTile<kind, 1, 1>(q, scale, mins, a, v, o, t, out);
 }
 
 // Per block and token: the int32 start (-128 * sum for q8_0, -8 * sum for
@@ -719,7 +675,7 @@ struct Job {
   std::vector<float> xt;      // mode 1: x token-major [T, I]
   Activations a;
 #if defined(JAXSERVE_QUANT_VNNI)
-  DecodeTokenVectors dv;
+  DecodeInputs di;
   std::vector<int32_t> start;
   std::vector<float> dxs;
 #endif
@@ -752,11 +708,7 @@ struct Job {
         default: PrefillRows<kQ4_1>(q, scale, mins, a, start.data(), dxs.data(), out, o0, o1); break;
       }
     } else {
-      switch (kind) {
-        case kQ8_0: DecodeRows<kQ8_0>(q, scale, mins, a, dv, out, o0, o1); break;
-        case kQ4_0: DecodeRows<kQ4_0>(q, scale, mins, a, dv, out, o0, o1); break;
-        default: DecodeRows<kQ4_1>(q, scale, mins, a, dv, out, o0, o1); break;
-      }
+      TileRows(di, a.T, out, o0, o1);
     }
 #else
     PortableRows(kind, q, scale, mins, a, prefill, out, o0, o1);
@@ -817,7 +769,7 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
       prep->items = (tiles + prep->tiles_per_item - 1) / prep->tiles_per_item;
       jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(workers - 1, prep->items - 1), prep->items);
     } else {
-      BuildDecodeVectors(kind, job->a, job->dv);
+      BuildDecodeInputs(kind, job->q, job->scale, job->mins, O, job->a, job->di);
     }
 #endif
   }
@@ -825,7 +777,7 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   // pieces (the VNNI loops' row tiles, 4 and 6, divide it; 48 with AMX's
   // 16-row panels) of at least 48 rows.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t piece = job->amx ? 48 : 12;
+  const int64_t piece = job->amx || !job->prefill ? 48 : 12;
   job->rows_per_item = std::max<int64_t>(48, (O / (8 * threads) + piece - 1) / piece * piece);
   job->items = (O + job->rows_per_item - 1) / job->rows_per_item;
   jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);

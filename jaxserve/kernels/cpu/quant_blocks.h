@@ -1,9 +1,9 @@
 // Blocks of 32 int8 values with a scale, shared by the quantized kernels
-// (qmatmul_cpu.cc, moe_cpu.cc): the weight kinds and their float16 scales,
-// the activations' quantization per block, and the unpacking of q4 nibbles
-// for vpdpbusd. One definition, so the two kernels compute the same
-// integers and scales for the same inputs (a MoE expert is the dense
-// product applied to its rows: moe_cpu.cc's header comment).
+// (qmatmul_cpu.cc, moe_cpu.cc, row_tile.h): the weight kinds and their
+// float16 scales and the activations' quantization per block. One
+// definition, so the kernels compute the same integers and scales for the
+// same inputs (a MoE expert is the dense product applied to its rows:
+// row_tile.h).
 //
 // The kernels take it in whole (`using namespace jaxserve_cpu::quant`).
 //
@@ -120,18 +120,6 @@ inline float HalfToFloat(uint16_t h) {
 // q + 8, q4_1's are q (its min is added apart). A block's integer dot
 // starts at -WeightOffset(kind) * sum(xq) to undo it.
 inline int32_t WeightOffset(int32_t kind) { return kind == kQ8_0 ? 128 : (kind == kQ4_0 ? 8 : 0); }
-
-#if defined(JAXSERVE_QUANT_VNNI)
-// The 32 bytes of two consecutive q4 blocks (16 bytes each: element k in
-// the low nibble of byte k, element k + 16 in the high one) as their 64
-// nibbles, one unsigned byte each, in feature order.
-[[gnu::always_inline]] inline __m512i UnpackNibbles(__m256i packed) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(packed, mask), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
-  const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // lo b0, lo b1, hi b0, hi b1
-  return _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));                 // lo b0, hi b0, lo b1, hi b1
-}
-#endif
 
 #if defined(JAXSERVE_QUANT_AMX)
 // Whether this process may use the AMX tile registers: Linux (5.16+) keeps
