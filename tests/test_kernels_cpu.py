@@ -286,3 +286,27 @@ def test_feature_major_unrotated_queries_match_rotated_ones(window, features):
         assert np.max(np.abs(np.asarray(got) - np.asarray(plain))) > 0.1
         ref, n_real = _reference(dict(case, q_np=np.asarray(apply_rope(q, cos, sin))), sliding_window=window, **extra)
         np.testing.assert_allclose(np.asarray(got)[:n_real], ref, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_rope_kernel_rotates_keys_as_apply_rope_the_same_bits_at_any_token_count(rotary):
+    """``rope_cpu`` (keys on the CPU kernels' path) is ``apply_rope``'s
+    rotation, partial rotary included, and a token's keys are the same bits
+    rotated alone, in a call of 5 tokens and in one of 70, inside a jitted
+    program (XLA fused its own rotation into the cache write in one-token
+    programs only: rope_cpu.cc)."""
+    from jaxserve.models.rope import apply_rope, rope_cos_sin
+
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((70, 3, 64)), jnp.float32)
+    cos, sin = rope_cos_sin(jnp.arange(300, 370), 1.0 / (10000.0 ** (np.arange(0, rotary, 2) / rotary)))
+    rotate = jax.jit(lambda x, c, s: cpu.rope_cpu(x, c, s))
+    got = np.asarray(rotate(x, cos, sin))
+    np.testing.assert_allclose(got, np.asarray(apply_rope(x, cos, sin)), rtol=1e-6, atol=1e-6)
+    if rotary < 64:
+        np.testing.assert_array_equal(got[..., rotary:], np.asarray(x)[..., rotary:])
+    for T in (1, 5):
+        np.testing.assert_array_equal(np.asarray(rotate(x[:T], cos[:T], sin[:T])), got[:T], err_msg=f"T={T}")
+    with pytest.raises(ValueError, match="rope_cpu takes"):
+        cpu.rope_cpu(x, cos[:, :3], sin[:, :3])

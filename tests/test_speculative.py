@@ -447,7 +447,8 @@ def test_int8_outputs_with_guesses_are_the_same_bits_as_without(int8_engines):
     can become another integer and, on a real model, another greedy token.
     A position's logits must therefore be the same bits whatever else its
     step holds (its own guesses, other rows): 100 jobs' tokens and
-    log-probabilities, exactly."""
+    log-probabilities, exactly (and on a real model:
+    tests/test_speculative_smollm2.py)."""
     plain_engine, spec_engine = int8_engines
     jobs = _jobs(100, seed=11)
     plain = _serve(plain_engine, jobs)

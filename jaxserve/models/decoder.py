@@ -343,7 +343,7 @@ class CausalLM(nnx.Module):
                 q_rows = rms_norm(q_rows, w["q_norm"], eps, axis=0, offset=offset)
                 k = rms_norm(k.reshape(T, kv_size), w["k_norm"], eps, offset=offset).reshape(T, KVH, D)
             if cos_sin is not None:
-                k = apply_rope(k, *cos_sin)
+                k = cpu_kernels.rope_cpu(k, *cos_sin) if cpu_dense else apply_rope(k, *cos_sin)
             q_meta, q_positions, q_cos_sin = meta, positions, cos_sin
             if prune and i == last:  # from here on only the wanted rows
                 q_rows, h = q_rows[:, output_rows], h[:, output_rows]

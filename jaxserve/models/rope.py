@@ -142,7 +142,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     ``rotary`` below ``head_dim`` (partial rotary, Phi-4-mini): the first
     ``rotary`` features of each head are rotated among themselves and the
     rest pass through, as transformers does. Computed in float32; the result
-    is float32 (callers cast).
+    is float32 (callers cast). The CPU kernels' path rotates keys with
+    ``jaxserve.kernels.cpu.rope_cpu`` instead (the same math, the same bits
+    in every program).
     """
     x = x.astype(jnp.float32)
     rotary = cos.shape[-1]

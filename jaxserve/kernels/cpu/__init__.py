@@ -55,6 +55,7 @@ SOURCES = tuple(
         "vocab_argmax_cpu.cc",
         "qmatmul_cpu.cc",
         "moe_cpu.cc",
+        "rope_cpu.cc",
     )
 )
 #: included by the sources; part of the library's cache key
@@ -81,6 +82,9 @@ SYMBOL_QMATMUL = "JaxserveQmatmulCpu"
 #: a mixture of experts' layer, grouped by expert (``moe_cpu.cc``; ``jaxserve.models.moe``)
 TARGET_MOE = "jaxserve_moe_cpu"
 SYMBOL_MOE = "JaxserveMoeCpu"
+#: keys' rotary embedding in one fixed expression per value (``rope_cpu.cc``)
+TARGET_ROPE = "jaxserve_rope_cpu"
+SYMBOL_ROPE = "JaxserveRopeCpu"
 #: extra compiler flags (space-separated), appended to FLAGS and part of the
 #: cache key: tests build the portable loops with ``-mno-avx512vnni``
 EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
@@ -178,6 +182,7 @@ def available() -> bool:
                     (TARGET_ARGMAX, SYMBOL_ARGMAX),
                     (TARGET_QMATMUL, SYMBOL_QMATMUL),
                     (TARGET_MOE, SYMBOL_MOE),
+                    (TARGET_ROPE, SYMBOL_ROPE),
                 )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
@@ -549,6 +554,19 @@ def vocab_argmax_cpu(logits_t: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(TARGET_ARGMAX, jax.ShapeDtypeStruct((logits_t.shape[1],), jnp.int32))(logits_t)
 
 
+def rope_cpu(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``jaxserve.models.rope.apply_rope(x, cos, sin)`` for ``x`` ``[T, N,
+    D]`` and ``cos``/``sin`` ``[T, R]`` (``R <= D``, even), float32: the same
+    bits for a token in every program (``rope_cpu.cc`` says why)."""
+    T, N, D = x.shape
+    if cos.shape != sin.shape or cos.ndim != 2 or cos.shape[0] != T or cos.shape[1] % 2 or cos.shape[1] > D:
+        raise ValueError(f"rope_cpu takes x [T, N, D] and cos/sin [T, R], R even <= D, not {x.shape}, {cos.shape}")
+    f32 = jnp.float32
+    return jax.ffi.ffi_call(TARGET_ROPE, jax.ShapeDtypeStruct(x.shape, f32))(
+        x.astype(f32), cos.astype(f32), sin.astype(f32)
+    )
+
+
 __all__ = [
     "available",
     "int8_units",
@@ -558,6 +576,7 @@ __all__ = [
     "matvec_pays",
     "moe_cpu",
     "moe_serves",
+    "rope_cpu",
     "paged_attention_cpu",
     "paged_attention_cpu_fm",
     "qmatmul_cpu",
