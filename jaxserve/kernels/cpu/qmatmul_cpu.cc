@@ -45,7 +45,12 @@
 //   2-core AVX-512 EPYC): q8_0 0.95x at 1 token (3.18 ms, 35.5 GB/s: the
 //   machine's read rate), 0.92x at 2, 1.11x at 4, 1.72x at 8; q4_1 0.92x,
 //   1.05x, 1.36x, 1.87x. What is left of the one-token gap is the
-//   transposition of the rows' scales (row_tile.h's ScalePairs16).
+//   transposition of the rows' scales (row_tile.h's ScalePairs16); a
+//   layout of the scales by 16-row tiles, made at load, would remove it.
+//   End to end (SmolLM2-135M, one sequence, 127 greedy tokens after a
+//   128-token prompt, medians of 5 runs, two processes each alternated
+//   against the commit before): int8 132-144 tok/s against 131, int4
+//   150-152 against 160-162 (0.94x).
 // - prefill (T > 8): tokens in the vector lanes, 16 a vector, so each
 //   4-byte group of a weight row is broadcast once for 2 x 16 tokens and
 //   each activation vector serves a tile of 6 rows; a block's 8 vpdpbusd
