@@ -1,7 +1,10 @@
 """The CPU kernels, built on first use: paged attention
 (``paged_attention_cpu.cc``), and for decode steps the dense matmuls
 (``matvec_cpu.cc`` for 1-16 tokens, ``matmul_cpu.cc`` for 32-512) and the
-greedy pick (``vocab_argmax_cpu.cc``).
+greedy pick (``vocab_argmax_cpu.cc``); the quantized products
+(``qmatmul_cpu.cc``) and mixtures of experts (``moe_cpu.cc``), which share
+the rows-in-lanes tile of ``row_tile.h``; the keys' rotation
+(``rope_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
