@@ -82,7 +82,7 @@ def write_table() -> None:
     for s in SCENARIOS.values():
         rows.append((s.NAME, s.DESCRIPTION, s.COMMAND))
         for v, flags in getattr(s, "VARIANTS", {}).items():
-            rows.append((f"{s.NAME}-{v}", f"{s.DESCRIPTION} ({v})", f"{s.COMMAND} {flags}"))
+            rows.append((f"{s.NAME}-{v}", f"{s.DESCRIPTION} ({v})", f"{s.COMMAND} {flags}".rstrip()))
     table.write(table.render(rows))
 
 

@@ -23,7 +23,9 @@ as a prefill step projects only the tokens it samples) over the run's time,
 against the int8 GEMM rate (``machine_rates.py``: the better of a plain
 VNNI GEMM and XLA's s8 dot, which is oneDNN's AMX GEMM where the CPU has
 it). Goal on a CPU with AMX: at least 50 %. On one without, the figure is
-the VNNI one, reported as such, without the goal. The share counts all of
+the VNNI one, reported as such, without the goal, in a result and table
+rows of its own (``int8-prefill-vnni``), so a VNNI machine's run never
+replaces the AMX figures. The share counts all of
 the step (attention, norms, the activations' quantization), not the matmuls
 alone.
 
@@ -56,6 +58,10 @@ SYSTEMS = ["jaxserve-int8", "jaxserve-int8-vnni", "jaxserve-f32"]
 NO_AMX = {"JAXSERVE_CPU_KERNEL_CFLAGS": "-mno-amx-tile -mno-amx-int8"}
 #: the share of the int8 GEMM rate a prefill should reach on a CPU with AMX
 RATE_GOAL = 0.5
+#: a run on a CPU without AMX gives the VNNI (or portable) figure, which the
+#: table keeps beside the AMX one: a result name and rows of its own, the
+#: same command (the machine decides)
+VARIANTS = {"vnni": "", "portable": ""}
 #: (prompts, prompt tokens): the full run's, and --smoke's when none is given
 FULL = (128, 128)
 SMOKE = (16, 32)
@@ -67,6 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=None, help=f"tokens per prompt (default {FULL[1]})")
     p.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for one turn")
+
+
+def variant(args: argparse.Namespace) -> str | None:
+    """The int8 units this machine's prefill loop runs on, where they are not
+    AMX (None: AMX, the scenario itself)."""
+    from jaxserve.kernels import cpu
+
+    units = cpu.int8_units() if cpu.available() else "portable"
+    return {"avx512_vnni": "vnni", "portable": "portable"}.get(units or "")
 
 
 def labels(units: str | None) -> dict[str, str]:
