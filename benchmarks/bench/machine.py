@@ -34,6 +34,21 @@ def measure(quick: bool = False) -> dict[str, Any]:
     }
 
 
+#: result variants of the scenarios whose figure depends on the int8 units
+#: (int8-prefill, classify-queue): a run where they are not AMX tiles is kept
+#: beside the AMX one, under the same command (the machine decides)
+INT8_VARIANTS = {"vnni": "", "portable": ""}
+
+
+def int8_variant() -> str | None:
+    """``vnni`` or ``portable`` where this machine's int8 prefill loop does not
+    run on AMX tiles (``jaxserve.kernels.cpu.int8_units``); None on AMX."""
+    from jaxserve.kernels import cpu
+
+    units = cpu.int8_units() if cpu.available() else "portable"
+    return {"avx512_vnni": "vnni", "portable": "portable"}.get(units or "")
+
+
 def git_state() -> dict[str, Any]:
     def git(*a: str) -> str | None:
         try:

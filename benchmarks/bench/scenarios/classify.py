@@ -21,7 +21,9 @@ Both load SmolLM2-135M-Instruct (jaxserve: ``--model``, default
 alternated over ``--rounds`` (nothing stays resident between turns: every
 turn starts its own worker). Goals: 1.5x llmq; for the int8 worker on a CPU
 whose int8 prefill runs on AMX tiles (the machine record's
-``int8_kernel_units``), 3x, and the row says which units it ran on.
+``int8_kernel_units``), 3x, and the row says which units it ran on. A run
+on a CPU without AMX is a result and rows of its own
+(``classify-queue-vnni``), beside the AMX one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .. import models, rounds
+from .. import machine, models, rounds
 from ..record import Figure
 
 NAME = "classify-queue"
@@ -45,9 +47,15 @@ LABELS = {
 }
 #: the jaxserve contenders and the extra worker flags of each
 JAXSERVE = {"jaxserve-labels": [], "jaxserve-labels-int8": ["--quantization", "int8"]}
+#: a run on a CPU without AMX gives the int8 worker's VNNI (or portable) figure, kept beside the AMX one
+VARIANTS = machine.INT8_VARIANTS
 #: the goal against llmq: 1.5x, and 3x for the int8 worker where its prefill runs on AMX tiles
 GOAL = 1.5
 GOAL_INT8_AMX = 3.0
+
+
+def variant(args: argparse.Namespace) -> str | None:
+    return machine.int8_variant()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

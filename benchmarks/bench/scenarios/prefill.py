@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import models, rounds
+from .. import machine, models, rounds
 from ..record import Figure, Stat
 from .offline import ServeContender, alternate_loaded, make_prompts, model_costs
 
@@ -58,10 +58,8 @@ SYSTEMS = ["jaxserve-int8", "jaxserve-int8-vnni", "jaxserve-f32"]
 NO_AMX = {"JAXSERVE_CPU_KERNEL_CFLAGS": "-mno-amx-tile -mno-amx-int8"}
 #: the share of the int8 GEMM rate a prefill should reach on a CPU with AMX
 RATE_GOAL = 0.5
-#: a run on a CPU without AMX gives the VNNI (or portable) figure, which the
-#: table keeps beside the AMX one: a result name and rows of its own, the
-#: same command (the machine decides)
-VARIANTS = {"vnni": "", "portable": ""}
+#: a run on a CPU without AMX gives the VNNI (or portable) figure, kept beside the AMX one
+VARIANTS = machine.INT8_VARIANTS
 #: (prompts, prompt tokens): the full run's, and --smoke's when none is given
 FULL = (128, 128)
 SMOKE = (16, 32)
@@ -76,12 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def variant(args: argparse.Namespace) -> str | None:
-    """The int8 units this machine's prefill loop runs on, where they are not
-    AMX (None: AMX, the scenario itself)."""
-    from jaxserve.kernels import cpu
-
-    units = cpu.int8_units() if cpu.available() else "portable"
-    return {"avx512_vnni": "vnni", "portable": "portable"}.get(units or "")
+    return machine.int8_variant()
 
 
 def labels(units: str | None) -> dict[str, str]:
