@@ -296,34 +296,37 @@ inline __m512 OneHalf(const uint16_t* h) {
   return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(*h)));
 }
 
+// Per block and token: the int32 start (-128 * sum for q8_0, -8 * sum for
+// q4_0, 0 for q4_1) and q4_1's dx * sum, for the blocks [i0, i1) of a's dx
+// and sx (either layout: the same index in all four arrays; the arrays
+// sized by the caller). Both loops read them, so a (row, token) is the same
+// float arithmetic in either.
+void BlockStarts(int32_t kind, const Activations& a, int64_t i0, int64_t i1, int32_t* start, float* dxs) {
+  const int32_t per_block = WeightOffset(kind);
+  for (int64_t i = i0; i < i1; ++i) {
+    start[i] = -per_block * a.sx[i];
+    dxs[i] = a.dx[i] * static_cast<float>(a.sx[i]);
+  }
+}
+
 // The decode loop (T <= 8): row_tile.h's tile, 16 rows in the lanes, over
-// every token of the call. Starts and dx * sum per (token, block) as the
-// prefill loop builds them, so a (row, token) is the same float arithmetic
-// in either loop.
+// every token of the call, on the call's activations and BlockStarts.
 struct DecodeInputs {
-  std::vector<int32_t> start, tokens;
-  std::vector<float> dxs;
+  std::vector<int32_t> tokens;  // 0 .. T - 1: the tile's rows of the inputs
   Inputs in;
   Stack w;
 };
 
 void BuildDecodeInputs(int32_t kind, const uint8_t* q, const uint16_t* scale, const uint16_t* mins, int64_t O,
-                       Activations& a, DecodeInputs& d) {
-  const int32_t per_block = WeightOffset(kind);
-  d.start.resize(a.sx.size());
-  d.dxs.resize(a.sx.size());
-  for (size_t i = 0; i < a.sx.size(); ++i) {
-    d.start[i] = -per_block * a.sx[i];
-    d.dxs[i] = a.dx[i] * static_cast<float>(a.sx[i]);
-  }
+                       Activations& a, int32_t* start, float* dxs, DecodeInputs& d) {
   d.tokens.resize(static_cast<size_t>(a.T));
   for (int64_t t = 0; t < a.T; ++t) d.tokens[t] = static_cast<int32_t>(t);
   d.in.K = a.I;
   d.in.G = a.G;
   d.in.xq = a.xq.data();
   d.in.dx = a.dx.data();
-  d.in.dxs = d.dxs.data();
-  d.in.start = d.start.data();
+  d.in.dxs = dxs;
+  d.in.start = start;
   d.w.kind = kind;
   d.w.q = q;
   d.w.scale = scale;
@@ -346,17 +349,6 @@ void TileRows(const DecodeInputs& d, int64_t T, float* out, int64_t o0, int64_t 
   }
 }
 
-// Per block and token: the int32 start (-128 * sum for q8_0, -8 * sum for
-// q4_0, 0 for q4_1), for the prefill loop's token-lane vectors, and q4_1's
-// dx * sum; tokens [t_begin, t_end) (the arrays sized by the caller).
-void BuildPrefillStarts(int32_t kind, const Activations& a, int64_t t_begin, int64_t t_end, int32_t* start,
-                        float* dxs) {
-  const int32_t per_block = WeightOffset(kind);
-  for (int64_t i = a.TileBlocks(t_begin); i < a.TileBlocks(t_end); ++i) {
-    start[i] = -per_block * a.sx[i];
-    dxs[i] = a.dx[i] * static_cast<float>(a.sx[i]);
-  }
-}
 
 // A prefill call's activations quantized (QuantizePrefillVnni) and its
 // starts built, by items of whole 16-token tiles on the pool before the
@@ -376,7 +368,7 @@ struct PrefillPrep {
   void RunItem(int64_t item) const {
     const int64_t t_begin = item * tiles_per_item * 16, t_end = std::min(a->Tp, t_begin + tiles_per_item * 16);
     QuantizePrefillVnni(x, a->T, t_begin, t_end, *a);
-    BuildPrefillStarts(kind, *a, t_begin, t_end, start, dxs);
+    BlockStarts(kind, *a, a->TileBlocks(t_begin), a->TileBlocks(t_end), start, dxs);
   }
 
   void Run() { jaxserve_cpu::RunItems(*this, items); }
@@ -760,9 +752,9 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   {
     QuantizeActivations(x.typed_data(), I, T, job->prefill, job->a);
 #if defined(JAXSERVE_QUANT_VNNI)
+    job->start.resize(job->a.sx.size());
+    job->dxs.resize(job->a.sx.size());
     if (job->prefill) {
-      job->start.resize(job->a.sx.size());
-      job->dxs.resize(job->a.sx.size());
       auto prep = std::make_shared<PrefillPrep>();
       prep->x = x.typed_data();
       prep->kind = kind;
@@ -774,13 +766,14 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
       prep->items = (tiles + prep->tiles_per_item - 1) / prep->tiles_per_item;
       jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(workers - 1, prep->items - 1), prep->items);
     } else {
-      BuildDecodeInputs(kind, job->q, job->scale, job->mins, O, job->a, job->di);
+      BlockStarts(kind, job->a, 0, static_cast<int64_t>(job->a.sx.size()), job->start.data(), job->dxs.data());
+      BuildDecodeInputs(kind, job->q, job->scale, job->mins, O, job->a, job->start.data(), job->dxs.data(), job->di);
     }
 #endif
   }
-  // About 8 items per thread for balance, each a whole number of 12-row
-  // pieces (the VNNI loops' row tiles, 4 and 6, divide it; 48 with AMX's
-  // 16-row panels) of at least 48 rows.
+  // About 8 items per thread for balance, each a whole number of pieces of
+  // at least 48 rows: 12 for the VNNI prefill loop's 6-row tiles, 48 for
+  // the decode loop's 16-row tiles and AMX's 16-row panels.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t piece = job->amx || !job->prefill ? 48 : 12;
   job->rows_per_item = std::max<int64_t>(48, (O / (8 * threads) + piece - 1) / piece * piece);
