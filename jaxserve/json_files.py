@@ -1,4 +1,4 @@
-"""Reading JSON files with one-line errors in the caller's error type.
+"""Reading JSON files and message bodies with one-line errors in the caller's error type.
 
 Model configs, safetensors indexes, tokenizer files, presets and the
 planner's inputs are all "a JSON object or a one-line error naming the
@@ -14,6 +14,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 #: makes the exception to raise from a one-line message
 ErrorFactory = Callable[[str], Exception]
@@ -40,6 +42,20 @@ def json_object(data: Any, source: str | Path, error: ErrorFactory) -> dict[str,
     """``data`` if it is a JSON object; ``error("<source> must hold a JSON object, got <type>")``."""
     if not isinstance(data, dict):
         raise error(f"{source} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def loads_object(raw: bytes, error: ErrorFactory, not_json: str, not_object: str) -> dict[str, Any]:
+    """A request or job body (``orjson``: bytes, UTF-8 checked) as a JSON
+    object; ``error(not_json.format(<parser's message>))`` if it is not JSON,
+    ``error(not_object.format(<type name>))`` if it is another JSON value.
+    Each caller words the two errors for its own audience."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise error(not_json.format(exc)) from None
+    if not isinstance(data, dict):
+        raise error(not_object.format(type(data).__name__))
     return data
 
 

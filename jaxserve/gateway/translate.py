@@ -25,6 +25,7 @@ import orjson
 from jaxserve.batch.openai_format import response_body
 from jaxserve.gateway.errors import ApiError, from_error, invalid
 from jaxserve.gateway.keys import Principal
+from jaxserve.json_files import loads_object
 from jaxserve.request_error import RequestError
 from jaxserve.wire import JobProperties, Result, parse_job
 from jaxserve.wire.outputs import completion_logprobs
@@ -37,13 +38,12 @@ _HTTP_ONLY = ("stream_options", "user", "metadata", "store", "service_tier")
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"We could not parse the JSON body of your request ({exc}).") from None
-    if not isinstance(data, dict):
-        raise invalid(f"The request body must be a JSON object, got {type(data).__name__}.")
-    return data
+    return loads_object(
+        raw,
+        invalid,
+        "We could not parse the JSON body of your request ({}).",
+        "The request body must be a JSON object, got {}.",
+    )
 
 
 def job_body(request: dict[str, Any], endpoint: Endpoint, principal: Principal, priority: int | None) -> dict[str, Any]:

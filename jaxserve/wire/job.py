@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from jaxserve.json_files import loads_object
 from jaxserve.request_error import RequestError
 from jaxserve.sampling_params import SamplingParams, StructuredOutput
 from jaxserve.wire.job_body import (
@@ -259,12 +260,7 @@ def parse_job(
         not isinstance(ctype, str) or ctype.split(";")[0].strip().lower() != "application/json"
     ):
         raise _bad(f"content_type must be application/json, got {_show(ctype)}")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise _bad(f"body is not valid UTF-8 JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise _bad(f"body must be a JSON object, got {type(data).__name__}")
+    data = loads_object(body, _bad, "body is not valid UTF-8 JSON: {}", "body must be a JSON object, got {}")
     _refuse_unsupported(data)
     try:
         job_body = JobBody.model_validate(data)
