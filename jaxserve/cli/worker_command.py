@@ -24,6 +24,28 @@ from jaxserve.engine.args import profile_values
 _SERVE = profile_values("serve")
 
 
+#: the flags that are the engine factory's settings (``EngineArgs`` fields),
+#: each None unless given: the worker hands the factory the given ones, over
+#: its ``--engine-arg`` values; every other option the command does not name
+#: is a ``--price-*`` flag
+_ENGINE_FLAGS = (
+    "model",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kv_cache_memory",
+    "memory_fraction",
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "num_speculative_tokens",
+    "speculative_method",
+    "interactive_reserved_seqs",
+    "policy",
+    "interactive_batch_prefill_tokens",
+)
+
+
 def _serve_option(*decls: str, field: str, **attrs: Any) -> Any:
     return engine_option(*decls, field=field, profile="serve", forward_unset=True, **attrs)
 
@@ -270,21 +292,7 @@ def worker(
     amqp_url: str,
     prefix: str,
     engine_path: str,
-    model: str | None,
     engine_arg: tuple[str, ...],
-    max_num_seqs: int | None,
-    max_num_batched_tokens: int | None,
-    max_model_len: int | None,
-    kv_cache_memory: int | None,
-    memory_fraction: float | None,
-    dtype: str | None,
-    quantization: str | None,
-    kv_cache_dtype: str | None,
-    num_speculative_tokens: int | None,
-    speculative_method: str | None,
-    interactive_reserved_seqs: int | None,
-    policy: str | None,
-    interactive_batch_prefill_tokens: int | None,
     metrics_port: int | None,
     otlp_endpoint: str | None,
     served_model_name: tuple[str, ...],
@@ -318,7 +326,7 @@ def worker(
     log_format: str,
     log_level: str,
     log_text: bool,
-    **price_kwargs: Any,
+    **options: Any,
 ) -> None:
     """Serve jobs from PREFIX.interactive and PREFIX.batch."""
     from jaxserve.cli.errors import check_broker, check_port_free, worker_errors
@@ -334,30 +342,14 @@ def worker(
         limits = None if limits_path is None else load_limits(limits_path)
     except LimitsFileError as exc:
         raise click.ClickException(str(exc)) from None
-    flags = dict(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        kv_cache_memory=kv_cache_memory,
-        memory_fraction=memory_fraction,
-        dtype=dtype,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        num_speculative_tokens=num_speculative_tokens,
-        speculative_method=speculative_method,
-        interactive_reserved_seqs=interactive_reserved_seqs,
-        policy=policy,
-        interactive_batch_prefill_tokens=interactive_batch_prefill_tokens,
-    )
-    given = {k: v for k, v in flags.items() if v is not None}
-    if model is not None:
-        given = {"model": model, **given}
+    engine_flags = {name: options.pop(name) for name in _ENGINE_FLAGS}
+    given = {k: v for k, v in engine_flags.items() if v is not None}
     try:  # a bad --engine or --engine-arg is one line now, before anything starts
         kwargs = check_engine_args(engine_path, engine_arg, given)
     except (EngineArgError, ImportError, AttributeError, TypeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     # model None: --price-* values price whatever this worker serves; a file names its models
-    prices = prices_from_options(None, **price_kwargs)
+    prices = prices_from_options(None, **options)  # the --price-* flags are what is left
 
     configure_logging(log_format, log_level)
     from jaxserve.worker.tracing import Tracing
