@@ -33,14 +33,17 @@ import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
+from prometheus_client.metrics import MetricWrapperBase
 
 from jaxserve.wire.topology import QUEUE_CLASSES
 
 HealthCheck = Callable[[], bool | tuple[bool, str]]
+#: a metric type (Counter, Gauge, Histogram)
+M = TypeVar("M", bound=MetricWrapperBase)
 
 #: buckets (seconds) of every latency histogram, the worker's and the
 #: gateway's (``jaxserve.gateway.metrics``), so their quantiles compare
@@ -134,50 +137,45 @@ class EngineMetrics:
         )
         self.prefill_time = by_queue("jaxserve_request_prefill_time_seconds", "First scheduled to first token")
         self.decode_time = by_queue("jaxserve_request_decode_time_seconds", "First token to finish")
+
+        def by_model(kind: type[M], name: str, documentation: str, labels: list[str]) -> M:
+            """A counter or gauge labelled by model first, then ``labels``."""
+            return kind(name, documentation, ["model_name", *labels], registry=r)
+
         # The worker's own health and the broker as it sees it.
-        self.rejections = Counter(
+        self.rejections = by_model(
+            Counter,
             "jaxserve_rejections",
             "Jobs refused at admission, by error code, reason and tenant",
-            ["model_name", "queue", "code", "reason", "tenant"],
-            registry=r,
+            ["queue", "code", "reason", "tenant"],
         )
         # What served jobs cost (jaxserve.cost), by tenant as the limits file
         # bounds it (listed tenants by name, "default", "other": the worker
         # passes LimitsConfig.metric_label), so label values stay few.
-        self.cost = Counter(
+        self.cost = by_model(
+            Counter,
             "jaxserve_cost",
             "Cost of served jobs' tokens at the worker's prices, by tenant and currency",
-            ["model_name", "tenant", "currency"],
-            registry=r,
+            ["tenant", "currency"],
         )
         # Jobs that accepted a degraded answer instead of overloaded
         # (jaxserve.worker.fallback): re-routed to a fallback model
         # ("fallback", counted by the model that passed them on) or run with
         # their degrade.max_tokens ("max_tokens").
-        self.degradations = Counter(
+        self.degradations = by_model(
+            Counter,
             "jaxserve_degradations",
             "Jobs answered degraded instead of overloaded, by reason (fallback, max_tokens)",
-            ["model_name", "queue", "reason"],
-            registry=r,
+            ["queue", "reason"],
         )
-        self.requeues = Counter(
-            "jaxserve_requeues",
-            "Jobs given back to the broker, by reason",
-            ["model_name", "queue", "reason"],
-            registry=r,
+        self.requeues = by_model(
+            Counter, "jaxserve_requeues", "Jobs given back to the broker, by reason", ["queue", "reason"]
         )
-        self.reconnects = Counter(
-            "jaxserve_reconnects", "AMQP reconnections, by connection", ["model_name", "connection"], registry=r
+        self.reconnects = by_model(Counter, "jaxserve_reconnects", "AMQP reconnections, by connection", ["connection"])
+        self.queue_depth = by_model(
+            Gauge, "jaxserve_queue_depth", "Ready messages in a queue (interactive, batch, dead, results)", ["queue"]
         )
-        self.queue_depth = Gauge(
-            "jaxserve_queue_depth",
-            "Ready messages in a queue (interactive, batch, dead, results)",
-            ["model_name", "queue"],
-            registry=r,
-        )
-        self.queue_consumers = Gauge(
-            "jaxserve_queue_consumers", "Consumers of a queue", ["model_name", "queue"], registry=r
-        )
+        self.queue_consumers = by_model(Gauge, "jaxserve_queue_consumers", "Consumers of a queue", ["queue"])
         ProcessCollector(namespace="jaxserve", registry=r)  # jaxserve_process_resident_memory_bytes, cpu, fds
         for q in QUEUE_CLASSES:  # series present from start-up, at zero
             self.requeues.labels(model_name, q, "drain")
@@ -187,17 +185,11 @@ class EngineMetrics:
                 self.degradations.labels(model_name, q, reason)
         for c in ("interactive", "batch", "control", "publish"):
             self.reconnects.labels(model_name, c)
-        self.request_success = Counter(
-            "jaxserve_request_success",
-            "Finished requests by finish reason",
-            ["model_name", "finished_reason"],
-            registry=r,
+        self.request_success = by_model(
+            Counter, "jaxserve_request_success", "Finished requests by finish reason", ["finished_reason"]
         )
-        self.jobs = Counter(
-            "jaxserve_jobs",
-            "Queue jobs by queue and outcome (ok, error code, replayed)",
-            ["model_name", "queue", "outcome"],
-            registry=r,
+        self.jobs = by_model(
+            Counter, "jaxserve_jobs", "Queue jobs by queue and outcome (ok, error code, replayed)", ["queue", "outcome"]
         )
         m = model_name
         self._step_children: dict[str, Any] = {  # gauges and counters

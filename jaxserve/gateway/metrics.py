@@ -12,59 +12,65 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from jaxserve.metrics import LATENCY_BUCKETS
+from jaxserve.metrics import LATENCY_BUCKETS, M
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.requests = Counter(
+
+        def metric(kind: type[M], name: str, documentation: str, labels: list[str]) -> M:
+            """One of the gateway's metrics, in its registry; a histogram on
+            the workers' latency buckets."""
+            extra: dict[str, Any] = {"buckets": LATENCY_BUCKETS} if kind is Histogram else {}
+            return kind(name, documentation, labels, registry=r, **extra)
+
+        self.requests = metric(
+            Counter,
             "jaxserve_gateway_requests",
             "HTTP requests answered, by route, model and status code",
             ["route", "model_name", "status"],
-            registry=r,
         )
-        self.latency = Histogram(
+        self.latency = metric(
+            Histogram,
             "jaxserve_gateway_request_duration_seconds",
             "Request received to response finished (a stream: to its last event)",
             ["route", "model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = metric(
+            Histogram,
             "jaxserve_gateway_time_to_first_token_seconds",
             "Streamed requests: received to the first event with a token",
             ["model_name"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.disconnects = Counter(
+        self.disconnects = metric(
+            Counter,
             "jaxserve_gateway_client_disconnects",
             "Requests whose client went away before the answer; their jobs are cancelled",
             ["route", "model_name"],
-            registry=r,
         )
-        self.batch_requests = Counter(
+        self.batch_requests = metric(
+            Counter,
             "jaxserve_gateway_batch_requests",
             "Batch API requests finished, by outcome (ok or the error code)",
             ["outcome"],
-            registry=r,
         )
-        self.batches = Gauge("jaxserve_gateway_batches", "Batches by status", ["status"], registry=r)
-        self.queue_depth = Gauge(
+        self.batches = metric(Gauge, "jaxserve_gateway_batches", "Batches by status", ["status"])
+        self.queue_depth = metric(
+            Gauge,
             "jaxserve_gateway_queue_depth",
             "Ready messages of a job queue, as the gateway sees the broker",
             ["model_name", "queue"],
-            registry=r,
         )
-        self.queue_consumers = Gauge(
+        self.queue_consumers = metric(
+            Gauge,
             "jaxserve_gateway_queue_consumers",
             "Consumers of a job queue, as the gateway sees the broker",
             ["model_name", "queue"],
-            registry=r,
         )
         for status in ("validating", "in_progress", "finalizing", "cancelling"):
             self.batches.labels(status).set(0)
