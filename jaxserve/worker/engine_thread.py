@@ -108,7 +108,6 @@ class EngineThread:
         max_consecutive_step_failures: int = 5,
         name: str = "jaxserve-engine",
     ) -> None:
-        check_max_consecutive_step_failures(max_consecutive_step_failures)
         self.loop = loop
         self.on_outputs = on_outputs
         self.on_step_error = on_step_error
