@@ -42,49 +42,36 @@ class WorkerStateView(Protocol):
 
 
 class WorkerState:
-    """The one record of where the worker is (see the module docstring)."""
+    """The one record of where the worker is (see the module docstring).
+    Its flags are plain attributes, each moved by its method (``serving``,
+    ``drain``, ``close``, ``fail``); the other parts get it as a
+    :class:`WorkerStateView`, which reads them only."""
 
     def __init__(self) -> None:
-        self._ready = False
-        self._draining = False
-        self._closing = False
+        self.ready = False
+        self.draining = False
+        self.closing = False
+        self.fatal_error: str | None = None
         self._failed = asyncio.Event()
-        self._fatal_error: str | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    @property
-    def fatal_error(self) -> str | None:
-        return self._fatal_error
 
     @property
     def failed(self) -> bool:
         return self._failed.is_set()
 
     def serving(self) -> None:
-        self._ready = True
+        self.ready = True
 
     def drain(self) -> None:
-        self._draining = True
+        self.draining = True
 
     def close(self) -> None:
-        self._closing = True
+        self.closing = True
 
     def fail(self, error: str) -> bool:
         """The engine failed for good; False when it had already."""
         if self._failed.is_set():
             return False
-        self._fatal_error = error
+        self.fatal_error = error
         self._failed.set()
         return True
 
