@@ -402,11 +402,18 @@ async def test_a_worker_with_its_engine_in_a_process_serves_streams_and_batch_jo
     assert _gone(engine_pid)
 
 
-def test_the_engine_process_logs_in_the_workers_format_and_context(prefix, tmp_path):
+def _maps_jax(pid: int) -> bool:
+    """Whether the process has JAX's runtime library mapped."""
+    return "libjax_common" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_engine_process_logs_in_the_workers_format_and_the_worker_process_holds_no_jax(prefix, tmp_path):
     """``jaxserve worker --log-format json`` with the real engine: every line
     on its stderr is JSON, and the engine process's own lines (the KV cache
     it sized, the programs it compiled) carry the worker's id and
-    ``"process": "engine"``."""
+    ``"process": "engine"``. JAX's runtime is the engine process's alone: the
+    worker's process, serving, has not loaded it (it held about 150 MB there,
+    the memory scenario in BENCHMARKS.md)."""
     import json
 
     from queue_support import start_worker_process, stop_process, wait_log
@@ -415,6 +422,9 @@ def test_the_engine_process_logs_in_the_workers_format_and_context(prefix, tmp_p
     w = start_worker_process(prefix, log, engine=None)
     try:
         wait_log(log, "worker_consuming", timeout=180)
+        children = [int(c) for t in Path(f"/proc/{w.pid}/task").iterdir() for c in (t / "children").read_text().split()]
+        assert [_maps_jax(c) for c in children] == [True]  # the engine process (the check can fail)
+        assert not _maps_jax(w.pid)
     finally:
         stop_process(w)
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
