@@ -54,6 +54,13 @@ class EngineArgs:
       cache at head_dim 64 and 0.53x a bfloat16 one).
     - ``compilation_cache_dir``: JAX's persistent compilation cache, so a
       restarted worker skips compiling (``""`` disables it).
+    - ``cache_forward_programs``: whether the forward programs (one per
+      token bucket) come from that cache too. False compiles them at every
+      start and keeps the cache for the small programs: on XLA:CPU a
+      forward program loaded from the cache holds about 50 MB more than
+      a freshly compiled one (SmolLM2-135M's 12: 600 MB against 180 MB),
+      at about 2 s of compiling each on 2 cores (the memory scenario in
+      BENCHMARKS.md).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async
@@ -149,6 +156,7 @@ class EngineArgs:
     interactive_step_tokens: int = 32
     seed: int = 0
     compilation_cache_dir: str | None = None
+    cache_forward_programs: bool = True
     async_scheduling: bool = True
     served_model_name: str | None = None
     attention_backend: Literal["auto", "reference", "pallas", "cpu"] = "auto"

@@ -40,6 +40,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.block_allocator import BlockAllocator
 from jaxserve.engine.containment import Containment
 from jaxserve.engine.cpu_threads import configure as configure_cpu_threads
+from jaxserve.engine.host_memory import release_free_heap
 from jaxserve.engine.in_flight import Collected, InFlight, Pending, by_request
 from jaxserve.engine.output_processor import OutputState
 from jaxserve.engine.placement import enable_compilation_cache, place_model
@@ -211,7 +212,8 @@ class Engine:
 
         # meanwhile, structured output's tokenizer (StructuredBackend.prepare)
         threading.Thread(target=self.structured.prepare, name="structured-prepare", daemon=True).start()
-        self.runner.warmup()
+        self.runner.warmup(cache_forward=self.args.cache_forward_programs)
+        release_free_heap()
 
     @property
     def compile_seconds(self) -> float:

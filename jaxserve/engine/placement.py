@@ -7,10 +7,13 @@ apart from the engine's step because none of it changes while it serves.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import jax
 import structlog
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from jaxserve.engine.args import EngineArgs
 
@@ -29,6 +32,24 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@contextlib.contextmanager
+def persistent_cache(enabled: bool) -> Iterator[None]:
+    """Compilations inside neither read nor write the persistent compilation
+    cache when ``enabled`` is False (jax memoizes whether the cache is on,
+    hence the resets around the switch); a no-op when True."""
+    if enabled:
+        yield
+        return
+    was = jax.config.values["jax_enable_compilation_cache"]
+    reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        reset_cache()
 
 
 def place_model(model, args: EngineArgs, cache_dtype):

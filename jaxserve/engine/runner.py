@@ -52,6 +52,7 @@ import structlog
 from flax import nnx
 
 from jaxserve.engine.buckets import Buckets
+from jaxserve.engine.placement import persistent_cache
 from jaxserve.engine.sampler import (
     SamplingRow,
     SamplingTensors,
@@ -330,8 +331,10 @@ class ModelRunner:
             long_rope_from=None if self.long_rope_original is None else _spec((self.max_num_seqs + 1,), i32),
         )
 
-    def warmup(self) -> None:
-        """Compile every bucket ahead of time (hits the persistent cache on restart)."""
+    def warmup(self, cache_forward: bool = True) -> None:
+        """Compile every bucket ahead of time (hits the persistent cache on
+        restart; the forward programs only with ``cache_forward``, see
+        ``EngineArgs.cache_forward_programs``)."""
         started = time.perf_counter()
         # with a mesh, weights and cache keep their shardings (other inputs: replicated)
         sharded = self.mesh is not None
@@ -348,10 +351,11 @@ class ModelRunner:
                 self._replicated,
             )
         forward = jax.jit(self._forward_fn, donate_argnums=(1,), **out_shardings)
-        for t in self.buckets.tokens:
-            if t in self._forward:
-                continue
-            self._forward[t] = forward.lower(state_spec, cache_spec, *self._abstract_forward_inputs(t)).compile()
+        with persistent_cache(cache_forward):
+            for t in self.buckets.tokens:
+                if t not in self._forward:
+                    lowered = forward.lower(state_spec, cache_spec, *self._abstract_forward_inputs(t))
+                    self._forward[t] = lowered.compile()
         hidden = self._hidden_spec()
         sampler = jax.jit(self._sample_fn)
         greedy = jax.jit(self._greedy_fn, static_argnames=("num_rows", "logprobs"))

@@ -5,7 +5,11 @@ in a process of its own, the CLI default), waits until it consumes, answers
 ``--jobs`` interactive jobs (so every compiled path the serving touches is
 in memory), lets it settle for a second, and reads VmRSS of the worker and
 all its descendants (``procs.tree_rss_mib``). ``int8-kv8`` is the int8
-worker with ``--kv-cache-dtype int8``.
+worker with ``--kv-cache-dtype int8``; ``int8-kv8-fresh`` that worker with
+``--engine-arg cache_forward_programs=false`` (its forward programs compiled
+at start, not loaded from the persistent compilation cache, where each
+loaded one holds about 50 MB more on XLA:CPU; the turns' ``ready_s`` show
+the start it costs).
 
 ``llama-server``: llama.cpp's server (``peers/setup_llamacpp.sh``) on the
 Q8_0 file (``peers/prepare_smollm2.py``) with the same capacity, ``-np``
@@ -46,6 +50,7 @@ LABELS = {
     "int8": "worker int8",
     "int4": "worker int4",
     "int8-kv8": "worker int8, int8 KV",
+    "int8-kv8-fresh": "worker int8, int8 KV, forward programs compiled at start",
     "llama-server": "llama-server Q8_0",
 }
 #: each system's extra worker flags (llama-server is not a worker)
@@ -54,13 +59,24 @@ WORKER_FLAGS = {
     "int8": ["--quantization", "int8"],
     "int4": ["--quantization", "int4"],
     "int8-kv8": ["--quantization", "int8", "--kv-cache-dtype", "int8"],
+    "int8-kv8-fresh": [
+        "--quantization",
+        "int8",
+        "--kv-cache-dtype",
+        "int8",
+        "--engine-arg",
+        "cache_forward_programs=false",
+    ],
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=models.jaxserve_default())
     p.add_argument(
-        "--systems", nargs="+", default=["f32", "int8", "int4", "int8-kv8", "llama-server"], choices=list(LABELS)
+        "--systems",
+        nargs="+",
+        default=["f32", "int8", "int4", "int8-kv8", "int8-kv8-fresh", "llama-server"],
+        choices=list(LABELS),
     )
     p.add_argument("--llamacpp-bin", default=str(ROOT / ".peers" / "llama.cpp" / "build" / "bin"))
     p.add_argument("--gguf-dir", default=str(models.PEER_DIR), help="folder of the Q8_0 GGUF file")
@@ -225,7 +241,7 @@ def run(args: argparse.Namespace, ctx: Any) -> tuple[list[Figure], list[dict[str
     records = rounds.alternate(cs, ctx.rounds, ctx.warmup_rounds)
     figs = []
     what = f"resident memory of a worker serving {models.label(args.model)} (worker + engine process)"
-    for kind in ("int8", "int8-kv8"):
+    for kind in ("int8", "int8-kv8", "int8-kv8-fresh"):
         if kind in args.systems and "llama-server" in args.systems:
             goal = {"goal": "<= 2x", "goal_ratio": 2.0} if kind == "int8" else {}
             figs.append(
