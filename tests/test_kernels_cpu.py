@@ -310,3 +310,28 @@ def test_rope_kernel_rotates_keys_as_apply_rope_the_same_bits_at_any_token_count
         np.testing.assert_array_equal(np.asarray(rotate(x[:T], cos[:T], sin[:T])), got[:T], err_msg=f"T={T}")
     with pytest.raises(ValueError, match="rope_cpu takes"):
         cpu.rope_cpu(x, cos[:, :3], sin[:, :3])
+
+
+@needs_kernel
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_kernel_is_rms_norm_and_a_token_is_the_same_bits_at_any_token_count(offset):
+    """``rms_norm_cpu`` (the residual stream's norms on the CPU kernels'
+    path) is ``blocks.rms_norm`` over the features of ``[E, T]``, Gemma's
+    offset included, and a token's output is the same bits alone, at any
+    place in a call of 2 to 70 tokens (16-token lane blocks, the last one
+    partial), inside a jitted program."""
+    from jaxserve.models.blocks import rms_norm
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((576, 70)) * 3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal(576), jnp.float32)
+    norm = jax.jit(lambda x, w: cpu.rms_norm_cpu(x, w, 1e-5, offset))
+    got = np.asarray(norm(x, w))
+    ref = np.asarray(rms_norm(x, w, 1e-5, axis=0, offset=offset))
+    np.testing.assert_allclose(got, ref, rtol=2e-6, atol=2e-6)
+    for T in (2, 5, 16, 17, 33):
+        np.testing.assert_array_equal(np.asarray(norm(x[:, :T], w)), got[:, :T], err_msg=f"T={T}")
+    for t in (0, 15, 16, 40, 69):
+        np.testing.assert_array_equal(np.asarray(norm(x[:, t : t + 1], w))[:, 0], got[:, t], err_msg=f"t={t}")
+    with pytest.raises(ValueError, match="rms_norm_cpu takes"):
+        cpu.rms_norm_cpu(x, w[:3], 1e-5)

@@ -303,7 +303,11 @@ class CausalLM(nnx.Module):
             return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
 
         def norm(x: jax.Array, weight: jax.Array | None) -> jax.Array:  # feature-major; absent norm: x
-            return x if weight is None else rms_norm(x, weight, eps, axis=0, offset=offset)
+            if weight is None:
+                return x
+            if cpu_dense:  # one custom call in place of ordered_sum's tree (rms_norm_cpu.cc says why)
+                return cpu_kernels.rms_norm_cpu(x, weight, eps, offset)
+            return rms_norm(x, weight, eps, axis=0, offset=offset)
 
         prune = output_rows is not None and output_rows.shape[0] < T
         # The C++ kernel takes q as the projection leaves it (feature-major, not

@@ -4,7 +4,7 @@
 greedy pick (``vocab_argmax_cpu.cc``); the quantized products
 (``qmatmul_cpu.cc``) and mixtures of experts (``moe_cpu.cc``), which share
 the rows-in-lanes tile of ``row_tile.h``; the keys' rotation
-(``rope_cpu.cc``).
+(``rope_cpu.cc``) and the residual stream's RMSNorm (``rms_norm_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
@@ -59,6 +59,7 @@ SOURCES = tuple(
         "qmatmul_cpu.cc",
         "moe_cpu.cc",
         "rope_cpu.cc",
+        "rms_norm_cpu.cc",
     )
 )
 #: included by the sources; part of the library's cache key
@@ -88,6 +89,9 @@ SYMBOL_MOE = "JaxserveMoeCpu"
 #: keys' rotary embedding in one fixed expression per value (``rope_cpu.cc``)
 TARGET_ROPE = "jaxserve_rope_cpu"
 SYMBOL_ROPE = "JaxserveRopeCpu"
+#: RMSNorm over a feature-major activation's features, its sum in a fixed order (``rms_norm_cpu.cc``)
+TARGET_RMS_NORM = "jaxserve_rms_norm_cpu"
+SYMBOL_RMS_NORM = "JaxserveRmsNormCpu"
 #: extra compiler flags (space-separated), appended to FLAGS and part of the
 #: cache key: tests build the portable loops with ``-mno-avx512vnni``
 EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
@@ -186,6 +190,7 @@ def available() -> bool:
                     (TARGET_QMATMUL, SYMBOL_QMATMUL),
                     (TARGET_MOE, SYMBOL_MOE),
                     (TARGET_ROPE, SYMBOL_ROPE),
+                    (TARGET_RMS_NORM, SYMBOL_RMS_NORM),
                 )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
@@ -570,6 +575,20 @@ def rope_cpu(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     )
 
 
+def rms_norm_cpu(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """``jaxserve.models.blocks.rms_norm(x, weight, eps, axis=0, offset)``
+    for feature-major ``x`` ``[E, T]``, float32: a token's bits the same in
+    every program, in one custom call instead of ``ordered_sum``'s tree
+    (``rms_norm_cpu.cc`` says why)."""
+    if x.ndim != 2 or weight.shape != (x.shape[0],):
+        raise ValueError(f"rms_norm_cpu takes x [E, T] and weight [E], not {x.shape}, {weight.shape}")
+    f32 = jnp.float32
+    w = weight.astype(f32)
+    if offset:
+        w = w + f32(offset)
+    return jax.ffi.ffi_call(TARGET_RMS_NORM, jax.ShapeDtypeStruct(x.shape, f32))(x.astype(f32), w, eps=np.float32(eps))
+
+
 __all__ = [
     "available",
     "int8_units",
@@ -579,6 +598,7 @@ __all__ = [
     "matvec_pays",
     "moe_cpu",
     "moe_serves",
+    "rms_norm_cpu",
     "rope_cpu",
     "paged_attention_cpu",
     "paged_attention_cpu_fm",

@@ -1,0 +1,107 @@
+// RMSNorm over the features of a feature-major activation, as an XLA FFI
+// custom call.
+//
+//   x    f32 [E, T]   E features of T tokens (the decoder's residual stream)
+//   w    f32 [E]      the weight, Gemma's offset already added
+//   out  f32 [E, T]   x[e, t] * r[t] * w[e], r[t] = 1 / sqrt(sum_e x[e, t]^2 / E + eps)
+//
+// Why a kernel: a token's norm must be the same bits whatever the step's
+// token count (speculative steps verify guesses beside it; with int8
+// weights the next product quantizes the norm's output, so a last-bit
+// difference can become another greedy token, tests/test_speculative.py).
+// XLA's sum follows the whole shape, and the pure-JAX norm gets its fixed
+// order from blocks.ordered_sum's halving tree: about 90 HLO instructions a
+// norm, 5,200 of the 1-token SmolLM2 forward program's 11,500, and a
+// program loaded from the persistent compilation cache holds memory in
+// proportion to them (BENCHMARKS.md, the memory scenario). Here every token
+// goes through the same 16-lane code, a partial block of tokens through a
+// zero-padded copy, and sums its squares in feature order with fused
+// multiply-adds.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+
+#include "run_on_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlocksPerItem = 4;
+
+struct Job {
+  const float *x, *w;
+  float* out;
+  float eps;
+  int64_t E, T, blocks, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  // The 16 tokens from t0 (n of them real): the same lane code for every
+  // token, so its bits do not depend on where it sits in the step (a
+  // partial block reads into zeroed lanes).
+  void Block(int64_t t0, int64_t n) const {
+    float acc[kLanes] = {}, v[kLanes] = {}, r[kLanes], o[kLanes];
+    for (int64_t e = 0; e < E; ++e) {
+      const float* row = x + e * T + t0;
+      for (int64_t j = 0; j < n; ++j) v[j] = row[j];
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(v[j], v[j], acc[j]);
+    }
+    const float count = static_cast<float>(E);
+    for (int64_t j = 0; j < kLanes; ++j) r[j] = 1.0f / std::sqrt(acc[j] / count + eps);
+    for (int64_t e = 0; e < E; ++e) {
+      const float* row = x + e * T + t0;
+      for (int64_t j = 0; j < n; ++j) v[j] = row[j];
+      const float we = w[e];
+      for (int64_t j = 0; j < kLanes; ++j) o[j] = v[j] * r[j];
+      for (int64_t j = 0; j < kLanes; ++j) o[j] = o[j] * we;
+      float* dst = out + e * T + t0;
+      for (int64_t j = 0; j < n; ++j) dst[j] = o[j];
+    }
+  }
+
+  void RunItem(int64_t item) const {
+    for (int64_t b = item * kBlocksPerItem; b < std::min(blocks, (item + 1) * kBlocksPerItem); ++b) {
+      const int64_t t0 = b * kLanes;
+      Block(t0, std::min(kLanes, T - t0));
+    }
+  }
+
+  void Run() { jaxserve_cpu::RunItems(*this, items); }
+};
+
+ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, float eps,
+                       ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || w.element_count() != xd[0] || out->element_count() != x.element_count()) {
+    return ffi::Error::InvalidArgument("rms_norm_cpu: needs x [E, T] and w [E]");
+  }
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->out = out->typed_data();
+  job->eps = eps;
+  job->E = xd[0];
+  job->T = xd[1];
+  job->blocks = (job->T + kLanes - 1) / kLanes;
+  job->items = (job->blocks + kBlocksPerItem - 1) / kBlocksPerItem;
+  if (job->items == 0) return ffi::Error::Success();
+  const int64_t threads = jaxserve_cpu::Workers(pool);
+  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRmsNormCpu, RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
