@@ -57,8 +57,9 @@ class EngineArgs:
     - ``cache_forward_programs``: whether the forward programs (one per
       token bucket) come from that cache too. False compiles them at every
       start and keeps the cache for the small programs: on XLA:CPU a
-      forward program loaded from the cache holds about 50 MB more than
-      a freshly compiled one (SmolLM2-135M's 12: 600 MB against 180 MB),
+      forward program loaded from the cache holds 2-2.5 times what a
+      freshly compiled one does (SmolLM2-135M's 12 with an int8 KV cache:
+      337 MiB against 143),
       at about 2 s of compiling each on 2 cores (the memory scenario in
       BENCHMARKS.md).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
