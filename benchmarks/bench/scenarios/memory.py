@@ -62,15 +62,8 @@ WORKER_FLAGS = {
     "int8": ["--quantization", "int8"],
     "int4": ["--quantization", "int4"],
     "int8-kv8": ["--quantization", "int8", "--kv-cache-dtype", "int8"],
-    "int8-kv8-fresh": [
-        "--quantization",
-        "int8",
-        "--kv-cache-dtype",
-        "int8",
-        "--engine-arg",
-        "cache_forward_programs=false",
-    ],
 }
+WORKER_FLAGS["int8-kv8-fresh"] = [*WORKER_FLAGS["int8-kv8"], "--engine-arg", "cache_forward_programs=false"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
