@@ -169,7 +169,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   job->rows_per_item = std::max<int64_t>(48, (job->O / (8 * threads) + 5) / 6 * 6);
   job->items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  jaxserve_cpu::RunOnThreads(pool, job, threads, job->items);
   return ffi::Error::Success();
 }
 

@@ -285,7 +285,7 @@ ffi::Error MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer
   const int64_t threads = jaxserve_cpu::Workers(pool);
   job->rows_per_item = std::max<int64_t>(32, (job->O / (8 * threads) + 3) / 4 * 4);
   job->items = (job->O + job->rows_per_item - 1) / job->rows_per_item;
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  jaxserve_cpu::RunOnThreads(pool, job, threads, job->items);
   return ffi::Error::Success();
 }
 

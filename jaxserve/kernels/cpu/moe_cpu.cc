@@ -345,7 +345,7 @@ void RunStep(ffi::ThreadPool& pool, Moe& m, int64_t items) {
   job->m = &m;
   job->items = items;
   const int64_t threads = jaxserve_cpu::Workers(pool);
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, items - 1), items);
+  jaxserve_cpu::RunOnThreads(pool, job, threads, items);
 }
 
 Stack MakeStack(int32_t kind, ffi::AnyBuffer q, ffi::AnyBuffer scale, ffi::AnyBuffer mins, int64_t X, int64_t O,

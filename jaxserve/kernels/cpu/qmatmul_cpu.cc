@@ -764,7 +764,7 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
       const int64_t tiles = job->a.Tp / 16, workers = jaxserve_cpu::Workers(pool);
       prep->tiles_per_item = std::max<int64_t>(4, tiles / (4 * workers));
       prep->items = (tiles + prep->tiles_per_item - 1) / prep->tiles_per_item;
-      jaxserve_cpu::RunOnPool(pool, prep, std::min<int64_t>(workers - 1, prep->items - 1), prep->items);
+      jaxserve_cpu::RunOnThreads(pool, prep, workers, prep->items);
     } else {
       BlockStarts(kind, job->a, 0, static_cast<int64_t>(job->a.sx.size()), job->start.data(), job->dxs.data());
       BuildDecodeInputs(kind, job->q, job->scale, job->mins, O, job->a, job->start.data(), job->dxs.data(), job->di);
@@ -778,7 +778,7 @@ ffi::Error QmatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer sc
   const int64_t piece = job->amx || !job->prefill ? 48 : 12;
   job->rows_per_item = std::max<int64_t>(48, (O / (8 * threads) + piece - 1) / piece * piece);
   job->items = (O + job->rows_per_item - 1) / job->rows_per_item;
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  jaxserve_cpu::RunOnThreads(pool, job, threads, job->items);
   return ffi::Error::Success();
 }
 

@@ -90,9 +90,7 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   job->T = xd[1];
   job->blocks = (job->T + kLanes - 1) / kLanes;
   job->items = (job->blocks + kBlocksPerItem - 1) / kBlocksPerItem;
-  if (job->items == 0) return ffi::Error::Success();
-  const int64_t threads = jaxserve_cpu::Workers(pool);
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
   return ffi::Error::Success();
 }
 

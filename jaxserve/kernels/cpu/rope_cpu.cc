@@ -81,8 +81,7 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   job->D = xd[2];
   job->R = cd[1];
   job->items = (job->T + kTokensPerItem - 1) / kTokensPerItem;
-  const int64_t threads = jaxserve_cpu::Workers(pool);
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->items - 1), job->items);
+  jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
   return ffi::Error::Success();
 }
 

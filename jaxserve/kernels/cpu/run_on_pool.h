@@ -120,6 +120,13 @@ void RunOnPool(xla::ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int6
   completion->cv.wait(lock, [&] { return job->done.load() >= items; });
 }
 
+// RunOnPool for `items` items on `threads` threads, the caller one of them,
+// with no more helpers than there are items beyond the caller's.
+template <class Job>
+void RunOnThreads(xla::ffi::ThreadPool& pool, const std::shared_ptr<Job>& job, int64_t threads, int64_t items) {
+  RunOnPool(pool, job, std::min<int64_t>(threads, items) - 1, items);
+}
+
 }  // namespace jaxserve_cpu
 
 #endif  // JAXSERVE_KERNELS_CPU_RUN_ON_POOL_H_

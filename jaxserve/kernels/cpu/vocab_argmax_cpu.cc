@@ -83,7 +83,7 @@ ffi::Error VocabArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, f
   // a few parts per thread for balance, each at least 1024 rows
   job->parts = std::max<int64_t>(1, std::min<int64_t>(4 * threads, job->V / 1024));
   job->partial.resize(job->parts);
-  jaxserve_cpu::RunOnPool(pool, job, std::min<int64_t>(threads - 1, job->parts - 1), job->parts);
+  jaxserve_cpu::RunOnThreads(pool, job, threads, job->parts);
   int32_t* result = out->typed_data();
   for (int64_t c = 0; c < job->R; ++c) {
     float value = job->partial[0].value[c];
