@@ -59,9 +59,8 @@ class EngineArgs:
       start and keeps the cache for the small programs: on XLA:CPU a
       forward program loaded from the cache holds 2-2.5 times what a
       freshly compiled one does (SmolLM2-135M's 12 with an int8 KV cache:
-      337 MiB against 143),
-      at about 2 s of compiling each on 2 cores (the memory scenario in
-      BENCHMARKS.md).
+      337 MiB against 143), at about 1-2 s of compiling each on 2 cores
+      (the memory scenario in BENCHMARKS.md).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async

@@ -302,6 +302,14 @@ class CausalLM(nnx.Module):
         def heads(x: jax.Array, n: int) -> jax.Array:  # [n * D, tokens] -> [tokens, n, D]
             return jnp.transpose(x.reshape(n, D, x.shape[-1]), (2, 0, 1))
 
+        # The C++ kernel takes q as the projection leaves it (feature-major, not
+        # rotated): no transposed, rotated copy of q per layer. float32 weights
+        # only (the other path rounds q to the weight dtype first), and rope
+        # over the whole head. On the same path the dense layers of
+        # decode-sized programs use the C++ matmuls (``_cpu_matmul`` says
+        # which shapes) and the residual stream's norms the C++ RMSNorm.
+        cpu_dense = self._cpu_kernels()
+
         def norm(x: jax.Array, weight: jax.Array | None) -> jax.Array:  # feature-major; absent norm: x
             if weight is None:
                 return x
@@ -310,13 +318,6 @@ class CausalLM(nnx.Module):
             return rms_norm(x, weight, eps, axis=0, offset=offset)
 
         prune = output_rows is not None and output_rows.shape[0] < T
-        # The C++ kernel takes q as the projection leaves it (feature-major, not
-        # rotated): no transposed, rotated copy of q per layer. float32 weights
-        # only (the other path rounds q to the weight dtype first), and rope
-        # over the whole head. On the same path the dense layers of
-        # decode-sized programs use the C++ matmuls (``_cpu_matmul`` says
-        # which shapes).
-        cpu_dense = self._cpu_kernels()
         mm = functools.partial(_mm, cpu_kernel=cpu_dense)
         last = len(self.layers) - 1
         k_layers, v_layers = list(kv_cache.k), list(kv_cache.v)
