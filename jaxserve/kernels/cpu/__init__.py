@@ -60,6 +60,7 @@ SOURCES = tuple(
         "moe_cpu.cc",
         "rope_cpu.cc",
         "rms_norm_cpu.cc",
+        "kv_write_cpu.cc",
     )
 )
 #: included by the sources; part of the library's cache key
@@ -92,6 +93,9 @@ SYMBOL_ROPE = "JaxserveRopeCpu"
 #: RMSNorm over a feature-major activation's features, its sum in a fixed order (``rms_norm_cpu.cc``)
 TARGET_RMS_NORM = "jaxserve_rms_norm_cpu"
 SYMBOL_RMS_NORM = "JaxserveRmsNormCpu"
+#: one layer's int8 KV cache write, in place (``kv_write_cpu.cc``)
+TARGET_KV_WRITE_I8 = "jaxserve_kv_write_i8_cpu"
+SYMBOL_KV_WRITE_I8 = "JaxserveKvWriteI8Cpu"
 #: extra compiler flags (space-separated), appended to FLAGS and part of the
 #: cache key: tests build the portable loops with ``-mno-avx512vnni``
 EXTRA_FLAGS_ENV = "JAXSERVE_CPU_KERNEL_CFLAGS"
@@ -191,10 +195,12 @@ def available() -> bool:
                     (TARGET_MOE, SYMBOL_MOE),
                     (TARGET_ROPE, SYMBOL_ROPE),
                     (TARGET_RMS_NORM, SYMBOL_RMS_NORM),
+                    (TARGET_KV_WRITE_I8, SYMBOL_KV_WRITE_I8),
                 )
                 for target, symbol in targets:
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state["int8_units"] = _INT8_UNITS.get(int(lib.JaxserveInt8Units()), "portable")
+                _state["kv_write_i8"] = bool(lib.JaxserveKvWriteI8Vectorized())
                 ok = True
             except Exception as exc:  # noqa: BLE001 - any failure means "use the pure-JAX kernel"
                 why = f"{type(exc).__name__}: {exc}"
@@ -589,9 +595,48 @@ def rms_norm_cpu(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.
     return jax.ffi.ffi_call(TARGET_RMS_NORM, jax.ShapeDtypeStruct(x.shape, f32))(x.astype(f32), w, eps=np.float32(eps))
 
 
+def kv_write_i8_serves(head_dim: int) -> bool:
+    """Whether :func:`kv_write_i8_cpu` takes an int8 cache's writes: this
+    build has its AVX-512 loop and ``head_dim`` is a multiple of 16; else
+    the XLA write (``paged_attention.write_kv``) serves, the same bytes."""
+    return available() and bool(_state["kv_write_i8"]) and head_dim % 16 == 0
+
+
+def kv_write_i8_cpu(
+    k_pages: QuantizedPages, v_pages: QuantizedPages, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array
+) -> tuple[QuantizedPages, QuantizedPages]:
+    """``paged_attention.write_kv`` for one layer's int8 cache in the blocks
+    layout: this step's keys and values ``[T, kv_heads, head_dim]``
+    quantized (``kv_cache.quantize_kv``, the same bits) into their slots in
+    place (the pages alias the results), in one custom call instead of the
+    XLA quantization and four scatters (``kv_write_cpu.cc`` says why)."""
+    T, H, D = k_new.shape
+    nb = k_pages.q.shape[0]
+    if (
+        v_new.shape != k_new.shape
+        or k_pages.q.shape[1:3] != (H, D)
+        or v_pages.q.shape != (nb, H, k_pages.q.shape[3], D)
+        or slot_mapping.shape != (T,)
+    ):
+        raise ValueError(
+            f"kv_write_i8_cpu takes k/v [T, H, D], slots [T] and blocks-layout pages, not {k_new.shape}, "
+            f"{slot_mapping.shape}, {k_pages.q.shape}, {v_pages.q.shape}"
+        )
+    f32 = jnp.float32
+    out = (k_pages.q, k_pages.scale, v_pages.q, v_pages.scale)
+    kq, ks, vq, vs = jax.ffi.ffi_call(
+        TARGET_KV_WRITE_I8,
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out),
+        input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
+    )(k_new.astype(f32), v_new.astype(f32), slot_mapping.astype(jnp.int32), *out)
+    return QuantizedPages(kq, ks), QuantizedPages(vq, vs)
+
+
 __all__ = [
     "available",
     "int8_units",
+    "kv_write_i8_cpu",
+    "kv_write_i8_serves",
     "matmul_cpu",
     "matmul_pays",
     "matvec_cpu",
