@@ -338,46 +338,53 @@ def test_rms_norm_kernel_is_rms_norm_and_a_token_is_the_same_bits_at_any_token_c
 
 
 @needs_kernel
-def test_int8_cache_write_kernel_fills_the_cache_as_write_kv_does_in_place():
-    """``kv_write_i8_cpu`` (an int8 cache's writes on the CPU kernels' path)
-    leaves the same bytes as ``write_kv``'s XLA quantization and scatters:
-    a zero vector (scale 0), values at a rounding tie, out-of-range slots
-    dropped, every other slot untouched; and with the cache donated the
-    program writes it in place (no copy of the cache in the compiled HLO)."""
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_cache_write_kernel_fills_the_cache_as_write_kv_does_in_place(dtype):
+    """``kv_write_cpu`` (a float32 or int8 cache's writes on the CPU
+    kernels' path) leaves the same bytes as ``write_kv``'s XLA scatters (and
+    for int8 its quantization: a zero vector, scale 0; a rounding tie),
+    out-of-range slots dropped, every other slot untouched; and with the
+    cache donated the program writes it in place (no copy of the cache in
+    the compiled HLO)."""
     from jaxserve.kernels.kv_cache import QuantizedPages
 
-    if not cpu.kv_write_i8_serves(64):
-        pytest.skip("this build has no AVX-512 int8 cache write")
     NB, H, D, BS = 24, 3, 64, 16
     rng = np.random.default_rng(6)
 
     def pages():
-        def q(*shape):
-            return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
-
-        def s():
+        def scales():
             return jnp.asarray(rng.random((NB, H, BS)), jnp.float32)
 
-        return QuantizedPages(q(NB, H, D, BS), s()), QuantizedPages(q(NB, H, BS, D), s())
+        def values(*shape):
+            if dtype == "float32":
+                return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            return jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
 
+        k, v = values(NB, H, D, BS), values(NB, H, BS, D)
+        return (k, v) if dtype == "float32" else (QuantizedPages(k, scales()), QuantizedPages(v, scales()))
+
+    if not cpu.kv_write_serves(pages()[0], D):
+        pytest.skip(f"this build has no {dtype} cache write")
     xla_write = jax.jit(write_kv)
-    kernel_write = jax.jit(cpu.kv_write_i8_cpu)
+    kernel_write = jax.jit(cpu.kv_write_cpu)
     for T in (1, 5, 70):
         k = rng.standard_normal((T, H, D)).astype(np.float32) * rng.random((T, H, 1)).astype(np.float32) * 4
         v = rng.standard_normal((T, H, D)).astype(np.float32)
-        k[0, 0] = 0.0  # scale 0
-        v[-1, 1, :2] = (127.0, 62.5)  # scale 1.0 exactly; 62.5 is a tie: rint goes to the even 62
+        k[0, 0] = 0.0  # int8: scale 0
+        v[-1, 1, :2] = (127.0, 62.5)  # int8: scale 1.0 exactly; 62.5 is a tie: rint goes to the even 62
         slots = rng.permutation(NB * BS)[:T].astype(np.int32)
         if T > 1:
             slots[1] = NB * BS + 3  # out of range: dropped
         kp, vp = pages()
         want = xla_write(kp, vp, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
         got = kernel_write(kp, vp, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
-        for name, a, b in zip(("kq", "ks", "vq", "vs"), jax.tree.leaves(want), jax.tree.leaves(got)):
-            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"T={T} {name}")
-        assert np.asarray(got[1].q)[slots[-1] // BS, :, slots[-1] % BS, :2].tolist()[1] == [127, 62]
-    in_place = jax.jit(cpu.kv_write_i8_cpu, donate_argnums=(0, 1))
+        assert [type(p) for p in got] == [type(p) for p in want]
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(want), jax.tree.leaves(got))):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"T={T} leaf {i}")
+        if dtype == "int8":
+            assert np.asarray(got[1].q)[slots[-1] // BS, 1, slots[-1] % BS, :2].tolist() == [127, 62]
+    in_place = jax.jit(cpu.kv_write_cpu, donate_argnums=(0, 1))
     hlo = in_place.lower(*pages(), jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots)).compile().as_text()
     assert " copy(" not in hlo and "custom-call" in hlo
-    with pytest.raises(ValueError, match="kv_write_i8_cpu takes"):
-        cpu.kv_write_i8_cpu(kp, vp, jnp.asarray(k)[:, :, :32], jnp.asarray(v)[:, :, :32], jnp.asarray(slots))
+    with pytest.raises(ValueError, match="kv_write_cpu takes"):
+        cpu.kv_write_cpu(kp, vp, jnp.asarray(k)[:, :, :32], jnp.asarray(v)[:, :, :32], jnp.asarray(slots))

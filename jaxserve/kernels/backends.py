@@ -311,13 +311,8 @@ def write_and_attend(
         raise ValueError(f"query_rope needs the cpu kernel without a mesh, not {impl.kernel!r} (mesh {mesh})")
 
     def local(q, k, v, k_cache, v_cache, meta, query_meta, query_positions, sinks=None):
-        if (
-            impl.kernel == "cpu"
-            and isinstance(k_cache, QuantizedPages)
-            and isinstance(v_cache, QuantizedPages)
-            and cpu_kernel.kv_write_i8_serves(k.shape[-1])
-        ):
-            k_cache, v_cache = cpu_kernel.kv_write_i8_cpu(k_cache, v_cache, k, v, meta.slot_mapping)
+        if impl.kernel == "cpu" and cpu_kernel.kv_write_serves(k_cache, k.shape[-1]):
+            k_cache, v_cache = cpu_kernel.kv_write_cpu(k_cache, v_cache, k, v, meta.slot_mapping)
         else:
             k_cache, v_cache = write_kv(
                 k_cache, v_cache, k, v, meta.slot_mapping, cache_dtype=cache_dtype, layout=impl.layout

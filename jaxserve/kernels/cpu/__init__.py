@@ -4,7 +4,8 @@
 greedy pick (``vocab_argmax_cpu.cc``); the quantized products
 (``qmatmul_cpu.cc``) and mixtures of experts (``moe_cpu.cc``), which share
 the rows-in-lanes tile of ``row_tile.h``; the keys' rotation
-(``rope_cpu.cc``) and the residual stream's RMSNorm (``rms_norm_cpu.cc``).
+(``rope_cpu.cc``), the residual stream's RMSNorm (``rms_norm_cpu.cc``) and
+the KV cache's write (``kv_write_cpu.cc``).
 
 XLA's CPU backend runs paged attention as many tiny batched matmuls and
 reaches a fraction of the machine's bandwidth; the C++ kernel walks each
@@ -93,7 +94,9 @@ SYMBOL_ROPE = "JaxserveRopeCpu"
 #: RMSNorm over a feature-major activation's features, its sum in a fixed order (``rms_norm_cpu.cc``)
 TARGET_RMS_NORM = "jaxserve_rms_norm_cpu"
 SYMBOL_RMS_NORM = "JaxserveRmsNormCpu"
-#: one layer's int8 KV cache write, in place (``kv_write_cpu.cc``)
+#: one layer's KV cache write, in place, float32 and int8 (``kv_write_cpu.cc``)
+TARGET_KV_WRITE_F32 = "jaxserve_kv_write_f32_cpu"
+SYMBOL_KV_WRITE_F32 = "JaxserveKvWriteF32Cpu"
 TARGET_KV_WRITE_I8 = "jaxserve_kv_write_i8_cpu"
 SYMBOL_KV_WRITE_I8 = "JaxserveKvWriteI8Cpu"
 #: extra compiler flags (space-separated), appended to FLAGS and part of the
@@ -195,6 +198,7 @@ def available() -> bool:
                     (TARGET_MOE, SYMBOL_MOE),
                     (TARGET_ROPE, SYMBOL_ROPE),
                     (TARGET_RMS_NORM, SYMBOL_RMS_NORM),
+                    (TARGET_KV_WRITE_F32, SYMBOL_KV_WRITE_F32),
                     (TARGET_KV_WRITE_I8, SYMBOL_KV_WRITE_I8),
                 )
                 for target, symbol in targets:
@@ -595,48 +599,57 @@ def rms_norm_cpu(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.
     return jax.ffi.ffi_call(TARGET_RMS_NORM, jax.ShapeDtypeStruct(x.shape, f32))(x.astype(f32), w, eps=np.float32(eps))
 
 
-def kv_write_i8_serves(head_dim: int) -> bool:
-    """Whether :func:`kv_write_i8_cpu` takes an int8 cache's writes: this
-    build has its AVX-512 loop and ``head_dim`` is a multiple of 16; else
-    the XLA write (``paged_attention.write_kv``) serves, the same bytes."""
-    return available() and bool(_state["kv_write_i8"]) and head_dim % 16 == 0
+def kv_write_serves(k_cache, head_dim: int) -> bool:
+    """Whether :func:`kv_write_cpu` takes the writes of one layer's ``k_cache``
+    (blocks layout): a float32 array, or an int8 cache's ``QuantizedPages``
+    where this build has the AVX-512 loop and ``head_dim`` is a multiple of
+    16; else ``paged_attention.write_kv`` serves (bfloat16 caches among them),
+    the same bytes."""
+    if not available():
+        return False
+    if isinstance(k_cache, QuantizedPages):
+        return bool(_state["kv_write_i8"]) and head_dim % 16 == 0
+    return k_cache.dtype == jnp.float32
 
 
-def kv_write_i8_cpu(
-    k_pages: QuantizedPages, v_pages: QuantizedPages, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array
-) -> tuple[QuantizedPages, QuantizedPages]:
-    """``paged_attention.write_kv`` for one layer's int8 cache in the blocks
-    layout: this step's keys and values ``[T, kv_heads, head_dim]``
-    quantized (``kv_cache.quantize_kv``, the same bits) into their slots in
-    place (the pages alias the results), in one custom call instead of the
-    XLA quantization and four scatters (``kv_write_cpu.cc`` says why)."""
+def kv_write_cpu(k_cache, v_cache, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array):
+    """``paged_attention.write_kv`` for one layer's float32 or int8 cache in
+    the blocks layout: this step's keys and values ``[T, kv_heads,
+    head_dim]`` copied, or quantized as ``kv_cache.quantize_kv`` does (the
+    same bits), into their slots in place (the cache's arrays alias the
+    results), in one custom call instead of XLA's slot arithmetic,
+    scatters and quantization (``kv_write_cpu.cc`` says why). Returns the
+    new ``(k_cache, v_cache)``, of the type given."""
     T, H, D = k_new.shape
-    nb = k_pages.q.shape[0]
+    nb, bs = k_cache.shape[0], k_cache.shape[3]
     if (
         v_new.shape != k_new.shape
-        or k_pages.q.shape[1:3] != (H, D)
-        or v_pages.q.shape != (nb, H, k_pages.q.shape[3], D)
+        or tuple(k_cache.shape) != (nb, H, D, bs)
+        or tuple(v_cache.shape) != (nb, H, bs, D)
         or slot_mapping.shape != (T,)
     ):
         raise ValueError(
-            f"kv_write_i8_cpu takes k/v [T, H, D], slots [T] and blocks-layout pages, not {k_new.shape}, "
-            f"{slot_mapping.shape}, {k_pages.q.shape}, {v_pages.q.shape}"
+            f"kv_write_cpu takes k/v [T, H, D], slots [T] and blocks-layout pages, not {k_new.shape}, "
+            f"{slot_mapping.shape}, {k_cache.shape}, {v_cache.shape}"
         )
+    quantized = isinstance(k_cache, QuantizedPages)
+    pages = (k_cache.q, k_cache.scale, v_cache.q, v_cache.scale) if quantized else (k_cache, v_cache)
     f32 = jnp.float32
-    out = (k_pages.q, k_pages.scale, v_pages.q, v_pages.scale)
-    kq, ks, vq, vs = jax.ffi.ffi_call(
-        TARGET_KV_WRITE_I8,
-        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out),
-        input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
-    )(k_new.astype(f32), v_new.astype(f32), slot_mapping.astype(jnp.int32), *out)
-    return QuantizedPages(kq, ks), QuantizedPages(vq, vs)
+    out = jax.ffi.ffi_call(
+        TARGET_KV_WRITE_I8 if quantized else TARGET_KV_WRITE_F32,
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pages),
+        input_output_aliases={3 + i: i for i in range(len(pages))},
+    )(k_new.astype(f32), v_new.astype(f32), slot_mapping.astype(jnp.int32), *pages)
+    if quantized:
+        return QuantizedPages(out[0], out[1]), QuantizedPages(out[2], out[3])
+    return out[0], out[1]
 
 
 __all__ = [
     "available",
     "int8_units",
-    "kv_write_i8_cpu",
-    "kv_write_i8_serves",
+    "kv_write_cpu",
+    "kv_write_serves",
     "matmul_cpu",
     "matmul_pays",
     "matvec_cpu",

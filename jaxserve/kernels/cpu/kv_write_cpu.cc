@@ -1,25 +1,26 @@
-// One layer's int8 KV cache write (the blocks layout), as an XLA FFI custom
-// call that updates the cache in place.
+// One layer's KV cache write (the blocks layout), as XLA FFI custom calls
+// that update the cache in place: a float32 cache's and an int8 one's.
 //
 //   k, v      f32 [T, H, D]        this step's keys and values, H kv heads
 //   slots     s32 [T]              slot = block * BS + offset; outside
 //                                  [0, NB * BS) the token is dropped
-//   kq        s8  [NB, H, D, BS]   keys, stored transposed (kv_cache.py)
-//   ks        f32 [NB, H, BS]      their scales
-//   vq        s8  [NB, H, BS, D]   values
-//   vs        f32 [NB, H, BS]      their scales
-//   results   kq, ks, vq, vs       the same buffers (input_output_aliases)
+//   float32:  kc f32 [NB, H, D, BS] keys, stored transposed (kv_cache.py),
+//             vc f32 [NB, H, BS, D] values
+//   int8:     kq s8 [NB, H, D, BS], ks f32 [NB, H, BS] keys and their scales,
+//             vq s8 [NB, H, BS, D], vs f32 [NB, H, BS] values and theirs
+//   results   the cache's buffers, aliased (input_output_aliases)
 //
-// Each head vector x is stored as q = clip(rint(x / s), -127, 127) with
+// In an int8 cache each head vector x is stored as q = clip(rint(x / s), -127, 127) with
 // s = max|x| * float32(1 / 127) (1 where s is 0), kv_cache.quantize_kv's
 // formula to the bit, so the pure-JAX write and this one fill a cache
 // alike (tests/test_kernels_cpu.py). Only AVX-512 builds have the loop
 // (JaxserveKvWriteI8Vectorized); elsewhere the XLA write serves.
 //
-// Why a kernel: written in XLA ops, the quantization and the four scatters
-// were about 5,000 of the 9,300 HLO instructions of SmolLM2-135M's 1-token
-// forward program with an int8 cache, and a program's memory, above all
-// one loaded from the persistent compilation cache, grows with its HLO
+// Why a kernel: written in XLA ops, each layer's write is its slot
+// arithmetic, scatters and, for int8, the quantization: 7,400 of the 9,300
+// HLO instructions of SmolLM2-135M's 1-token forward program with an int8
+// cache (1,900 with this kernel), and a program's memory, above all one
+// loaded from the persistent compilation cache, grows with its HLO
 // (BENCHMARKS.md, the memory scenario). Here a layer's write is one
 // instruction.
 //
@@ -31,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #if defined(__AVX512F__)
@@ -88,12 +90,35 @@ inline float Quantize(const float* x, int64_t D, int8_t* q, int64_t stride) {
 }
 #endif
 
+// Where a token's head vectors go: the float32 pages copy them.
+struct F32Pages {
+  float *k, *v;
+
+  void Write(const float* kx, const float* vx, int64_t bh, int64_t off, int64_t D, int64_t BS) const {
+    float* kd = k + bh * D * BS + off;
+    for (int64_t d = 0; d < D; ++d) kd[d * BS] = kx[d];
+    std::memcpy(v + (bh * BS + off) * D, vx, sizeof(float) * D);
+  }
+};
+
 #if defined(JAXSERVE_KV_WRITE_VECTORIZED)
+// ... and the int8 pages quantize them, each with its scale.
+struct Int8Pages {
+  int8_t *kq, *vq;
+  float *ks, *vs;
+
+  void Write(const float* kx, const float* vx, int64_t bh, int64_t off, int64_t D, int64_t BS) const {
+    ks[bh * BS + off] = Quantize(kx, D, kq + bh * D * BS + off, BS);
+    vs[bh * BS + off] = Quantize(vx, D, vq + (bh * BS + off) * D, 1);
+  }
+};
+#endif
+
+template <class Pages>
 struct Job {
   const float *k, *v;
   const int32_t* slots;
-  int8_t *kq, *vq;
-  float *ks, *vs;
+  Pages pages;
   int64_t T, H, D, NB, BS, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -104,11 +129,7 @@ struct Job {
       if (slot < 0 || slot >= NB * BS) continue;
       const int64_t blk = slot / BS, off = slot % BS;
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t bh = blk * H + h;
-        const float* kx = k + (t * H + h) * D;
-        const float* vx = v + (t * H + h) * D;
-        ks[bh * BS + off] = Quantize(kx, D, kq + bh * D * BS + off, BS);
-        vs[bh * BS + off] = Quantize(vx, D, vq + (bh * BS + off) * D, 1);
+        pages.Write(k + (t * H + h) * D, v + (t * H + h) * D, blk * H + h, off, D, BS);
       }
     }
   }
@@ -116,30 +137,24 @@ struct Job {
   void Run() { jaxserve_cpu::RunItems(*this, items); }
 };
 
-ffi::Error KvWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
-                       ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::S8> kq,
-                       ffi::ResultBuffer<ffi::F32> ks, ffi::ResultBuffer<ffi::S8> vq,
-                       ffi::ResultBuffer<ffi::F32> vs) {
-  const auto xd = k.dimensions(), kd = kq->dimensions(), vd = vq->dimensions(), sd = ks->dimensions();
-  const bool shapes_ok = xd.size() == 3 && kd.size() == 4 && vd.size() == 4 && sd.size() == 3 &&
-                         v.element_count() == k.element_count() && slots.element_count() == xd[0] &&
-                         kd[1] == xd[1] && kd[2] == xd[2] && vd[0] == kd[0] && vd[1] == kd[1] &&
-                         vd[2] == kd[3] && vd[3] == kd[2] && sd[0] == kd[0] && sd[1] == kd[1] &&
-                         sd[2] == kd[3] && vs->element_count() == ks->element_count();
-  if (!shapes_ok || xd[2] % 16 != 0) {
-    return ffi::Error::InvalidArgument(
-        "kv_write_cpu: needs k, v [T, H, D] with D a multiple of 16, slots [T], keys [NB, H, D, BS], "
-        "values [NB, H, BS, D] and scales [NB, H, BS]");
-  }
-  auto job = std::make_shared<Job>();
-  job->k = k.typed_data();
-  job->v = v.typed_data();
-  job->slots = slots.typed_data();
-  job->kq = kq->typed_data();
-  job->ks = ks->typed_data();
-  job->vq = vq->typed_data();
-  job->vs = vs->typed_data();
+// k, v [T, H, D] and slots [T] against keys [NB, H, D, BS] and values [NB,
+// H, BS, D] (dimensions as given); an empty string when they fit.
+const char* ShapeError(ffi::Span<const int64_t> xd, int64_t v_count, int64_t slot_count,
+                       ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd) {
+  const bool ok = xd.size() == 3 && kd.size() == 4 && vd.size() == 4 && v_count == xd[0] * xd[1] * xd[2] &&
+                  slot_count == xd[0] && kd[1] == xd[1] && kd[2] == xd[2] && vd[0] == kd[0] && vd[1] == kd[1] &&
+                  vd[2] == kd[3] && vd[3] == kd[2];
+  return ok ? "" : "kv_write_cpu: needs k, v [T, H, D], slots [T], keys [NB, H, D, BS] and values [NB, H, BS, D]";
+}
+
+template <class Pages>
+void Launch(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots, Pages pages,
+            ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd) {
+  auto job = std::make_shared<Job<Pages>>();
+  job->k = k;
+  job->v = v;
+  job->slots = slots;
+  job->pages = pages;
   job->T = xd[0];
   job->H = xd[1];
   job->D = xd[2];
@@ -147,21 +162,47 @@ ffi::Error KvWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffe
   job->BS = kd[3];
   job->items = (job->T + kTokensPerItem - 1) / kTokensPerItem;
   jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
+}
+
+ffi::Error KvWriteF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                          ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                          ffi::ResultBuffer<ffi::F32> kc, ffi::ResultBuffer<ffi::F32> vc) {
+  const auto xd = k.dimensions(), kd = kc->dimensions();
+  if (const char* error = ShapeError(xd, v.element_count(), slots.element_count(), kd, vc->dimensions()); *error) {
+    return ffi::Error::InvalidArgument(error);
+  }
+  Launch(pool, k.typed_data(), v.typed_data(), slots.typed_data(), F32Pages{kc->typed_data(), vc->typed_data()}, xd,
+         kd);
   return ffi::Error::Success();
 }
+
+ffi::Error KvWriteI8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
+                         ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::S8> kq,
+                         ffi::ResultBuffer<ffi::F32> ks, ffi::ResultBuffer<ffi::S8> vq,
+                         ffi::ResultBuffer<ffi::F32> vs) {
+#if defined(JAXSERVE_KV_WRITE_VECTORIZED)
+  const auto xd = k.dimensions(), kd = kq->dimensions();
+  if (const char* error = ShapeError(xd, v.element_count(), slots.element_count(), kd, vq->dimensions()); *error) {
+    return ffi::Error::InvalidArgument(error);
+  }
+  const auto sd = ks->dimensions();
+  if (xd[2] % 16 != 0 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] || sd[2] != kd[3] ||
+      vs->element_count() != ks->element_count()) {
+    return ffi::Error::InvalidArgument("kv_write_cpu: int8 pages need D a multiple of 16 and scales [NB, H, BS]");
+  }
+  Launch(pool, k.typed_data(), v.typed_data(), slots.typed_data(),
+         Int8Pages{kq->typed_data(), vq->typed_data(), ks->typed_data(), vs->typed_data()}, xd, kd);
+  return ffi::Error::Success();
 #else
-ffi::Error KvWriteImpl(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S32>,
-                       ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::S8>, ffi::Buffer<ffi::F32>,
-                       ffi::ResultBuffer<ffi::S8>, ffi::ResultBuffer<ffi::F32>, ffi::ResultBuffer<ffi::S8>,
-                       ffi::ResultBuffer<ffi::F32>) {
   return ffi::Error::Internal("kv_write_cpu: this build has no AVX-512 loop (JaxserveKvWriteI8Vectorized)");
-}
 #endif
+}
 
 }  // namespace
 
-// Whether this build has the write (AVX-512 F and BW); elsewhere the XLA
-// write serves (jaxserve.kernels.cpu.kv_write_i8_serves).
+// Whether this build has the int8 write (AVX-512 F and BW); elsewhere the
+// XLA write serves (jaxserve.kernels.cpu.kv_write_serves).
 extern "C" int JaxserveKvWriteI8Vectorized() {
 #if defined(JAXSERVE_KV_WRITE_VECTORIZED)
   return 1;
@@ -170,7 +211,18 @@ extern "C" int JaxserveKvWriteI8Vectorized() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKvWriteI8Cpu, KvWriteImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKvWriteF32Cpu, KvWriteF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kc (aliased to the first result)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // vc
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // kc
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // vc
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKvWriteI8Cpu, KvWriteI8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k
