@@ -57,10 +57,10 @@ class EngineArgs:
     - ``cache_forward_programs``: whether the forward programs (one per
       token bucket) come from that cache too. False compiles them at every
       start and keeps the cache for the small programs: on XLA:CPU a
-      forward program loaded from the cache holds 2-2.5 times what a
-      freshly compiled one does (SmolLM2-135M's 12 with an int8 KV cache:
-      337 MiB against 143), at about 1-2 s of compiling each on 2 cores
-      (the memory scenario in BENCHMARKS.md).
+      forward program loaded from the cache holds more than a freshly
+      compiled one (SmolLM2-135M's int8 worker with an int8 KV cache:
+      1,028 MiB in all against 1,012), at about 0.5 s of compiling each on
+      2 cores (the memory scenario in BENCHMARKS.md).
     - ``async_scheduling``: plan and launch step N+1 before waiting for
       step N when N's tokens stay on the device (all-greedy decode steps),
       so the host's planning overlaps the device's work (vLLM's async

@@ -123,6 +123,12 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  // xd: k's dimensions [T, H, D]; kd: the keys' [NB, H, D, BS]
+  Job(const float* k, const float* v, const int32_t* slots, Pages pages, ffi::Span<const int64_t> xd,
+      ffi::Span<const int64_t> kd)
+      : k(k), v(v), slots(slots), pages(pages), T(xd[0]), H(xd[1]), D(xd[2]), NB(kd[0]), BS(kd[3]),
+        items((T + kTokensPerItem - 1) / kTokensPerItem) {}
+
   void RunItem(int64_t item) const {
     for (int64_t t = item * kTokensPerItem; t < std::min(T, (item + 1) * kTokensPerItem); ++t) {
       const int64_t slot = slots[t];
@@ -150,17 +156,7 @@ const char* ShapeError(ffi::Span<const int64_t> xd, int64_t v_count, int64_t slo
 template <class Pages>
 void Launch(ffi::ThreadPool& pool, const float* k, const float* v, const int32_t* slots, Pages pages,
             ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd) {
-  auto job = std::make_shared<Job<Pages>>();
-  job->k = k;
-  job->v = v;
-  job->slots = slots;
-  job->pages = pages;
-  job->T = xd[0];
-  job->H = xd[1];
-  job->D = xd[2];
-  job->NB = kd[0];
-  job->BS = kd[3];
-  job->items = (job->T + kTokensPerItem - 1) / kTokensPerItem;
+  auto job = std::make_shared<Job<Pages>>(k, v, slots, pages, xd, kd);
   jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
 }
 
@@ -211,28 +207,27 @@ extern "C" int JaxserveKvWriteI8Vectorized() {
 #endif
 }
 
+// Both writes begin with the pool, k, v and slots; then the cache's
+// buffers, each as an argument and as the result it is aliased to.
+static auto WriteBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>().Arg<
+      ffi::Buffer<ffi::S32>>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKvWriteF32Cpu, KvWriteF32Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kc (aliased to the first result)
+                              WriteBinding()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kc
                                   .Arg<ffi::Buffer<ffi::F32>>()  // vc
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // kc
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // vc
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveKvWriteI8Cpu, KvWriteI8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // kq (aliased to the first result)
+                              WriteBinding()
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // kq
                                   .Arg<ffi::Buffer<ffi::F32>>()  // ks
                                   .Arg<ffi::Buffer<ffi::S8>>()   // vq
                                   .Arg<ffi::Buffer<ffi::F32>>()  // vs
-                                  .Ret<ffi::Buffer<ffi::S8>>()   // kq
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // ks
-                                  .Ret<ffi::Buffer<ffi::S8>>()   // vq
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // vs
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
