@@ -279,3 +279,30 @@ def test_every_worker_option_says_what_it_is_for():
 
     shown = CliRunner().invoke(worker, ["--help"], terminal_width=200)
     assert shown.exit_code == 0 and "reject-publish" in shown.output and "JAXSERVE_REDIS_URL" in shown.output
+
+
+def test_each_command_is_imported_only_when_called():
+    """``jaxserve.cli.main`` lists every command by name and imports a
+    command's module only when it is asked for: resolving ``worker`` loads
+    none of the benchmark's, gateway's or planner's modules (the worker's
+    process holds less: BENCHMARKS.md, the memory scenario), and every name
+    resolves to the command of that name."""
+    code = (
+        "import json, sys\n"
+        "from jaxserve.cli.main import cli\n"
+        "assert cli.get_command(None, 'worker').name == 'worker'\n"
+        "print(json.dumps([m for m in sys.modules if m.startswith('jaxserve.cli.')]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded = set(json.loads(out))
+    assert "jaxserve.cli.worker_command" in loaded
+    for other in ("bench", "gateway_command", "plan_command", "loadtest_command", "batch_command", "generate"):
+        assert f"jaxserve.cli.{other}" not in loaded, other
+    from jaxserve.cli.main import COMMANDS, cli
+
+    names = cli.list_commands(click.Context(cli))
+    assert names == sorted(COMMANDS) and {"worker", "submit", "batch", "gateway", "plan", "bench"} <= set(names)
+    for name in names:
+        command = cli.get_command(click.Context(cli), name)
+        assert isinstance(command, click.Command) and command.name == name
+    assert cli.get_command(click.Context(cli), "nope") is None

@@ -1,26 +1,55 @@
 """The ``jaxserve`` command line.
 
-Each sub-command lives in its own module; this file only assembles the group.
-Heavy imports (JAX, the model) happen inside the commands so ``--help`` stays
-instant.
+Each sub-command lives in its own module, imported when it is called
+(:data:`COMMANDS`); this file only assembles the group. Heavy imports (JAX,
+the model) happen inside the commands so ``--help`` stays instant.
 """
 
 from __future__ import annotations
 
-import types
+import importlib
 
 import click
 
 from jaxserve import __version__
-from jaxserve.cli.bench import bench
-from jaxserve.cli.dead_letter_commands import dead
-from jaxserve.cli.gateway_command import gateway
-from jaxserve.cli.generate import generate
-from jaxserve.cli.loadtest_command import loadtest
-from jaxserve.cli.plan_command import plan
+
+#: each sub-command's home, imported only when the command runs (or a
+#: listing needs its help): ``jaxserve worker`` then loads the worker's
+#: side alone, not the benchmark's, the gateway's or the planner's (its
+#: process: 55 MiB after imports instead of 68; the memory scenario in
+#: BENCHMARKS.md counts it)
+COMMANDS = {
+    "batch": "jaxserve.cli.batch_command:batch",
+    "bench": "jaxserve.cli.bench:bench",
+    "chat": "jaxserve.cli.submit_command:chat",
+    "dead": "jaxserve.cli.dead_letter_commands:dead",
+    "gateway": "jaxserve.cli.gateway_command:gateway",
+    "generate": "jaxserve.cli.generate:generate",
+    "loadtest": "jaxserve.cli.loadtest_command:loadtest",
+    "plan": "jaxserve.cli.plan_command:plan",
+    "status": "jaxserve.cli.status_command:status",
+    "submit": "jaxserve.cli.submit_command:submit",
+    "worker": "jaxserve.cli.worker_command:worker",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A group whose commands are imported by name on first use (:data:`COMMANDS`)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        home = COMMANDS.get(cmd_name)
+        if home is None:
+            return None
+        module, name = home.split(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command), home
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="jaxserve")
 def cli() -> None:
     """jaxserve: queue-fed LLM serving on JAX.
@@ -34,25 +63,6 @@ def cli() -> None:
     exist, a metrics port in use) end with one ``Error:`` line and exit
     status 1.
     """
-
-
-cli.add_command(generate)
-cli.add_command(bench)
-cli.add_command(dead)
-cli.add_command(loadtest)
-cli.add_command(plan)
-cli.add_command(gateway)
-
-_queue: types.ModuleType | None
-try:  # the queue side registers itself once it exists
-    from jaxserve.cli import queue_commands as _queue
-except ImportError:  # pragma: no cover - only while the queue side is absent
-    _queue = None
-if _queue is not None:
-    for _name in ("worker", "submit", "chat", "batch", "status"):
-        _command = getattr(_queue, _name, None)
-        if isinstance(_command, click.Command):
-            cli.add_command(_command, _name)
 
 
 if __name__ == "__main__":  # pragma: no cover

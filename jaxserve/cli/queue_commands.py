@@ -1,10 +1,9 @@
 """Queue-side CLI commands: ``worker``, ``submit``, ``chat``, ``batch``,
 ``status``. Each lives in a module of its own (``worker_command``,
 ``submit_command``, ``batch_command``, ``status_command``; shared options in
-``queue_options``); this module re-exports them because
-``jaxserve.cli.main`` registers the commands from here and
-``jaxserve.worker.__main__``, ``jaxserve.cli.loadtest_command`` and the tests
-import them by this path."""
+``queue_options``, and ``jaxserve.cli.main`` finds each at its home); this
+module re-exports them because ``jaxserve.worker.__main__``,
+``jaxserve.cli.loadtest_command`` and the tests import them by this path."""
 
 from __future__ import annotations
 
