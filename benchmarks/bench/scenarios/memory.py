@@ -7,9 +7,9 @@ in memory), lets it settle for a second, and reads VmRSS of the worker and
 all its descendants (``procs.tree_rss_mib``). ``int8-kv8`` is the int8
 worker with ``--kv-cache-dtype int8``; ``int8-kv8-fresh`` that worker with
 ``--engine-arg cache_forward_programs=false`` (its forward programs compiled
-at start, not loaded from the persistent compilation cache, where each
-loaded one holds 2-2.5 times a fresh one on XLA:CPU; the turns' ``ready_s`` show
-the start it costs).
+at start, not loaded from the persistent compilation cache, where a
+loaded one holds more than a fresh one on XLA:CPU; the turns' ``ready_s``
+show the start it costs).
 
 ``llama-server``: llama.cpp's server (``peers/setup_llamacpp.sh``) on the
 Q8_0 file (``peers/prepare_smollm2.py``) with the same capacity, ``-np``

@@ -42,6 +42,10 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  Job(const float* x, const float* w, float* out, float eps, int64_t E, int64_t T)
+      : x(x), w(w), out(out), eps(eps), E(E), T(T), blocks((T + kLanes - 1) / kLanes),
+        items((blocks + kBlocksPerItem - 1) / kBlocksPerItem) {}
+
   // The 16 tokens from t0 (n of them real): the same lane code for every
   // token, so its bits do not depend on where it sits in the step (a
   // partial block reads into zeroed lanes).
@@ -81,15 +85,7 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (xd.size() != 2 || w.element_count() != xd[0] || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("rms_norm_cpu: needs x [E, T] and w [E]");
   }
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->w = w.typed_data();
-  job->out = out->typed_data();
-  job->eps = eps;
-  job->E = xd[0];
-  job->T = xd[1];
-  job->blocks = (job->T + kLanes - 1) / kLanes;
-  job->items = (job->blocks + kBlocksPerItem - 1) / kBlocksPerItem;
+  auto job = std::make_shared<Job>(x.typed_data(), w.typed_data(), out->typed_data(), eps, xd[0], xd[1]);
   jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
   return ffi::Error::Success();
 }

@@ -43,6 +43,10 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  Job(const float* x, const float* cos, const float* sin, float* out, int64_t T, int64_t N, int64_t D, int64_t R)
+      : x(x), cos(cos), sin(sin), out(out), T(T), N(N), D(D), R(R),
+        items((T + kTokensPerItem - 1) / kTokensPerItem) {}
+
   void RunItem(int64_t item) const {
     const int64_t half = R / 2;
     for (int64_t t = item * kTokensPerItem; t < std::min(T, (item + 1) * kTokensPerItem); ++t) {
@@ -71,16 +75,8 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       sin.element_count() != cos.element_count() || out->element_count() != x.element_count()) {
     return ffi::Error::InvalidArgument("rope_cpu: needs x [T, N, D], cos and sin [T, R] with R even and <= D");
   }
-  auto job = std::make_shared<Job>();
-  job->x = x.typed_data();
-  job->cos = cos.typed_data();
-  job->sin = sin.typed_data();
-  job->out = out->typed_data();
-  job->T = xd[0];
-  job->N = xd[1];
-  job->D = xd[2];
-  job->R = cd[1];
-  job->items = (job->T + kTokensPerItem - 1) / kTokensPerItem;
+  auto job = std::make_shared<Job>(x.typed_data(), cos.typed_data(), sin.typed_data(), out->typed_data(), xd[0],
+                                   xd[1], xd[2], cd[1]);
   jaxserve_cpu::RunOnThreads(pool, job, jaxserve_cpu::Workers(pool), job->items);
   return ffi::Error::Success();
 }
