@@ -24,6 +24,10 @@
 #include <cstdint>
 #include <memory>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "run_on_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,14 +54,39 @@ struct Job {
   // token, so its bits do not depend on where it sits in the step (a
   // partial block reads into zeroed lanes).
   void Block(int64_t t0, int64_t n) const {
-    float acc[kLanes] = {}, v[kLanes] = {}, r[kLanes], o[kLanes];
+    float acc[kLanes] = {}, r[kLanes];
+#if defined(__AVX512F__)
+    // A feature's n tokens are one masked load (zeros in the other lanes)
+    // and one masked store: copied lane by lane, as the portable loop below
+    // does, GCC 12 made each feature's copy a memcpy call and a 64-byte
+    // reload of four stored bytes, 11 us for one token of SmolLM2-135M's
+    // 576 features against 1.8 us this way (a jitted chain of 61 norms, as a
+    // 1-token step has).
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t e = 0; e < E; ++e) {
+      const __m512 v = _mm512_maskz_loadu_ps(live, x + e * T + t0);
+      sum = _mm512_fmadd_ps(v, v, sum);
+    }
+    _mm512_storeu_ps(acc, sum);
+#else
+    float v[kLanes] = {};
     for (int64_t e = 0; e < E; ++e) {
       const float* row = x + e * T + t0;
       for (int64_t j = 0; j < n; ++j) v[j] = row[j];
       for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(v[j], v[j], acc[j]);
     }
+#endif
     const float count = static_cast<float>(E);
     for (int64_t j = 0; j < kLanes; ++j) r[j] = 1.0f / std::sqrt(acc[j] / count + eps);
+#if defined(__AVX512F__)
+    const __m512 rv = _mm512_loadu_ps(r);
+    for (int64_t e = 0; e < E; ++e) {
+      const __m512 v = _mm512_maskz_loadu_ps(live, x + e * T + t0);
+      _mm512_mask_storeu_ps(out + e * T + t0, live, _mm512_mul_ps(_mm512_mul_ps(v, rv), _mm512_set1_ps(w[e])));
+    }
+#else
+    float o[kLanes];
     for (int64_t e = 0; e < E; ++e) {
       const float* row = x + e * T + t0;
       for (int64_t j = 0; j < n; ++j) v[j] = row[j];
@@ -67,6 +96,7 @@ struct Job {
       float* dst = out + e * T + t0;
       for (int64_t j = 0; j < n; ++j) dst[j] = o[j];
     }
+#endif
   }
 
   void RunItem(int64_t item) const {
