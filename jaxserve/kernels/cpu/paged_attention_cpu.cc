@@ -527,7 +527,9 @@ struct Job {
   void Run() {
     const int64_t GD = s.G * s.D;
     std::vector<float> scores(s.G * s.BS), acc(GD), m(s.G), l(s.G);
-    std::vector<float> qtile(feature_major ? kTile * s.KVH * GD : 0);
+    // (sized for the step's tokens: at one token a 16-token tile was 110 KB
+    // to zero in each of a SmolLM2 step's 30 calls)
+    std::vector<float> qtile(feature_major ? std::min(kTile, s.T) * s.KVH * GD : 0);
     int64_t finished = 0;
     const AttendFn<KV> attend = softcap > 0.0f ? PickAttend<true, KV>(s) : PickAttend<false, KV>(s);
     for (;;) {
