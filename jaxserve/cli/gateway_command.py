@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -52,6 +53,7 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_opt
 )
 @click.option(
     "--request-timeout",
+    "request_timeout_s",
     type=click.FloatRange(min=1.0),
     default=600.0,
     show_default=True,
@@ -66,6 +68,7 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_opt
 )
 @click.option(
     "--batch-lease",
+    "lease_s",
     type=click.FloatRange(min=1.0),
     default=30.0,
     show_default=True,
@@ -73,6 +76,7 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_opt
 )
 @click.option(
     "--broker-poll",
+    "broker_poll_s",
     type=click.FloatRange(min=0.5),
     default=5.0,
     show_default=True,
@@ -83,25 +87,18 @@ from jaxserve.cli.queue_options import amqp_option, prefix_option, redis_url_opt
 @click.option("--log-level", default="info", show_default=True)
 def gateway(
     amqp_url: str,
-    prefix: str,
     host: str,
     port: int,
     state_dir: str | None,
-    store: str,
-    redis_url: str,
     files_dir: str | None,
     keys_path: str | None,
-    management_url: str | None,
-    request_timeout: float,
-    batch_max_in_flight: int,
-    batch_lease: float,
-    broker_poll: float,
-    owned_by: str,
     log_format: str,
     log_level: str,
+    **settings: Any,
 ) -> None:
     """Serve OpenAI's API (chat and completions, streamed or not; models;
     files and batches) over the workers' queues, with a status page at /."""
+    # ``settings``: the options named as the ``GatewayConfig`` field they set, passed on as given
     import uvicorn
 
     from jaxserve.cli.errors import broker_errors, check_broker, check_port_free
@@ -120,18 +117,10 @@ def gateway(
     check_broker(amqp_url)
     config = GatewayConfig(
         amqp_url=amqp_url,
-        prefix=prefix,
         state_dir=Path(state_dir) if state_dir else default_state_dir(),
-        store=store,
-        redis_url=redis_url,
         files_dir=Path(files_dir) if files_dir else None,
         keys_path=Path(keys_path) if keys_path else None,
-        management_url=management_url,
-        request_timeout_s=request_timeout,
-        batch_max_in_flight=batch_max_in_flight,
-        lease_s=batch_lease,
-        broker_poll_s=broker_poll,
-        owned_by=owned_by,
+        **settings,
     )
     with broker_errors(amqp_url):
         uvicorn.run(

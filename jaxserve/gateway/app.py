@@ -268,21 +268,40 @@ async def readyz(request: Request) -> Response:
     return PlainTextResponse("ok\n" if ok else "broker unavailable\n", status_code=200 if ok else 503)
 
 
+#: the OpenAI API's routes, path -> {method: handler}, each served through :func:`api`
+_API_ROUTES: dict[str, dict[str, Handler]] = {
+    "/v1/chat/completions": {"POST": chat},
+    "/v1/completions": {"POST": completions},
+    "/v1/models": {"GET": list_models},
+    "/v1/models/{model:path}": {"GET": get_model},
+    "/v1/files": {"POST": upload_file, "GET": list_files},
+    "/v1/files/{file_id}": {"GET": get_file, "DELETE": delete_file},
+    "/v1/files/{file_id}/content": {"GET": file_content},
+    "/v1/batches": {"POST": create_batch, "GET": list_batches},
+    "/v1/batches/{batch_id}": {"GET": get_batch},
+    "/v1/batches/{batch_id}/cancel": {"POST": cancel_batch},
+}
+#: a path parameter as the ``route`` label of metrics and logs names it:
+#: an object's id is ``{id}`` whatever its kind, a model name has no converter
+_LABEL_PARAMS = {"{model:path}": "{model}", "{file_id}": "{id}", "{batch_id}": "{id}"}
+
+
+def route_label(path: str) -> str:
+    """The ``route`` label of requests to ``path`` (``/v1/files/{file_id}``
+    -> ``/v1/files/{id}``)."""
+    for param, label in _LABEL_PARAMS.items():
+        path = path.replace(param, label)
+    return path
+
+
 def routes() -> list[Route]:
+    api_routes = [
+        Route(path, api(route_label(path), handler), methods=[method])
+        for path, handlers in _API_ROUTES.items()
+        for method, handler in handlers.items()
+    ]
     return [
-        Route("/v1/chat/completions", api("/v1/chat/completions", chat), methods=["POST"]),
-        Route("/v1/completions", api("/v1/completions", completions), methods=["POST"]),
-        Route("/v1/models", api("/v1/models", list_models), methods=["GET"]),
-        Route("/v1/models/{model:path}", api("/v1/models/{model}", get_model), methods=["GET"]),
-        Route("/v1/files", api("/v1/files", upload_file), methods=["POST"]),
-        Route("/v1/files", api("/v1/files", list_files), methods=["GET"]),
-        Route("/v1/files/{file_id}", api("/v1/files/{id}", get_file), methods=["GET"]),
-        Route("/v1/files/{file_id}", api("/v1/files/{id}", delete_file), methods=["DELETE"]),
-        Route("/v1/files/{file_id}/content", api("/v1/files/{id}/content", file_content), methods=["GET"]),
-        Route("/v1/batches", api("/v1/batches", create_batch), methods=["POST"]),
-        Route("/v1/batches", api("/v1/batches", list_batches), methods=["GET"]),
-        Route("/v1/batches/{batch_id}", api("/v1/batches/{id}", get_batch), methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", api("/v1/batches/{id}/cancel", cancel_batch), methods=["POST"]),
+        *api_routes,
         Route("/status.json", api("/status.json", status_json, auth=False), methods=["GET"]),
         Route("/", status_html, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

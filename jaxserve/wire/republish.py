@@ -9,6 +9,20 @@ from typing import Any
 
 import aio_pika
 
+#: the producer's AMQP properties a copy carries over unchanged; the rest
+#: (headers, delivery_mode, user_id) are decided by :func:`copy_message`
+_PRODUCER_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "message_id",
+    "timestamp",
+    "type",
+    "app_id",
+)
+
 
 def copy_message(
     message: Any, headers: dict[str, Any], *, login_user: str | None = None, delivery_mode: Any = None
@@ -18,18 +32,11 @@ def copy_message(
     it is ``login_user``: RabbitMQ refuses a user_id other than the
     publishing login. ``delivery_mode``: default the message's own, else
     persistent."""
+    kept = {name: getattr(message, name) for name in _PRODUCER_PROPERTIES}
     return aio_pika.Message(
         body=bytes(message.body),
         headers=headers,
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
         delivery_mode=delivery_mode or message.delivery_mode or aio_pika.DeliveryMode.PERSISTENT,
-        priority=message.priority,
-        correlation_id=message.correlation_id,
-        reply_to=message.reply_to,
-        message_id=message.message_id,
-        timestamp=message.timestamp,
-        type=message.type,
         user_id=message.user_id if message.user_id == login_user else None,
-        app_id=message.app_id,
+        **kept,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
@@ -68,28 +69,23 @@ class ControlledRun(Protocol):
     async def lease_lost(self, owner: str) -> None: ...
 
 
+@dataclasses.dataclass(eq=False)
 class Control:
     """Cancels for the runs in ``runs`` (remembered in :attr:`cancels`,
     then recorded in the store for the other workers) and the claim
     leases of the running ones."""
 
-    def __init__(
-        self,
-        cfg: WorkerConfig,
-        runs: RunsView[ControlledRun],
-        store: IdempotencyStore,
-        store_health: StoreHealth,
-        *,
-        spawn: Spawn,
-        stats: collections.Counter,
-    ) -> None:
-        self.cfg = cfg
-        self.runs = runs
-        self.store = store
-        self.store_health = store_health
-        self.spawn = spawn
-        self.stats = stats
-        self.cancels = CancelCache(cfg.cancel_ttl_s)
+    cfg: WorkerConfig
+    runs: RunsView[ControlledRun]
+    store: IdempotencyStore
+    store_health: StoreHealth
+    _: dataclasses.KW_ONLY
+    spawn: Spawn
+    stats: collections.Counter
+    cancels: CancelCache = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cancels = CancelCache(self.cfg.cancel_ttl_s)
 
     async def on_message(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
         """A cancel: remembered here first, then its job (if here) is told,

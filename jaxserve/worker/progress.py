@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -134,29 +135,23 @@ def prior_output(
     return PriorOutput(tuple(ids), tuple(lps) if logprobs else None, tuple(tops) if top else None)
 
 
+@dataclasses.dataclass(eq=False)
 class TokenSaver:
     """Writes the unsaved tokens of the runs it watches (see the module
     docstring). ``every_tokens`` 0: nothing is saved (``enabled`` false).
     Store failures mark the store down (``store_health``) and skip the save:
     the tokens go with the next one."""
 
-    def __init__(
-        self,
-        store: IdempotencyStore,
-        store_health: StoreHealth,
-        *,
-        every_tokens: int,
-        every_s: float,
-        stats: collections.Counter,
-    ) -> None:
-        self.store = store
-        self.store_health = store_health
-        self.every_tokens = every_tokens
-        self.every_s = every_s
-        self.stats = stats
-        self._watched: dict[str, Progress] = {}
-        self._due = asyncio.Event()
-        self._lock = asyncio.Lock()  # one write at a time; an unwatch waits for the one in progress
+    store: IdempotencyStore
+    store_health: StoreHealth
+    _: dataclasses.KW_ONLY
+    every_tokens: int
+    every_s: float
+    stats: collections.Counter
+    _watched: dict[str, Progress] = dataclasses.field(init=False, default_factory=dict)
+    _due: asyncio.Event = dataclasses.field(init=False, default_factory=asyncio.Event)
+    #: one write at a time; an unwatch waits for the one in progress
+    _lock: asyncio.Lock = dataclasses.field(init=False, default_factory=asyncio.Lock)
 
     @property
     def enabled(self) -> bool:

@@ -217,12 +217,8 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
+GGUF = GGUFSpec(architectures=("gemma2",), layer_names=GEMMA_LAYER_NAMES, config=gguf_config, norm_offset=1.0)
+
 FAMILY = Family(
-    name="gemma2",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(architectures=("gemma2",), layer_names=GEMMA_LAYER_NAMES, config=gguf_config, norm_offset=1.0),
-    end_of_turn=("<end_of_turn>",),
-    fold_system=True,
+    "gemma2", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<end_of_turn>",), fold_system=True
 )

@@ -158,18 +158,17 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
+GGUF = GGUFSpec(
+    architectures=("gemma3",), layer_names={**GEMMA_LAYER_NAMES, **QK_NORM_NAMES}, config=gguf_config, norm_offset=1.0
+)
+
 FAMILY = Family(
-    name="gemma3",
-    architectures=(ARCHITECTURE, MULTIMODAL_ARCHITECTURE),
+    "gemma3",
+    (ARCHITECTURE, MULTIMODAL_ARCHITECTURE),
+    read_config,
+    weights,
+    gguf=GGUF,
     model_types=("gemma3_text", "gemma3"),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(
-        architectures=("gemma3",),
-        layer_names={**GEMMA_LAYER_NAMES, **QK_NORM_NAMES},
-        config=gguf_config,
-        norm_offset=1.0,
-    ),
     end_of_turn=("<end_of_turn>",),
     fold_system=True,
     checkpoint_prefixes=((MULTIMODAL_PREFIX, "language_model.model."), ("lm_head.", "language_model.lm_head.")),

@@ -152,27 +152,22 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
 
 _EXPERTS = "mlp.experts."
 
-FAMILY = Family(
-    name="gpt_oss",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(
-        architectures=("gpt-oss",),
-        layer_names={
-            **{k: v for k, v in LLAMA_LAYER_NAMES.items() if k.startswith(("input_layernorm", "self_attn."))},
-            "post_attention_layernorm.weight": "post_attention_norm.weight",
-            "self_attn.sinks": "attn_sinks.weight",
-            "mlp.router.weight": "ffn_gate_inp.weight",
-            "mlp.router.bias": "ffn_gate_inp.bias",
-            _EXPERTS + "down_proj_bias": "ffn_down_exps.bias",
-        },
-        joined_names={
-            _EXPERTS + "gate_up_proj": JoinedTensor(("ffn_gate_exps.weight", "ffn_up_exps.weight"), transposed=True),
-            _EXPERTS + "gate_up_proj_bias": JoinedTensor(("ffn_gate_exps.bias", "ffn_up_exps.bias")),
-            _EXPERTS + "down_proj": JoinedTensor(("ffn_down_exps.weight",), transposed=True),
-        },
-        config=gguf_config,
-    ),
-    end_of_turn=("<|return|>", "<|call|>"),
+GGUF = GGUFSpec(
+    architectures=("gpt-oss",),
+    layer_names={
+        **{k: v for k, v in LLAMA_LAYER_NAMES.items() if k.startswith(("input_layernorm", "self_attn."))},
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "self_attn.sinks": "attn_sinks.weight",
+        "mlp.router.weight": "ffn_gate_inp.weight",
+        "mlp.router.bias": "ffn_gate_inp.bias",
+        _EXPERTS + "down_proj_bias": "ffn_down_exps.bias",
+    },
+    joined_names={
+        _EXPERTS + "gate_up_proj": JoinedTensor(("ffn_gate_exps.weight", "ffn_up_exps.weight"), transposed=True),
+        _EXPERTS + "gate_up_proj_bias": JoinedTensor(("ffn_gate_exps.bias", "ffn_up_exps.bias")),
+        _EXPERTS + "down_proj": JoinedTensor(("ffn_down_exps.weight",), transposed=True),
+    },
+    config=gguf_config,
 )
+
+FAMILY = Family("gpt_oss", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<|return|>", "<|call|>"))

@@ -37,12 +37,8 @@ def _dense(tensor_names: Collection[str]) -> bool:
     return "blk.0.ffn_gate_inp.weight" not in tensor_names
 
 
-FAMILY = Family(
-    name="llama",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    gguf=GGUFSpec(
-        architectures=("llama",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True, claims=_dense
-    ),
-    end_of_turn=("<|eot_id|>", "<|eom_id|>"),
+GGUF = GGUFSpec(
+    architectures=("llama",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True, claims=_dense
 )
+
+FAMILY = Family("llama", (ARCHITECTURE,), read_config, gguf=GGUF, end_of_turn=("<|eot_id|>", "<|eom_id|>"))

@@ -23,8 +23,4 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     return dataclasses.replace(c, sliding_window=optional_int(d.get("sliding_window")))
 
 
-FAMILY = Family(
-    name="mistral",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-)
+FAMILY = Family("mistral", (ARCHITECTURE,), read_config)

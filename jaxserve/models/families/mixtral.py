@@ -59,21 +59,17 @@ def _has_experts(tensor_names: Collection[str]) -> bool:
     return "blk.0.ffn_gate_inp.weight" in tensor_names
 
 
-FAMILY = Family(
-    name="mixtral",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(
-        architectures=("llama",),
-        layer_names={**LLAMA_LAYER_NAMES, _MOE + "gate.weight": "ffn_gate_inp.weight"},
-        expert_names={
-            _MOE + "experts.{j}.w1.weight": "ffn_gate_exps.weight",
-            _MOE + "experts.{j}.w3.weight": "ffn_up_exps.weight",
-            _MOE + "experts.{j}.w2.weight": "ffn_down_exps.weight",
-        },
-        config=gguf_config,
-        permuted_qk=True,
-        claims=_has_experts,
-    ),
+GGUF = GGUFSpec(
+    architectures=("llama",),
+    layer_names={**LLAMA_LAYER_NAMES, _MOE + "gate.weight": "ffn_gate_inp.weight"},
+    expert_names={
+        _MOE + "experts.{j}.w1.weight": "ffn_gate_exps.weight",
+        _MOE + "experts.{j}.w3.weight": "ffn_up_exps.weight",
+        _MOE + "experts.{j}.w2.weight": "ffn_down_exps.weight",
+    },
+    config=gguf_config,
+    permuted_qk=True,
+    claims=_has_experts,
 )
+
+FAMILY = Family("mixtral", (ARCHITECTURE,), read_config, weights, gguf=GGUF)

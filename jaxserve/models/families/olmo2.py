@@ -65,11 +65,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return {**base_config(meta, ARCHITECTURE), **bias_keys(meta, mlp=False)}
 
 
-FAMILY = Family(
-    name="olmo2",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(architectures=("olmo2",), layer_names=GGUF_LAYER_NAMES, config=gguf_config),
-    end_of_turn=("<|endoftext|>",),
-)
+GGUF = GGUFSpec(architectures=("olmo2",), layer_names=GGUF_LAYER_NAMES, config=gguf_config)
+
+FAMILY = Family("olmo2", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<|endoftext|>",))

@@ -171,11 +171,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
-FAMILY = Family(
-    name="phi3",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(architectures=("phi3",), layer_names=GGUF_LAYER_NAMES, config=gguf_config),
-    end_of_turn=("<|end|>",),
-)
+GGUF = GGUFSpec(architectures=("phi3",), layer_names=GGUF_LAYER_NAMES, config=gguf_config)
+
+FAMILY = Family("phi3", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<|end|>",))

@@ -38,10 +38,6 @@ def read_config(d: Mapping[str, Any], source: str) -> ModelConfig:
     return dataclasses.replace(c, qkv_bias=True, sliding_window=window, layer_types=layer_types)
 
 
-FAMILY = Family(
-    name="qwen2",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    gguf=GGUFSpec(architectures=("qwen2",), layer_names=LLAMA_LAYER_NAMES, config=plain_config(ARCHITECTURE)),
-    end_of_turn=("<|im_end|>",),
-)
+GGUF = GGUFSpec(architectures=("qwen2",), layer_names=LLAMA_LAYER_NAMES, config=plain_config(ARCHITECTURE))
+
+FAMILY = Family("qwen2", (ARCHITECTURE,), read_config, gguf=GGUF, end_of_turn=("<|im_end|>",))

@@ -36,13 +36,8 @@ def weights(c: ModelConfig) -> ModelWeights:
     return ModelWeights(top_params(c), layers)
 
 
-FAMILY = Family(
-    name="qwen3",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(
-        architectures=("qwen3",), layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}, config=plain_config(ARCHITECTURE)
-    ),
-    end_of_turn=("<|im_end|>",),
+GGUF = GGUFSpec(
+    architectures=("qwen3",), layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES}, config=plain_config(ARCHITECTURE)
 )
+
+FAMILY = Family("qwen3", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<|im_end|>",))

@@ -97,20 +97,15 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
-FAMILY = Family(
-    name="qwen3_moe",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    weights=weights,
-    gguf=GGUFSpec(
-        architectures=("qwen3moe",),
-        layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, "mlp.gate.weight": "ffn_gate_inp.weight"},
-        expert_names={
-            "mlp.experts.{j}.gate_proj.weight": "ffn_gate_exps.weight",
-            "mlp.experts.{j}.up_proj.weight": "ffn_up_exps.weight",
-            "mlp.experts.{j}.down_proj.weight": "ffn_down_exps.weight",
-        },
-        config=gguf_config,
-    ),
-    end_of_turn=("<|im_end|>",),
+GGUF = GGUFSpec(
+    architectures=("qwen3moe",),
+    layer_names={**LLAMA_LAYER_NAMES, **QK_NORM_NAMES, "mlp.gate.weight": "ffn_gate_inp.weight"},
+    expert_names={
+        "mlp.experts.{j}.gate_proj.weight": "ffn_gate_exps.weight",
+        "mlp.experts.{j}.up_proj.weight": "ffn_up_exps.weight",
+        "mlp.experts.{j}.down_proj.weight": "ffn_down_exps.weight",
+    },
+    config=gguf_config,
 )
+
+FAMILY = Family("qwen3_moe", (ARCHITECTURE,), read_config, weights, gguf=GGUF, end_of_turn=("<|im_end|>",))

@@ -80,10 +80,6 @@ def gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
     return config
 
 
-FAMILY = Family(
-    name="smollm3",
-    architectures=(ARCHITECTURE,),
-    read_config=read_config,
-    gguf=GGUFSpec(architectures=("smollm3",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True),
-    end_of_turn=("<|im_end|>",),
-)
+GGUF = GGUFSpec(architectures=("smollm3",), layer_names=LLAMA_LAYER_NAMES, config=gguf_config, permuted_qk=True)
+
+FAMILY = Family("smollm3", (ARCHITECTURE,), read_config, gguf=GGUF, end_of_turn=("<|im_end|>",))
