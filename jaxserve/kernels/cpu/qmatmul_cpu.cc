@@ -340,6 +340,18 @@ void BuildDecodeInputs(int32_t kind, const uint8_t* q, const uint16_t* scale, co
 // Rows [o0, o1) by tiles of 16, each prefetching the next tile's rows.
 void TileRows(const DecodeInputs& d, int64_t T, float* out, int64_t o0, int64_t o1) {
   alignas(64) float acc[kDecodeMaxTokens * kTileRows];
+  // The item's first tile is requested whole (into L2) before it is read:
+  // every later tile was requested as the one before it was read, but an
+  // item starts cold, and with SmolLM2-135M's small matrices (48-row items,
+  // a third of the tiles first ones) a one-sequence int8 decode step moved
+  // its layer weights at 17 GB/s against 25 for the 28 MB vocabulary
+  // projection on a 2-core EPYC. With it the step's time (runner.execute +
+  // fetch, 10th percentile of 150) fell in 7 of 8 alternated rounds, by
+  // about 6 % (9.9 -> 9.3 ms at context 192).
+  for (int64_t r = o0; r < std::min(o1, o0 + kTileRows); ++r) {
+    const uint8_t* row = d.w.Row(0, r);
+    for (int64_t off = 0; off < d.w.row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+  }
   for (int64_t o = o0; o < o1; o += kTileRows) {
     const int64_t nrows = std::min<int64_t>(kTileRows, o1 - o);
     const uint8_t* next = o + kTileRows < d.w.O ? d.w.Row(0, o + kTileRows) : nullptr;
