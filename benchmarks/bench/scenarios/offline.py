@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import models, rounds
+from .. import machine, models, rounds
 from ..procs import ServePeer
 from ..record import Figure, Stat
 
@@ -94,6 +94,16 @@ WEIGHT_BYTES = {
     "llamacpp-Q4_1": 20 / 32,
 }
 INT8_SYSTEMS = {"jaxserve-int8", "jaxserve-int4", "llamacpp-Q8_0", "llamacpp-Q4_1"}
+#: a run where int8 prefill is not on AMX tiles is kept beside the AMX one:
+#: the AMX Xeons these runs land on have an L3 (480 MiB) that holds all of
+#: SmolLM2's int8 weights, so their one-sequence figures measure the cores,
+#: while the AVX-512 VNNI EPYCs (32 MiB of L3) read every weight from memory
+#: each token, the case the read-bandwidth goal is about
+VARIANTS = machine.INT8_VARIANTS
+
+
+def variant(args: argparse.Namespace) -> str | None:
+    return machine.int8_variant()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
