@@ -10,7 +10,8 @@ under ``jax.profiler.trace(create_perfetto_trace=True)``, and sums the
 trace's complete events of the XLA CPU thunks per step: the YNNPACK fusions
 (the matmuls, with whatever XLA fused into them), the attention custom calls
 (``ffi_call``: the C++ kernels, attention and, in programs of up to 64 tokens,
-the dense layers' matmuls; ``--top`` lists the costliest single ops) and
+the dense layers' matmuls; ``--top`` lists the costliest ops, the kernels by
+their target name) and
 the other fusions by kind (element-wise work). Writes ``benchmarks/results/trace-<step>-<UTC>.json``.
 """
 
@@ -77,14 +78,16 @@ def main() -> None:
             max_model_len=1024,
             buckets=Buckets(tokens=(256, 4096), seqs=(128, 256)),
         )
+    elif args.step == "decode":
+        # the buckets an engine of max_num_seqs = --seqs builds (one sequence: the 1-token program on the C++ kernels)
+        sizes = dict(num_blocks=300, max_num_seqs=args.seqs, max_num_batched_tokens=2048, max_model_len=2048)
     else:
-        # decode steps of fewer sequences run in the engine's smallest token bucket, 8
         sizes = dict(
             num_blocks=300,
             max_num_seqs=64,
             max_num_batched_tokens=2048,
             max_model_len=2048,
-            buckets=Buckets(tokens=tuple(sorted({max(8, args.seqs), 64, 2048})), seqs=tuple(sorted({args.seqs, 64}))),
+            buckets=Buckets(tokens=(64, 2048), seqs=(16, 64)),
         )
     runner = ModelRunner(
         loaded.model,
@@ -140,12 +143,16 @@ def main() -> None:
         events = json.load(gzip.open(trace))["traceEvents"]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    # a C++ kernel's events are named ffi_call.N: counted by the custom call's target instead
+    hlo = runner.forward_program(sum(len(w.token_ids) for w in work)).as_text()
+    targets = dict(re.findall(r"%?(ffi_call[.\d]*) = .*?custom_call_target=\"([^\"]+)\"", hlo))
     per_step, per_op, calls = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and (cat := category(e.get("name", ""))) is not None:
+            name = targets.get(e["name"], e["name"])
             per_step[cat] += e["dur"] / 1000 / args.repeats  # microseconds -> ms per step
-            per_op[e["name"]] += e["dur"] / 1000 / args.repeats
-            calls[e["name"]] += 1 / args.repeats
+            per_op[name] += e["dur"] / 1000 / args.repeats
+            calls[name] += 1 / args.repeats
     ops = sum(per_step.values())
     result = {
         "command": " ".join([".venv/bin/python", *sys.argv]),

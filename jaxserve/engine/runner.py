@@ -391,6 +391,12 @@ class ModelRunner:
             seconds=round(self.compile_seconds, 2),
         )
 
+    def forward_program(self, num_tokens: int) -> Any:
+        """The compiled forward program a step of ``num_tokens`` tokens runs
+        (after :meth:`warmup`): its HLO text names the ops a profile of the
+        step shows (``benchmarks/trace_step.py``)."""
+        return self._forward[self.buckets.token_bucket(num_tokens)]
+
     def _hidden_spec(self) -> jax.ShapeDtypeStruct:
         spec = jax.eval_shape(
             self._forward_fn, self.state, self.kv_cache, *self._abstract_forward_inputs(self.buckets.tokens[0])
