@@ -14,8 +14,9 @@
 // norm, 5,200 of the 1-token SmolLM2 forward program's 11,500, and a
 // program loaded from the persistent compilation cache holds memory in
 // proportion to them (BENCHMARKS.md, the memory scenario). Here every token
-// goes through the same 16-lane code, a partial block of tokens through a
-// zero-padded copy, and sums its squares in feature order with fused
+// goes through the same 16-lane code, a partial block of tokens with its
+// other lanes zeroed (masked loads on AVX-512, a zero-padded copy
+// elsewhere), and sums its squares in feature order with fused
 // multiply-adds.
 
 #include <algorithm>
@@ -24,11 +25,7 @@
 #include <cstdint>
 #include <memory>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include "run_on_pool.h"
+#include "run_on_pool.h"  // with immintrin.h on x86
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
