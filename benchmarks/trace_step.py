@@ -87,7 +87,7 @@ def main() -> None:
             max_num_seqs=64,
             max_num_batched_tokens=2048,
             max_model_len=2048,
-            buckets=Buckets(tokens=(64, 2048), seqs=(16, 64)),
+            buckets=Buckets(tokens=(64, 2048), seqs=(64,)),
         )
     runner = ModelRunner(
         loaded.model,
